@@ -1,0 +1,39 @@
+# dckpt: every target installs what it needs into .venv by itself.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+NPROC ?= 2
+
+.PHONY: install demo test lint typecheck unit bench bench-quick clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python launch/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check dckpt launch bench tests
+	$(BIN)/ruff format --check dckpt launch bench tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(BIN)/python bench/digest_overhead.py --gb 1.0 --repeats 3
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

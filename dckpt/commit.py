@@ -1,0 +1,158 @@
+"""The commit protocol: how a tmp directory becomes a checkpoint, atomically and durably.
+
+Protocol (``RenameCommit.commit``), run by the coordinator (rank 0) after every rank's files and
+the manifest are written into ``step-XXXXXXXX.tmp-<hex>/``:
+
+1. fsync every file in the tmp dir, then the tmp dir itself;
+2. if the final name is taken (the same step saved again), rename the old one aside to
+   ``step-XXXXXXXX.replaced-<hex>``: a committed directory is never written into;
+3. rename tmp → ``step-XXXXXXXX/`` and fsync the root: this rename is the commit point;
+4. replace ``latest`` atomically (write tmp file, fsync, rename, fsync root), only ever to a
+   committed name, so ``latest`` never points ahead of a commit;
+5. delete the replaced copy.
+
+``recover`` undoes what a crash can leave: abandoned tmp dirs are removed, a replaced copy whose
+successor never landed is renamed back, and a dangling ``latest`` is repointed. This layer
+knows directories and files only, never tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from .layout import (
+    LATEST_FILE,
+    QUARANTINE_DIR,
+    REPLACED_RE,
+    STEP_RE,
+    TMP_RE,
+    committed_steps,
+    read_latest,
+    step_dir_name,
+)
+from .manifest import MANIFEST_FILE
+
+__all__ = ["RenameCommit", "fsync_dir", "new_tmp_dir", "quarantine", "recover"]
+
+log = logging.getLogger("dckpt")
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def new_tmp_dir(root: str | os.PathLike[str], step: int, save_id: str) -> Path:
+    """The path (not yet created) of the tmp dir for one save of ``step``."""
+    return Path(root) / f"{step_dir_name(step)}.tmp-{save_id}"
+
+
+class RenameCommit:
+    """Commit by atomic rename, for POSIX file systems where rename(2) is atomic."""
+
+    name = "rename"
+
+    def commit(self, root: str | os.PathLike[str], tmp_dir: Path, step: int) -> Path:
+        base = Path(root)
+        if not TMP_RE.match(tmp_dir.name) or tmp_dir.parent != base:
+            raise ValueError(f"{tmp_dir} is not a dckpt tmp dir under {base}")
+        if not (tmp_dir / MANIFEST_FILE).is_file():
+            raise ValueError(f"{tmp_dir} has no {MANIFEST_FILE}: refusing to commit it")
+        for child in tmp_dir.iterdir():
+            if child.is_file() and not child.is_symlink():
+                _fsync_file(child)
+        fsync_dir(tmp_dir)
+
+        final = base / step_dir_name(step)
+        replaced: Path | None = None
+        if final.exists():
+            replaced = base / f"{final.name}.replaced-{uuid.uuid4().hex}"
+            os.rename(final, replaced)
+        os.rename(tmp_dir, final)
+        fsync_dir(base)
+        self.publish_latest(base)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        return final
+
+    @staticmethod
+    def publish_latest(root: Path) -> None:
+        """Point ``latest`` at the newest committed step (or remove it when there is none)."""
+        steps = committed_steps(root)
+        latest = root / LATEST_FILE
+        if not steps:
+            latest.unlink(missing_ok=True)
+            fsync_dir(root)
+            return
+        name = step_dir_name(steps[-1])
+        if read_latest(root) == name:
+            return
+        tmp = root / f"{LATEST_FILE}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, latest)
+        fsync_dir(root)
+
+
+def recover(root: str | os.PathLike[str]) -> list[str]:
+    """Clean up after crashed saves; returns one line per action taken (also logged)."""
+    base = Path(root)
+    actions: list[str] = []
+    for child in sorted(base.iterdir()):
+        if child.is_symlink() or not child.is_dir():
+            continue
+        if TMP_RE.match(child.name):
+            shutil.rmtree(child, ignore_errors=True)
+            actions.append(f"removed abandoned save {child.name}")
+        elif m := REPLACED_RE.match(child.name):
+            final = base / f"step-{m.group(1)}"
+            if not final.exists() and (child / MANIFEST_FILE).is_file():
+                os.rename(child, final)
+                actions.append(f"restored {final.name}: its re-save never committed")
+            else:
+                shutil.rmtree(child, ignore_errors=True)
+                actions.append(f"removed superseded copy {child.name}")
+    for child in base.glob(f"{LATEST_FILE}.tmp-*"):
+        child.unlink(missing_ok=True)
+    if actions or read_latest(base) not in {step_dir_name(s) for s in committed_steps(base)}:
+        fsync_dir(base)
+        RenameCommit.publish_latest(base)
+    for line in actions:
+        log.info("dckpt recover: %s", line)
+    return actions
+
+
+def quarantine(root: str | os.PathLike[str], step_dir: Path, reason: str) -> Path:
+    """Move a committed checkpoint that failed verification to ``quarantine/``, with the reason."""
+    base = Path(root)
+    if not STEP_RE.match(step_dir.name):
+        raise ValueError(f"{step_dir} is not a committed step dir")
+    qdir = base / QUARANTINE_DIR
+    qdir.mkdir(exist_ok=True)
+    target = qdir / step_dir.name
+    if target.exists():
+        target = qdir / f"{step_dir.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(step_dir, target)
+    (target.parent / f"{target.name}.reason.txt").write_text(reason + "\n", encoding="utf-8")
+    fsync_dir(qdir)
+    fsync_dir(base)
+    RenameCommit.publish_latest(base)
+    log.warning("dckpt: quarantined %s: %s", step_dir.name, reason)
+    return target

@@ -1,0 +1,46 @@
+"""CheckpointConfig: how dckpt saves and loads, validated once at construction.
+
+Frozen and keyword-only: a config is a value that can be logged, compared and stored. Every bad
+value is rejected in ``__post_init__`` with the reason, never later in the middle of a save.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .storage.digest import ALGORITHMS
+
+__all__ = ["CheckpointConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Settings of a CheckpointManager.
+
+    Attributes:
+        root: directory that holds the checkpoints of one run (created if missing).
+        digest: ``xxh3_128`` (fast, default) or ``sha256`` (cryptographic) for every file.
+        timeout_s: the longest any rank waits for the others in a save or load collective.
+        io_threads: writer threads per rank (DCP's ``thread_count``); one file per thread.
+    """
+
+    root: Path
+    digest: str = "xxh3_128"
+    timeout_s: float = 600.0
+    io_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
+            raise ValueError(f"root must be a directory path, got {self.root!r}")
+        object.__setattr__(self, "root", Path(self.root))
+        if self.digest not in ALGORITHMS:
+            raise ValueError(f"digest must be one of {sorted(ALGORITHMS)}, got {self.digest!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(
+                f"timeout_s must be > 0, got {self.timeout_s}: a wait without a bound turns a "
+                "dead rank into a hang"
+            )
+        if not 1 <= self.io_threads <= 64:
+            raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")

@@ -1,0 +1,52 @@
+"""Exceptions a dckpt user can catch, each saying what happened and what to do next.
+
+Every error carries enough context (path, step, rank) to act on without reading a traceback.
+`IntegrityError` and `ManifestError` mean "these bytes must not be loaded"; the CLI maps them to
+exit code 3. `CheckpointNotFoundError` maps to exit code 2.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "IntegrityError",
+    "ManifestError",
+    "SaveError",
+]
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every error dckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The root or the requested step does not exist, or holds no committed checkpoint."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest is missing, unreadable, of an unknown schema, or describes unsafe paths."""
+
+
+class IntegrityError(CheckpointError):
+    """A file's bytes do not match the digest or size its manifest recorded."""
+
+    def __init__(self, path: str, expected: str, actual: str, detail: str = "") -> None:
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+        self.detail = detail
+        what = detail or "digest mismatch"
+        super().__init__(
+            f"{what} in {path}: expected {expected}, got {actual}. The file is damaged or was "
+            "changed after commit; do not load it. Resume from an older checkpoint "
+            "(dckpt ls) or re-save, and check the storage for bit rot."
+        )
+
+    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str, str]]:
+        # Errors cross ranks pickled (DCP gathers failures); keep the fields intact.
+        return (IntegrityError, (self.path, self.expected, self.actual, self.detail))
+
+
+class SaveError(CheckpointError):
+    """A save failed on at least one rank; nothing was committed and older checkpoints are intact."""

@@ -1,0 +1,95 @@
+"""The on-disk layout of a checkpoint root: names, patterns and discovery.
+
+    ROOT/
+      latest                        name of the newest committed step dir
+      step-00001200/                committed: final name and a manifest.json inside
+      step-00001300.tmp-<hex>/      a save in flight, or abandoned (never loaded)
+      step-00001200.replaced-<hex>/ an older copy being replaced by a re-save of that step
+      quarantine/step-00001100/     failed verification, kept for forensics
+
+Only names that match these patterns are dckpt's; nothing else under ROOT is ever touched.
+This module reads; dckpt.commit is the only writer of these names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .manifest import MANIFEST_FILE
+
+__all__ = [
+    "LATEST_FILE",
+    "QUARANTINE_DIR",
+    "CheckpointEntry",
+    "committed_steps",
+    "list_checkpoints",
+    "read_latest",
+    "step_dir_name",
+]
+
+LATEST_FILE = "latest"
+QUARANTINE_DIR = "quarantine"
+STEP_RE = re.compile(r"^step-(\d{8,})$")
+TMP_RE = re.compile(r"^step-(\d{8,})\.tmp-([0-9a-f]{32})$")
+REPLACED_RE = re.compile(r"^step-(\d{8,})\.replaced-([0-9a-f]{32})$")
+
+Status = Literal["committed", "incomplete", "quarantined"]
+
+
+def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointEntry:
+    step: int
+    status: Status
+    path: Path
+
+
+def _is_real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointEntry]:
+    """Every checkpoint-like directory under ``root``, sorted by step then status."""
+    base = Path(root)
+    entries: list[CheckpointEntry] = []
+    for child in base.iterdir():
+        if not _is_real_dir(child):
+            continue
+        if m := STEP_RE.match(child.name):
+            has_manifest = (child / MANIFEST_FILE).is_file()
+            status: Status = "committed" if has_manifest else "incomplete"
+            entries.append(CheckpointEntry(step=int(m.group(1)), status=status, path=child))
+        elif m := TMP_RE.match(child.name):
+            entries.append(CheckpointEntry(step=int(m.group(1)), status="incomplete", path=child))
+    quarantine = base / QUARANTINE_DIR
+    if _is_real_dir(quarantine):
+        for child in quarantine.iterdir():
+            m = re.match(r"^step-(\d{8,})", child.name)
+            if m and _is_real_dir(child):
+                entries.append(
+                    CheckpointEntry(step=int(m.group(1)), status="quarantined", path=child)
+                )
+    return sorted(entries, key=lambda e: (e.step, e.status, e.path.name))
+
+
+def committed_steps(root: str | os.PathLike[str]) -> list[int]:
+    """Steps with a committed checkpoint, oldest first."""
+    return [e.step for e in list_checkpoints(root) if e.status == "committed"]
+
+
+def read_latest(root: str | os.PathLike[str]) -> str | None:
+    """The step dir name ``latest`` points to, or None when absent or not a step name."""
+    try:
+        name = (Path(root) / LATEST_FILE).read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    return name if STEP_RE.match(name) else None

@@ -1,0 +1,291 @@
+"""manifest.json: the record that makes a directory a checkpoint, and its validation.
+
+The manifest is JSON (never pickle), versioned by ``schema_version``, and carries its own digest
+(``self_digest``, over the canonical JSON of every other field) so one flipped bit anywhere in
+it is caught. Records are frozen dataclasses, changed with ``dataclasses.replace``.
+
+Validation is strict and happens before any checkpoint byte is read:
+- the file is at most ``MAX_MANIFEST_BYTES`` and parses as a JSON object of this schema;
+- every file path is relative, POSIX, free of ``..``/NUL/backslash, unique, and not the manifest;
+- sizes and counts are bounded, so a hostile manifest cannot make a reader allocate absurdly;
+- ``check_layout`` then requires every listed file to be a regular file (no symlink, FIFO or
+  directory) of exactly the recorded size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import IntegrityError, ManifestError
+from .storage.digest import digest_of_digests, new_hasher, parse_digest
+from .storage.records import FileRecord
+
+__all__ = [
+    "MANIFEST_FILE",
+    "SCHEMA_VERSION",
+    "Manifest",
+    "check_layout",
+    "fingerprint",
+    "read_manifest",
+    "write_manifest",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_FILES = 1_000_000
+MAX_FILE_BYTES = 1 << 44  # 16 TiB: far above any real shard, far below what would overflow
+MAX_WORLD_SIZE = 1 << 20
+
+
+def fingerprint(obj: Any) -> str:
+    """A stable digest of a JSON-able value (used for configs and the manifest itself)."""
+    hasher = new_hasher("xxh3_128")
+    hasher.update(_canonical(obj))
+    return f"xxh3_128:{hasher.hexdigest()}"
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Everything recorded about one committed checkpoint. See docs/ARCHITECTURE.md."""
+
+    step: int
+    world_size: int
+    files: tuple[FileRecord, ...]
+    run_id: str
+    save_id: str
+    created_at: float
+    digest_algorithm: str = "xxh3_128"
+    files_digest: str = ""
+    epoch: int = 0
+    state: tuple[str, ...] = ()
+    versions: dict[str, str] = field(default_factory=dict)
+    mesh: dict[str, Any] = field(default_factory=dict)
+    precision: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    config_fingerprint: str = ""
+    loss: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_per_rank: tuple[int, ...] = ()
+    milestone: bool = False
+    metric: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def file_map(self) -> dict[str, FileRecord]:
+        return {f.path: f for f in self.files}
+
+    def sealed(self) -> Manifest:
+        """This manifest with ``files_digest`` and ``config_fingerprint`` filled in."""
+        return dataclasses.replace(
+            self,
+            files_digest=digest_of_digests((f.path, f.bytes, f.digest) for f in self.files),
+            config_fingerprint=fingerprint(self.config),
+        )
+
+    def to_json_obj(self) -> dict[str, Any]:
+        obj = dataclasses.asdict(self)
+        obj["files"] = [dataclasses.asdict(f) for f in self.files]
+        obj["state"] = list(self.state)
+        obj["bytes_per_rank"] = list(self.bytes_per_rank)
+        obj["self_digest"] = fingerprint(obj)
+        return obj
+
+    @classmethod
+    def from_json_obj(cls, obj: Any, source: str = "manifest") -> Manifest:
+        return _parse(obj, source)
+
+
+def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> FileRecord:
+    """Write ``manifest.json`` into ``directory`` and fsync it; returns what was written."""
+    data = json.dumps(manifest.to_json_obj(), indent=1, sort_keys=True).encode()
+    path = Path(directory) / MANIFEST_FILE
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileRecord(path=MANIFEST_FILE, bytes=len(data), digest="", rank=0)
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``directory/manifest.json``; ManifestError says what is wrong."""
+    path = Path(directory) / MANIFEST_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ManifestError(
+            f"{path} does not exist: {directory} is not a committed checkpoint"
+        ) from None
+    except OSError as exc:
+        raise ManifestError(f"cannot open {path}: {exc} (a symlink is never followed)") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(f"{path} is not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path} is {st.st_size} bytes, over {MAX_MANIFEST_BYTES}")
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path} is not valid JSON ({exc}); the manifest is damaged") from exc
+    return _parse(obj, str(path))
+
+
+def check_layout(directory: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Every listed file is a regular file of the recorded size; raises on the first that is not."""
+    base = Path(directory)
+    for rec in manifest.files:
+        path = base / rec.path
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise IntegrityError(str(path), rec.digest, "missing file", "file missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise IntegrityError(str(path), "a regular file", kind, "wrong file type")
+        if st.st_size != rec.bytes:
+            raise IntegrityError(
+                str(path), f"{rec.bytes} bytes", f"{st.st_size} bytes", "size mismatch"
+            )
+
+
+# --- parsing -------------------------------------------------------------------------------
+
+
+def _fail(source: str, why: str) -> ManifestError:
+    return ManifestError(f"{source}: {why}; the checkpoint cannot be trusted and is not loaded")
+
+
+def _int(obj: dict[str, Any], key: str, source: str, lo: int, hi: int) -> int:
+    value = obj.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise _fail(source, f"{key!r} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _str(obj: dict[str, Any], key: str, source: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise _fail(source, f"{key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _dict(obj: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    value = obj.get(key, {})
+    if not isinstance(value, dict):
+        raise _fail(source, f"{key!r} must be an object")
+    return value
+
+
+def _safe_path(path: Any, source: str) -> str:
+    if not isinstance(path, str) or not path:
+        raise _fail(source, f"file path {path!r} is not a non-empty string")
+    pure = PurePosixPath(path)
+    if (
+        pure.is_absolute()
+        or "\\" in path
+        or "\0" in path
+        or any(part in ("..", ".", "") for part in path.split("/"))
+        or path == MANIFEST_FILE
+    ):
+        raise _fail(source, f"file path {path!r} escapes or aliases the checkpoint directory")
+    return path
+
+
+def _parse(obj: Any, source: str) -> Manifest:
+    if not isinstance(obj, dict):
+        raise _fail(source, "top level is not a JSON object")
+    version = obj.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise _fail(
+            source,
+            f"schema_version {version!r} is not supported by this dckpt "
+            f"(supports {SCHEMA_VERSION}); upgrade dckpt to read it",
+        )
+    claimed = obj.get("self_digest")
+    body = {k: v for k, v in obj.items() if k != "self_digest"}
+    try:
+        actual = fingerprint(body)
+    except ValueError as exc:
+        raise _fail(source, f"holds a non-finite number ({exc})") from exc
+    if claimed != actual:
+        raise IntegrityError(source, str(claimed), actual, "manifest self-digest mismatch")
+    world_size = _int(obj, "world_size", source, 1, MAX_WORLD_SIZE)
+    raw_files = obj.get("files")
+    if not isinstance(raw_files, list) or len(raw_files) > MAX_FILES:
+        raise _fail(source, f"'files' must be a list of at most {MAX_FILES} entries")
+    files: list[FileRecord] = []
+    seen: set[str] = set()
+    for entry in raw_files:
+        if not isinstance(entry, dict):
+            raise _fail(source, "a 'files' entry is not an object")
+        path = _safe_path(entry.get("path"), source)
+        if path in seen:
+            raise _fail(source, f"file {path!r} is listed twice")
+        seen.add(path)
+        digest = _str(entry, "digest", source)
+        try:
+            parse_digest(digest)
+        except ValueError as exc:
+            raise _fail(source, str(exc)) from exc
+        files.append(
+            FileRecord(
+                path=path,
+                bytes=_int(entry, "bytes", source, 0, MAX_FILE_BYTES),
+                digest=digest,
+                rank=_int(entry, "rank", source, 0, world_size - 1),
+            )
+        )
+    algorithm = _str(obj, "digest_algorithm", source)
+    state = obj.get("state", [])
+    bytes_per_rank = obj.get("bytes_per_rank", [])
+    if not isinstance(state, list) or not all(isinstance(s, str) for s in state):
+        raise _fail(source, "'state' must be a list of strings")
+    if not isinstance(bytes_per_rank, list) or not all(type(b) is int for b in bytes_per_rank):
+        raise _fail(source, "'bytes_per_rank' must be a list of integers")
+    created_at = obj.get("created_at")
+    if not isinstance(created_at, (int, float)):
+        raise _fail(source, "'created_at' must be a number")
+    milestone = obj.get("milestone", False)
+    if not isinstance(milestone, bool):
+        raise _fail(source, "'milestone' must be true or false")
+    manifest = Manifest(
+        schema_version=version,
+        step=_int(obj, "step", source, 0, 1 << 62),
+        epoch=_int(obj, "epoch", source, 0, 1 << 62),
+        world_size=world_size,
+        files=tuple(files),
+        run_id=_str(obj, "run_id", source),
+        save_id=_str(obj, "save_id", source),
+        created_at=float(created_at),
+        digest_algorithm=algorithm,
+        files_digest=_str(obj, "files_digest", source),
+        state=tuple(state),
+        versions=_dict(obj, "versions", source),
+        mesh=_dict(obj, "mesh", source),
+        precision=_dict(obj, "precision", source),
+        config=_dict(obj, "config", source),
+        config_fingerprint=_str(obj, "config_fingerprint", source),
+        loss=_dict(obj, "loss", source),
+        timings=_dict(obj, "timings", source),
+        bytes_per_rank=tuple(bytes_per_rank),
+        milestone=milestone,
+        metric=_dict(obj, "metric", source),
+    )
+    if manifest.sealed().files_digest != manifest.files_digest:
+        raise _fail(source, "'files_digest' does not match the listed files")
+    return manifest

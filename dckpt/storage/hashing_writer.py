@@ -1,0 +1,174 @@
+"""A DCP StorageWriter that hashes every byte it writes, as it writes it.
+
+Role: the bottom of the save path. DCP's file-system writer decides what goes in which file;
+this layer wraps each output stream so the digest (xxh3-128 by default) is computed from the
+same buffers that go to the file: no second read, no window in which the file could change
+between writing and hashing.
+
+Invariants:
+- every file this writer creates under its directory has exactly one FileRecord, keyed by its
+  final name (DCP's ``.metadata.tmp`` → ``.metadata`` rename moves the record with it);
+- a record exists only for a stream that was closed without error;
+- it never overwrites a DCP checkpoint (``overwrite=False``): dckpt writes into a fresh tmp dir.
+
+Call order (DCP drives it): ``set_up_storage_writer`` → ``prepare_local_plan`` →
+``prepare_global_plan`` (coordinator) → ``write_data`` (every rank) → ``finish`` (coordinator,
+writes ``.metadata``). After ``dcp.save`` returns, ``records()`` on each rank holds the files that
+rank wrote; the coordinator (dckpt.coordinator) gathers them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from .digest import Hasher, format_digest, new_hasher
+from .records import FileRecord
+
+__all__ = ["HashingFileSystem", "HashingWriter"]
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only file whose every written byte also feeds a hasher."""
+
+    def __init__(self, raw: io.BufferedWriter, hasher: Hasher) -> None:
+        super().__init__()
+        self._raw = raw
+        self._hasher = hasher
+        self.nbytes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self._hasher.update(view)
+        written = self._raw.write(view)
+        # BufferedWriter writes everything or raises; a short write here would desync the digest.
+        if written != len(view):
+            raise OSError(f"short write: {written} of {len(view)} bytes")
+        self.nbytes += written
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._raw.close()
+            finally:
+                super().close()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local FileSystem, with a FileRecord for each file written below ``base``."""
+
+    def __init__(self, base: str | os.PathLike[str], algorithm: str, rank: int) -> None:
+        super().__init__()
+        self.base = Path(base)
+        self.algorithm = algorithm
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._records: dict[str, FileRecord] = {}
+        new_hasher(algorithm)  # fail at construction, not mid-save, on a bad name
+
+    def _key(self, path: str | os.PathLike[str]) -> str:
+        return Path(path).relative_to(self.base).as_posix()
+
+    @contextmanager
+    def create_stream(  # type: ignore[override]
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        hasher = new_hasher(self.algorithm)
+        # buffering=0 would turn each small torch.save chunk into a syscall; 1 MiB batches them.
+        raw = open(path, mode, buffering=1 << 20)  # noqa: SIM115 - closed by the stream below
+        stream = _HashingStream(raw, hasher)  # type: ignore[arg-type]
+        try:
+            yield stream
+        finally:
+            stream.close()
+        record = FileRecord(
+            path=self._key(path),
+            bytes=stream.nbytes,
+            digest=format_digest(self.algorithm, hasher),
+            rank=self.rank,
+        )
+        with self._lock:
+            self._records[record.path] = record
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            record = self._records.pop(self._key(path), None)
+            if record is not None:
+                self._records[self._key(new_path)] = FileRecord(
+                    path=self._key(new_path),
+                    bytes=record.bytes,
+                    digest=record.digest,
+                    rank=record.rank,
+                )
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        super().rm_file(path)
+        with self._lock:
+            self._records.pop(self._key(path), None)
+
+    def records(self) -> list[FileRecord]:
+        with self._lock:
+            return sorted(self._records.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._records.clear()
+
+
+class HashingWriter(FileSystemWriter):
+    """FileSystemWriter whose files are hashed while written; see the module docstring."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        algorithm: str = "xxh3_128",
+        rank: int = 0,
+        thread_count: int = 1,
+        sync_files: bool = True,
+    ) -> None:
+        super().__init__(
+            path,
+            single_file_per_rank=True,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            overwrite=False,
+        )
+        self.fs: HashingFileSystem = HashingFileSystem(path, algorithm, rank)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            self.fs = HashingFileSystem(checkpoint_id, self.fs.algorithm, self.fs.rank)
+        self.fs.clear()
+
+    def records(self) -> list[FileRecord]:
+        """The files this rank wrote in the last save, with their digests."""
+        return self.fs.records()

@@ -1,0 +1,164 @@
+"""A DCP StorageReader that verifies every file against its manifest digest before use.
+
+Role: the bottom of the load path. Each file the load plan needs is read once, into memory, with
+its digest computed from the very bytes that are then handed to DCP; a mismatch raises
+``IntegrityError`` naming the file and both digests before any tensor is filled from it.
+
+Invariants:
+- no file is opened unless the manifest lists it (a path in DCP metadata that the manifest does
+  not list is an integrity failure), and no symlink is followed (``O_NOFOLLOW``);
+- a file whose size differs from the manifest is rejected before its bytes are allocated;
+- ``.metadata`` is verified, then unpickled with an allow-list (storage.safe_unpickle);
+- non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``).
+
+Memory: a file is held in memory while its items are loaded, then released; peak extra memory is
+the largest shard file this rank reads.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+from collections.abc import Mapping
+
+from typing import Any, cast
+
+import torch
+from torch.futures import Future
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.utils import _create_file_view
+
+from ..errors import IntegrityError, ManifestError
+from .digest import READ_CHUNK, format_digest, new_hasher, parse_digest
+from .records import FileRecord
+from .safe_unpickle import load_dcp_metadata
+
+__all__ = ["SafeLoadPlanner", "VerifyingReader", "read_verified"]
+
+METADATA_FILE = ".metadata"
+
+
+def read_verified(path: str, record: FileRecord) -> bytearray:
+    """Read ``path`` whole, hashing as it streams in; raise IntegrityError unless it matches."""
+    algorithm, _ = parse_digest(record.digest)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise IntegrityError(path, record.digest, "missing file", detail="file missing") from None
+    except OSError as exc:
+        raise IntegrityError(path, record.digest, str(exc), detail="cannot open file") from exc
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise IntegrityError(path, "a regular file", "not a regular file", "wrong file type")
+        if st.st_size != record.bytes:
+            raise IntegrityError(
+                path, f"{record.bytes} bytes", f"{st.st_size} bytes", detail="size mismatch"
+            )
+        buf = bytearray(record.bytes)
+        view = memoryview(buf)
+        hasher = new_hasher(algorithm)
+        pos = 0
+        while pos < record.bytes:
+            n = f.readinto(view[pos : pos + READ_CHUNK])
+            if not n:
+                raise IntegrityError(path, f"{record.bytes} bytes", f"{pos} bytes", "truncated")
+            hasher.update(view[pos : pos + n])
+            pos += n
+    actual = format_digest(algorithm, hasher)
+    if actual != record.digest:
+        raise IntegrityError(path, record.digest, actual)
+    return buf
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values never unpickle arbitrary objects."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # DefaultLoadPlanner uses weights_only=False here, which would run any pickled code.
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class VerifyingReader(FileSystemReader):
+    """FileSystemReader that reads only manifest-listed files, each verified; see module doc."""
+
+    def __init__(self, path: str | os.PathLike[str], expected: Mapping[str, FileRecord]) -> None:
+        super().__init__(path)
+        self.expected = dict(expected)
+        self.verified: dict[str, str] = {}
+        """Files this reader verified, relative path → digest (for cross-rank checks)."""
+
+    def _record(self, relative_path: str) -> FileRecord:
+        record = self.expected.get(relative_path)
+        if record is None:
+            raise IntegrityError(
+                os.path.join(str(self.path), relative_path),
+                "a file listed in manifest.json",
+                "a file the manifest does not list",
+                detail="unlisted file referenced by DCP metadata",
+            )
+        return record
+
+    def _read(self, relative_path: str) -> bytearray:
+        record = self._record(relative_path)
+        data = read_verified(os.path.join(str(self.path), relative_path), record)
+        self.verified[relative_path] = record.digest
+        return data
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        data = self._read(METADATA_FILE)
+        metadata = load_dcp_metadata(bytes(data), os.path.join(str(self.path), METADATA_FILE))
+        if not isinstance(metadata, Metadata):
+            raise ManifestError(f"{self.path}/{METADATA_FILE} does not hold DCP metadata")
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for relative_path, items in per_file.items():
+            stream = io.BytesIO(self._read(relative_path))
+            for item in items:
+                self._load_item(stream, item, planner)
+            del stream  # release this file's bytes before reading the next
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _load_item(self, stream: io.BytesIO, item: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        view = cast(io.IOBase, _create_file_view(stream, info.offset, info.length))
+        source = self.transforms.transform_load_stream(
+            item, info.transform_descriptors or (), cast(Any, view)
+        )
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(source.read(-1)))
+            return
+        seekable: Any = source if source.seekable() else io.BytesIO(source.read(-1))
+        tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise ManifestError(
+                f"tensor {item.dest_index.fqn}: checkpoint holds shape {tuple(tensor.size())}, "
+                f"the model expects {tuple(target.size())}; the model does not match this "
+                "checkpoint's config"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
