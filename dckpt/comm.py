@@ -31,9 +31,7 @@ class Comm:
             return
         if group is None:
             # Same ranks as the default group; gloo so it carries CPU objects beside NCCL.
-            group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
-            )
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

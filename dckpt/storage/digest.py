@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import xxhash
@@ -19,6 +19,7 @@ __all__ = [
     "ALGORITHMS",
     "Hasher",
     "digest_of_digests",
+    "format_digest",
     "hash_file",
     "new_hasher",
     "parse_digest",
@@ -57,8 +58,15 @@ def parse_digest(digest: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
-def hash_file(path: str | os.PathLike[str], algorithm: str) -> tuple[str, int]:
-    """Stream a file through ``algorithm``; returns (digest, bytes read)."""
+def hash_file(
+    path: str | os.PathLike[str],
+    algorithm: str,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[str, int]:
+    """Stream a file through ``algorithm``; returns (digest, bytes read).
+
+    ``progress`` receives the size of each chunk as it is hashed (for progress bars).
+    """
     hasher = new_hasher(algorithm)
     size = 0
     buf = bytearray(READ_CHUNK)
@@ -70,6 +78,8 @@ def hash_file(path: str | os.PathLike[str], algorithm: str) -> tuple[str, int]:
                 break
             hasher.update(view[:n])
             size += n
+            if progress is not None:
+                progress(n)
     return format_digest(algorithm, hasher), size
 
 

@@ -1,0 +1,96 @@
+"""Offline verification of committed checkpoints: re-hash every file against its manifest.
+
+Used by ``dckpt verify`` and by anything that wants a yes/no on a checkpoint without loading it.
+Files are hashed in parallel threads (hashing and reads release the GIL); a progress callback
+receives byte counts so a caller can draw a bar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import IntegrityError, ManifestError
+from .manifest import check_layout, read_manifest
+from .storage.digest import hash_file, parse_digest
+from .storage.records import FileRecord
+
+__all__ = ["FileProblem", "VerifyResult", "verify_checkpoint"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileProblem:
+    path: str
+    error: str
+    expected: str = ""
+    actual: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyResult:
+    step_dir: Path
+    step: int | None
+    files_checked: int = 0
+    bytes_checked: int = 0
+    problems: list[FileProblem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_file(
+    path: Path, record: FileRecord, progress: Callable[[int], None]
+) -> FileProblem | None:
+    algorithm, _ = parse_digest(record.digest)
+    try:
+        actual, size = hash_file(path, algorithm, progress)
+    except OSError as exc:
+        return FileProblem(path=str(path), error=f"cannot read: {exc}")
+    if size != record.bytes:
+        return FileProblem(
+            path=str(path), error="size mismatch", expected=str(record.bytes), actual=str(size)
+        )
+    if actual != record.digest:
+        return FileProblem(
+            path=str(path), error="digest mismatch", expected=record.digest, actual=actual
+        )
+    return None
+
+
+def verify_checkpoint(
+    step_dir: Path, *, threads: int = 4, progress: Callable[[int], None] = lambda _n: None
+) -> VerifyResult:
+    """Validate the manifest and layout of ``step_dir``, then re-hash every listed file."""
+    try:
+        manifest = read_manifest(step_dir)
+    except (ManifestError, IntegrityError) as exc:
+        path = getattr(exc, "path", str(step_dir / "manifest.json"))
+        return VerifyResult(
+            step_dir=step_dir, step=None, problems=[FileProblem(path=path, error=str(exc))]
+        )
+    try:
+        check_layout(step_dir, manifest)
+    except IntegrityError as exc:
+        return VerifyResult(
+            step_dir=step_dir,
+            step=manifest.step,
+            problems=[
+                FileProblem(
+                    path=exc.path, error=exc.detail, expected=exc.expected, actual=exc.actual
+                )
+            ],
+        )
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        found = list(
+            pool.map(lambda rec: _check_file(step_dir / rec.path, rec, progress), manifest.files)
+        )
+    return VerifyResult(
+        step_dir=step_dir,
+        step=manifest.step,
+        files_checked=len(manifest.files),
+        bytes_checked=manifest.total_bytes,
+        problems=[p for p in found if p is not None],
+    )

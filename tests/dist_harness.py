@@ -1,0 +1,107 @@
+"""Spawn real ranks on gloo from pytest and collect what each returned or raised.
+
+``run_world(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn, so no state
+leaks from pytest), initialises a gloo process group through a FileStore, runs
+``fn(rank, world_size, *args)`` in each and returns the per-rank results. A rank that raises
+fails the test with every rank's traceback; a world that does not finish in ``timeout`` seconds
+is killed and fails the test. ``expect_failure=True`` returns exceptions instead of raising.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_CTX = mp.get_context("spawn")
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    out: Any,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        result = fn(rank, world_size, *args)
+        out.put((rank, "ok", result))
+    except BaseException as exc:
+        out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    expect_failure: bool = False,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` gloo ranks; see the module docstring."""
+    store_dir = tempfile.mkdtemp(prefix="dckpt-store-")
+    store_path = os.path.join(store_dir, "store")
+    out = _CTX.Queue()
+    procs = [
+        _CTX.Process(
+            target=_entry,
+            args=(fn, rank, world_size, store_path, out, args, dict(env or {})),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, value = out.get(timeout=min(remaining, 1.0))
+                results[rank] = (status, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead and all(not p.is_alive() for p in procs):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world_size) if r not in results]
+    for r in missing:
+        results[r] = ("error", f"rank {r} produced no result (exit code {procs[r].exitcode})")
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors and not expect_failure:
+        text = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(errors.items()))
+        raise AssertionError(f"{len(errors)} of {world_size} ranks failed:\n{text}")
+    return [results[r][1] for r in range(world_size)]
