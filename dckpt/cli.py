@@ -29,7 +29,7 @@ from rich.table import Table
 
 from . import __version__
 from .errors import IntegrityError, ManifestError
-from .layout import CheckpointEntry, list_checkpoints, step_dir_name
+from .layout import CheckpointEntry, list_checkpoints
 from .manifest import read_manifest
 from .verify import VerifyResult, verify_checkpoint
 
@@ -41,14 +41,14 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-class _Exit(Exception):
+class _ExitError(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
 
 
 def _fail(code: int, message: str) -> NoReturn:
-    raise _Exit(code, message)
+    raise _ExitError(code, message)
 
 
 def _root(path: str) -> Path:
@@ -202,9 +202,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         task = bar.add_task("verify", total=total)
         for d in dirs:
             results.append(
-                verify_checkpoint(
-                    d, threads=args.threads, progress=lambda n: bar.advance(task, n)
-                )
+                verify_checkpoint(d, threads=args.threads, progress=lambda n: bar.advance(task, n))
             )
     ok = all(r.ok for r in results)
     if args.json:
@@ -302,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # exits 2 on bad usage
     try:
         code: int = args.func(args)
-    except _Exit as exc:
+    except _ExitError as exc:
         err.print(f"dckpt {args.command}: {exc}")
         return exc.code
     except BrokenPipeError:

@@ -46,6 +46,7 @@ class Comm:
     def broadcast(self, obj: T, src: int = 0) -> T:
         if not self.distributed:
             return obj
+        assert self.group is not None
         box: list[Any] = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         return box[0]  # type: ignore[no-any-return]

@@ -24,6 +24,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from .faults import fault_point
 from .layout import (
     LATEST_FILE,
     QUARANTINE_DIR,
@@ -83,8 +84,10 @@ class RenameCommit:
         if final.exists():
             replaced = base / f"{final.name}.replaced-{uuid.uuid4().hex}"
             os.rename(final, replaced)
+        fault_point("rename", 0, step)
         os.rename(tmp_dir, final)
         fsync_dir(base)
+        fault_point("publish_latest", 0, step)
         self.publish_latest(base)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)

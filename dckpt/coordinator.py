@@ -24,6 +24,7 @@ from pathlib import Path
 from .comm import Comm
 from .commit import RenameCommit
 from .errors import SaveError
+from .faults import fault_point
 from .manifest import Manifest, write_manifest
 from .storage.records import FileRecord
 
@@ -101,6 +102,7 @@ class Coordinator:
             return SaveOutcome(path=None, error=_describe(failed))
         try:
             manifest = build_manifest(reports).sealed()
+            fault_point("write_manifest", 0, step)
             write_manifest(tmp_dir, manifest)
             final = self.strategy.commit(self.root, tmp_dir, step)
         except Exception as exc:  # any failure here must leave nothing committed

@@ -49,4 +49,4 @@ class IntegrityError(CheckpointError):
 
 
 class SaveError(CheckpointError):
-    """A save failed on at least one rank; nothing was committed and older checkpoints are intact."""
+    """A save failed on some rank; nothing was committed and older checkpoints are intact."""

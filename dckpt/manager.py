@@ -30,8 +30,9 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from . import __version__
 from .comm import Comm
@@ -39,6 +40,7 @@ from .commit import new_tmp_dir, recover
 from .config import CheckpointConfig
 from .coordinator import Coordinator, RankReport
 from .errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ManifestError
+from .faults import fault_point
 from .layout import committed_steps, step_dir_name
 from .manifest import Manifest, check_layout, read_manifest
 from .state import TrainState
@@ -159,7 +161,7 @@ class CheckpointManager:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
-        save_id = self._comm.broadcast(uuid.uuid4().hex if self.rank == 0 else None)
+        save_id = str(self._comm.broadcast(uuid.uuid4().hex if self.rank == 0 else ""))
         tmp_dir = new_tmp_dir(self.root, step, save_id)
         self.state.step = step
 
@@ -167,6 +169,7 @@ class CheckpointManager:
         error: str | None = None
         try:
             state_dict = self.state.state_dict()
+            fault_point("prepare", self.rank, step)
         except Exception as exc:
             error = f"state_dict() failed: {exc!r}"
         self._coordinator.agree(error, f"preparing the save of step {step}")
@@ -178,15 +181,17 @@ class CheckpointManager:
             algorithm=self.config.digest,
             rank=self.rank,
             thread_count=self.config.io_threads,
+            on_written=lambda: fault_point("write_shards", self.rank, step),
         )
         try:
             with self._comm.quiet():
-                dcp.save(
+                dcp_save(
                     state_dict,
                     storage_writer=writer,
                     process_group=self._comm.group,
                     no_dist=not self._comm.distributed,
                 )
+            fault_point("dcp_finish", self.rank, step)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -200,7 +205,9 @@ class CheckpointManager:
         )
 
         def build(reports: list[RankReport]) -> Manifest:
-            return self._manifest(step, epoch, milestone, save_id, reports, t0)
+            return self._manifest(
+                step=step, epoch=epoch, milestone=milestone, save_id=save_id, reports=reports, t0=t0
+            )
 
         outcome = self._coordinator.finish_save(tmp_dir, step, report, build)
         t_done = time.perf_counter()
@@ -236,7 +243,7 @@ class CheckpointManager:
         """
         self._check_open()
         t0 = time.perf_counter()
-        chosen: int | None | str = None
+        chosen: int | str | None = None
         if self.rank == 0:
             steps = committed_steps(self.root) if self.root.is_dir() else []
             if step is None:
@@ -279,7 +286,7 @@ class CheckpointManager:
         state_dict = self.state.state_dict()
         try:
             with self._comm.quiet():
-                dcp.load(
+                dcp_load(
                     state_dict,
                     storage_reader=reader,
                     planner=SafeLoadPlanner(),
@@ -343,6 +350,7 @@ class CheckpointManager:
 
     def _manifest(
         self,
+        *,
         step: int,
         epoch: int,
         milestone: bool,

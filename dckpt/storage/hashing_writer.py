@@ -22,13 +22,15 @@ from __future__ import annotations
 import io
 import os
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from .digest import Hasher, format_digest, new_hasher
 from .records import FileRecord
@@ -39,7 +41,7 @@ __all__ = ["HashingFileSystem", "HashingWriter"]
 class _HashingStream(io.RawIOBase):
     """A write-only file whose every written byte also feeds a hasher."""
 
-    def __init__(self, raw: io.BufferedWriter, hasher: Hasher) -> None:
+    def __init__(self, raw: BinaryIO, hasher: Hasher) -> None:
         super().__init__()
         self._raw = raw
         self._hasher = hasher
@@ -92,7 +94,7 @@ class HashingFileSystem(FileSystem):
         return Path(path).relative_to(self.base).as_posix()
 
     @contextmanager
-    def create_stream(  # type: ignore[override]
+    def create_stream(
         self, path: str | os.PathLike[str], mode: str
     ) -> Generator[io.IOBase, None, None]:
         if "w" not in mode:
@@ -101,8 +103,8 @@ class HashingFileSystem(FileSystem):
             return
         hasher = new_hasher(self.algorithm)
         # buffering=0 would turn each small torch.save chunk into a syscall; 1 MiB batches them.
-        raw = open(path, mode, buffering=1 << 20)  # noqa: SIM115 - closed by the stream below
-        stream = _HashingStream(raw, hasher)  # type: ignore[arg-type]
+        raw = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 - closed by the stream below
+        stream = _HashingStream(raw, hasher)
         try:
             yield stream
         finally:
@@ -153,6 +155,7 @@ class HashingWriter(FileSystemWriter):
         rank: int = 0,
         thread_count: int = 1,
         sync_files: bool = True,
+        on_written: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(
             path,
@@ -162,6 +165,13 @@ class HashingWriter(FileSystemWriter):
             overwrite=False,
         )
         self.fs: HashingFileSystem = HashingFileSystem(path, algorithm, rank)
+        self._on_written = on_written
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        result = super().write_data(plan, planner)
+        if self._on_written is not None:
+            self._on_written()  # this rank's shards are on disk; DCP's metadata is not yet
+        return result
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)

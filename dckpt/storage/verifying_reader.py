@@ -21,17 +21,16 @@ import io
 import os
 import stat
 from collections.abc import Mapping
-
 from typing import Any, cast
 
 import torch
-from torch.futures import Future
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.utils import _create_file_view
+from torch.futures import Future
 
 from ..errors import IntegrityError, ManifestError
 from .digest import READ_CHUNK, format_digest, new_hasher, parse_digest
@@ -84,7 +83,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         # DefaultLoadPlanner uses weights_only=False here, which would run any pickled code.
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
+            from torch.distributed.checkpoint._traverse import set_element
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -143,7 +142,7 @@ class VerifyingReader(FileSystemReader):
 
     def _load_item(self, stream: io.BytesIO, item: ReadItem, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
-        view = cast(io.IOBase, _create_file_view(stream, info.offset, info.length))
+        view = _create_file_view(stream, info.offset, info.length)
         source = self.transforms.transform_load_stream(
             item, info.transform_descriptors or (), cast(Any, view)
         )

@@ -1,0 +1,88 @@
+"""Named phases of a save, and a fault hook that tests use to break them on purpose.
+
+``DCKPT_FAULT="phase=write_manifest,rank=0,action=sigkill[,step=8][,seconds=5]"`` makes the
+process of that rank fire the action when it reaches that phase (of that step, if given):
+
+- ``sigkill``: the process kills itself with SIGKILL, no cleanup (a crash, a lost node);
+- ``raise``: raises ``InjectedFaultError`` (an ordinary error on one rank);
+- ``enospc``: raises ``OSError(ENOSPC)`` (a full disk);
+- ``sleep``: sleeps ``seconds`` (a stuck write).
+
+Unset, it costs one cached lookup per phase. Phases, in save order: ``prepare`` (state dict
+taken), ``write_shards`` (this rank's shard files written, before DCP's metadata),
+``dcp_finish`` (DCP returned on this rank), ``write_manifest``, ``rename`` (before the commit
+rename), ``publish_latest`` (after the rename, before ``latest``).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+__all__ = ["PHASES", "InjectedFaultError", "fault_point"]
+
+PHASES = (
+    "prepare",
+    "write_shards",
+    "dcp_finish",
+    "write_manifest",
+    "rename",
+    "publish_latest",
+)
+ACTIONS = ("sigkill", "raise", "enospc", "sleep")
+
+
+class InjectedFaultError(RuntimeError):
+    """The error a ``raise`` fault throws."""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    phase: str
+    rank: int | None
+    action: str
+    step: int | None
+    seconds: float
+
+
+@functools.lru_cache(maxsize=1)
+def _spec(raw: str | None) -> _Spec | None:
+    if not raw:
+        return None
+    fields = dict(part.split("=", 1) for part in raw.split(",") if "=" in part)
+    phase, action = fields.get("phase", ""), fields.get("action", "raise")
+    if phase not in PHASES or action not in ACTIONS:
+        raise ValueError(
+            f"DCKPT_FAULT={raw!r}: phase must be one of {PHASES}, action one of {ACTIONS}"
+        )
+    return _Spec(
+        phase=phase,
+        rank=int(fields["rank"]) if "rank" in fields else None,
+        action=action,
+        step=int(fields["step"]) if "step" in fields else None,
+        seconds=float(fields.get("seconds", "3600")),
+    )
+
+
+def fault_point(phase: str, rank: int, step: int | None = None) -> None:
+    """Fire the configured fault if this is its phase, rank and step; otherwise nothing."""
+    spec = _spec(os.environ.get("DCKPT_FAULT"))
+    if spec is None or spec.phase != phase:
+        return
+    if (spec.rank is not None and spec.rank != rank) or (
+        spec.step is not None and spec.step != step
+    ):
+        return
+    where = f"injected fault at phase {phase} on rank {rank}"
+    if spec.action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif spec.action == "sleep":
+        time.sleep(spec.seconds)
+    elif spec.action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device ({where})")
+    else:
+        raise InjectedFaultError(where)
