@@ -218,7 +218,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not ok:
             out.print(
                 "integrity failure: do not load the FAILED checkpoints; resume from an OK one "
-                "(training falls back to it automatically) and check the storage."
+                "(CheckpointManager.load(step=N)) and check the storage for bit rot."
             )
     return EXIT_OK if ok else EXIT_INTEGRITY
 

@@ -134,9 +134,10 @@ def recover(root: str | os.PathLike[str]) -> list[str]:
                 actions.append(f"removed superseded copy {child.name}")
     for child in base.glob(f"{LATEST_FILE}.tmp-*"):
         child.unlink(missing_ok=True)
-    if actions or read_latest(base) not in {step_dir_name(s) for s in committed_steps(base)}:
+    if actions:
         fsync_dir(base)
-        RenameCommit.publish_latest(base)
+    # A crash between the commit rename and `latest` leaves `latest` behind: bring it forward.
+    RenameCommit.publish_latest(base)
     for line in actions:
         log.info("dckpt recover: %s", line)
     return actions

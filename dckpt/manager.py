@@ -260,18 +260,17 @@ class CheckpointManager:
         path = self.root / step_dir_name(chosen)
 
         manifest: Manifest | None = None
-        error: str | None = None
+        reader: VerifyingReader | None = None
+        failure: CheckpointError | None = None
         try:
             manifest = read_manifest(path)
             check_layout(path, manifest)
+            reader = VerifyingReader(path, manifest.file_map())
+            reader.load_metadata()
         except (ManifestError, IntegrityError) as exc:
-            error = str(exc)
-        errors = self._comm.all_gather(error)
-        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if bad:
-            rank, msg = bad[0]
-            raise ManifestError(f"checkpoint {path} failed validation on rank {rank}: {msg}")
-        assert manifest is not None
+            failure = exc
+        self._raise_first(failure)
+        assert manifest is not None and reader is not None
         digests = self._comm.all_gather(manifest.files_digest)
         if len(set(digests)) != 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -282,7 +281,6 @@ class CheckpointManager:
                 detail="ranks read different manifests",
             )
 
-        reader = VerifyingReader(path, manifest.file_map())
         state_dict = self.state.state_dict()
         try:
             with self._comm.quiet():
@@ -343,6 +341,15 @@ class CheckpointManager:
         self.close()
 
     # --- internals --------------------------------------------------------------------------
+
+    def _raise_first(self, failure: CheckpointError | None) -> None:
+        """All ranks raise the first rank's failure (so every rank names the same file)."""
+        failures = self._comm.all_gather(failure)
+        for rank, exc in enumerate(failures):
+            if exc is not None:
+                if rank != self.rank:
+                    exc.add_note(f"(raised on rank {rank})")
+                raise exc
 
     def _check_open(self) -> None:
         if self._closed:

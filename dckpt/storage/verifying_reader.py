@@ -98,6 +98,21 @@ class VerifyingReader(FileSystemReader):
         self.expected = dict(expected)
         self.verified: dict[str, str] = {}
         """Files this reader verified, relative path → digest (for cross-rank checks)."""
+        self._metadata: Metadata | None = None
+
+    def load_metadata(self) -> Metadata:
+        """Verify and parse ``.metadata`` now, so its errors surface before DCP runs.
+
+        DCP catches exceptions from ``read_metadata`` and retries other file names; calling
+        this first keeps an integrity failure an IntegrityError that names the file.
+        """
+        if self._metadata is None:
+            data = self._read(METADATA_FILE)
+            metadata = load_dcp_metadata(bytes(data), os.path.join(str(self.path), METADATA_FILE))
+            if not isinstance(metadata, Metadata):
+                raise ManifestError(f"{self.path}/{METADATA_FILE} does not hold DCP metadata")
+            self._metadata = metadata
+        return self._metadata
 
     def _record(self, relative_path: str) -> FileRecord:
         record = self.expected.get(relative_path)
@@ -117,10 +132,7 @@ class VerifyingReader(FileSystemReader):
         return data
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        data = self._read(METADATA_FILE)
-        metadata = load_dcp_metadata(bytes(data), os.path.join(str(self.path), METADATA_FILE))
-        if not isinstance(metadata, Metadata):
-            raise ManifestError(f"{self.path}/{METADATA_FILE} does not hold DCP metadata")
+        metadata = self.load_metadata()
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata

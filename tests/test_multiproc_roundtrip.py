@@ -1,0 +1,190 @@
+"""Multi-process tier: real ranks on gloo save and load sharded DDP and FSDP2 state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_world
+
+pytestmark = pytest.mark.multiproc
+
+
+def _build(rank: int, parallel: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)
+    )
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(100 + rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of model and optimizer, unsharded, by a flat name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            flat[prefix] = obj.detach().clone()
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(obj, (int, float)):
+            flat[prefix] = torch.tensor(obj)
+
+    walk("model", msd)
+    walk("optim", osd)
+    return flat
+
+
+def _roundtrip(rank: int, world: int, root: str, parallel: str) -> dict[str, Any]:
+    import dckpt
+
+    model, opt = _build(rank, parallel)
+    state = dckpt.TrainState(model, opt)
+    with dckpt.CheckpointManager(root, state) as mgr:
+        saved = mgr.save(7)
+        before = _full_state(model, opt)
+        with torch.no_grad():  # disturb weights and optimizer state
+            for p in model.parameters():
+                p.mul_(-3.0).add_(1.0)
+        opt.zero_grad()
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        assert any(not torch.equal(before[k], v) for k, v in _full_state(model, opt).items())
+        loaded = mgr.load()
+        after = _full_state(model, opt)
+    assert loaded.step == 7 and state.step == 7
+    assert before.keys() == after.keys()
+    mismatched = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not mismatched, f"not bit-exact after load: {mismatched[:5]}"
+    return {"files": saved.files, "verified": loaded.files_verified, "tensors": len(before)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_roundtrip_is_bit_exact(tmp_path: Path, world: int, parallel: str) -> None:
+    results = run_world(_roundtrip, world, str(tmp_path), parallel)
+    assert results[0]["tensors"] > 10
+    step_dir = tmp_path / "step-00000007"
+    import dckpt.manifest as mf
+
+    manifest = mf.read_manifest(step_dir)
+    names = {f.path for f in manifest.files}
+    # One shard file per rank, plus DCP's metadata, each with a digest.
+    assert names == {".metadata"} | {f"__{r}_0.distcp" for r in range(world)}
+    assert {f.rank for f in manifest.files} == set(range(world))
+    assert manifest.world_size == world
+    assert sorted(os.listdir(step_dir)) == sorted([*names, "manifest.json"])
+    assert (tmp_path / "latest").read_text().strip() == "step-00000007"
+    assert all(r["verified"] == len(names) for r in results)
+
+
+def _load_expect_integrity_error(rank: int, world: int, root: str) -> str:
+    import dckpt
+
+    model, opt = _build(rank, "ddp")
+    with dckpt.CheckpointManager(root, dckpt.TrainState(model, opt)) as mgr:
+        try:
+            mgr.load()
+        except dckpt.IntegrityError as exc:
+            return str(exc)
+    raise AssertionError("load() accepted a corrupted checkpoint")
+
+
+def _save_only(rank: int, world: int, root: str, step: int) -> None:
+    import dckpt
+
+    model, opt = _build(rank, "ddp")
+    with dckpt.CheckpointManager(root, dckpt.TrainState(model, opt)) as mgr:
+        mgr.save(step)
+
+
+def test_flipped_byte_in_any_shard_fails_load_naming_the_file(tmp_path: Path) -> None:
+    run_world(_save_only, 2, str(tmp_path), 3)
+    step_dir = tmp_path / "step-00000003"
+    for name in ["__0_0.distcp", "__1_0.distcp", ".metadata"]:
+        path = step_dir / name
+        original = path.read_bytes()
+        corrupted = bytearray(original)
+        corrupted[len(corrupted) // 3] ^= 0x10
+        path.write_bytes(bytes(corrupted))
+        messages = run_world(_load_expect_integrity_error, 2, str(tmp_path))
+        for msg in messages:
+            assert name in msg and "digest mismatch" in msg, msg
+        path.write_bytes(original)
+
+
+def _save_two(rank: int, world: int, root: str) -> None:
+    import dckpt
+
+    model, opt = _build(rank, "ddp")
+    config = dckpt.CheckpointConfig(root=Path(root), timeout_s=20)
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
+        mgr.save(1)
+        mgr.save(2)  # the fault fires in this one
+
+
+def test_crash_between_dcp_write_and_commit_leaves_nothing_visible(tmp_path: Path) -> None:
+    fault = {"DCKPT_FAULT": "phase=write_manifest,rank=0,action=sigkill,step=2"}
+    results = run_world(_save_two, 2, str(tmp_path), expect_failure=True, env=fault, timeout=90)
+    assert "no result" in results[0]  # rank 0 died by SIGKILL
+    assert "SaveError" in results[1] or "Error" in results[1]  # rank 1 raised, did not hang
+    from dckpt.layout import list_checkpoints, read_latest
+
+    entries = list_checkpoints(tmp_path)
+    assert [e.step for e in entries if e.status == "committed"] == [1]
+    assert [e.step for e in entries if e.status == "incomplete"] == [2]  # the tmp dir
+    assert read_latest(tmp_path) == "step-00000001"
+    assert not (tmp_path / "step-00000002").exists()
+
+    # The next job's start cleans the abandoned tmp dir and resumes from step 1.
+    run_world(_load_step, 2, str(tmp_path), 1)
+    assert [e.status for e in list_checkpoints(tmp_path)] == ["committed"]
+
+
+def test_crash_after_rename_before_latest_commits_and_latest_catches_up(tmp_path: Path) -> None:
+    fault = {"DCKPT_FAULT": "phase=publish_latest,rank=0,action=sigkill,step=2"}
+    run_world(_save_two, 2, str(tmp_path), expect_failure=True, env=fault, timeout=90)
+    from dckpt.layout import committed_steps, read_latest
+
+    # The rename is the commit point: step 2 is whole, `latest` still names step 1 (never ahead).
+    assert committed_steps(tmp_path) == [1, 2]
+    assert read_latest(tmp_path) == "step-00000001"
+    run_world(_load_step, 2, str(tmp_path), 2)
+    assert read_latest(tmp_path) == "step-00000002"
+
+
+def _load_step(rank: int, world: int, root: str, expect: int) -> None:
+    import dckpt
+
+    model, opt = _build(rank, "ddp")
+    with dckpt.CheckpointManager(root, dckpt.TrainState(model, opt)) as mgr:
+        assert mgr.load().step == expect
