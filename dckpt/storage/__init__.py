@@ -1,19 +1,33 @@
-"""Storage layer: hashing DCP writer, verifying DCP reader, digests. Knows nothing of policy."""
+"""Storage layer: hashing DCP writer, verifying DCP reader, digests. Knows nothing of policy.
 
-from .digest import ALGORITHMS, digest_of_digests, hash_file, new_hasher, parse_digest
-from .hashing_writer import HashingWriter
-from .records import FileRecord
-from .verifying_reader import SafeLoadPlanner, VerifyingReader, read_verified
+Modules: ``digest`` (hashers, no torch), ``records`` (FileRecord), ``hashing_writer``,
+``verifying_reader`` and ``safe_unpickle`` (DCP glue). Names below are imported on first use,
+so importing this package (as the CLI does) does not import torch.
+"""
 
-__all__ = [
-    "ALGORITHMS",
-    "FileRecord",
-    "HashingWriter",
-    "SafeLoadPlanner",
-    "VerifyingReader",
-    "digest_of_digests",
-    "hash_file",
-    "new_hasher",
-    "parse_digest",
-    "read_verified",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ALGORITHMS": "digest",
+    "digest_of_digests": "digest",
+    "hash_file": "digest",
+    "new_hasher": "digest",
+    "parse_digest": "digest",
+    "FileRecord": "records",
+    "HashingWriter": "hashing_writer",
+    "SafeLoadPlanner": "verifying_reader",
+    "VerifyingReader": "verifying_reader",
+    "read_verified": "verifying_reader",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dckpt.storage' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
