@@ -26,19 +26,31 @@ _EXPORTS = {
     "TrainState": "state",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "IntegrityError",
+    "LoadResult",
+    "ManifestError",
+    "SaveError",
+    "SaveResult",
+    "TrainState",
+    "__version__",
+]
 
 if TYPE_CHECKING:
-    from .config import CheckpointConfig
-    from .errors import (
-        CheckpointError,
-        CheckpointNotFoundError,
-        IntegrityError,
-        ManifestError,
-        SaveError,
-    )
-    from .manager import CheckpointManager, LoadResult, SaveResult
-    from .state import TrainState
+    from .config import CheckpointConfig as CheckpointConfig
+    from .errors import CheckpointError as CheckpointError
+    from .errors import CheckpointNotFoundError as CheckpointNotFoundError
+    from .errors import IntegrityError as IntegrityError
+    from .errors import ManifestError as ManifestError
+    from .errors import SaveError as SaveError
+    from .manager import CheckpointManager as CheckpointManager
+    from .manager import LoadResult as LoadResult
+    from .manager import SaveResult as SaveResult
+    from .state import TrainState as TrainState
 
 
 def __getattr__(name: str) -> Any:

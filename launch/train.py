@@ -54,6 +54,7 @@ class TinyLM(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         mask = torch.triu(torch.full((seq_len, seq_len), float("-inf")), diagonal=1)
+        self.causal_mask: torch.Tensor
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else None
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else None
     )
     if device is not None:
         torch.cuda.set_device(device)

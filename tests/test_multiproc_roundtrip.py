@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from dist_harness import run_world
+from torch import nn
 
 pytestmark = pytest.mark.multiproc
 

@@ -23,7 +23,18 @@ _EXPORTS = {
     "read_verified": "verifying_reader",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ALGORITHMS",
+    "FileRecord",
+    "HashingWriter",
+    "SafeLoadPlanner",
+    "VerifyingReader",
+    "digest_of_digests",
+    "hash_file",
+    "new_hasher",
+    "parse_digest",
+    "read_verified",
+]
 
 
 def __getattr__(name: str) -> Any:
