@@ -70,7 +70,7 @@ class RenameCommit:
 
     def commit(self, root: str | os.PathLike[str], tmp_dir: Path, step: int) -> Path:
         base = Path(root)
-        if not TMP_RE.match(tmp_dir.name) or tmp_dir.parent != base:
+        if not TMP_RE.fullmatch(tmp_dir.name) or tmp_dir.parent != base:
             raise ValueError(f"{tmp_dir} is not a dckpt tmp dir under {base}")
         if not (tmp_dir / MANIFEST_FILE).is_file():
             raise ValueError(f"{tmp_dir} has no {MANIFEST_FILE}: refusing to commit it")
@@ -121,10 +121,10 @@ def recover(root: str | os.PathLike[str]) -> list[str]:
     for child in sorted(base.iterdir()):
         if child.is_symlink() or not child.is_dir():
             continue
-        if TMP_RE.match(child.name):
+        if TMP_RE.fullmatch(child.name):
             shutil.rmtree(child, ignore_errors=True)
             actions.append(f"removed abandoned save {child.name}")
-        elif m := REPLACED_RE.match(child.name):
+        elif m := REPLACED_RE.fullmatch(child.name):
             final = base / f"step-{m.group(1)}"
             if not final.exists() and (child / MANIFEST_FILE).is_file():
                 os.rename(child, final)
@@ -133,7 +133,8 @@ def recover(root: str | os.PathLike[str]) -> list[str]:
                 shutil.rmtree(child, ignore_errors=True)
                 actions.append(f"removed superseded copy {child.name}")
     for child in base.glob(f"{LATEST_FILE}.tmp-*"):
-        child.unlink(missing_ok=True)
+        if child.is_file() and not child.is_symlink():
+            child.unlink(missing_ok=True)
     if actions:
         fsync_dir(base)
     # A crash between the commit rename and `latest` leaves `latest` behind: bring it forward.
@@ -146,8 +147,8 @@ def recover(root: str | os.PathLike[str]) -> list[str]:
 def quarantine(root: str | os.PathLike[str], step_dir: Path, reason: str) -> Path:
     """Move a committed checkpoint that failed verification to ``quarantine/``, with the reason."""
     base = Path(root)
-    if not STEP_RE.match(step_dir.name):
-        raise ValueError(f"{step_dir} is not a committed step dir")
+    if not STEP_RE.fullmatch(step_dir.name) or step_dir.parent != base:
+        raise ValueError(f"{step_dir} is not a committed step dir under {base}")
     qdir = base / QUARANTINE_DIR
     qdir.mkdir(exist_ok=True)
     target = qdir / step_dir.name

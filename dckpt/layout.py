@@ -33,9 +33,12 @@ __all__ = [
 
 LATEST_FILE = "latest"
 QUARANTINE_DIR = "quarantine"
-STEP_RE = re.compile(r"^step-(\d{8,})$")
-TMP_RE = re.compile(r"^step-(\d{8,})\.tmp-([0-9a-f]{32})$")
-REPLACED_RE = re.compile(r"^step-(\d{8,})\.replaced-([0-9a-f]{32})$")
+# Used with fullmatch only, and [0-9] not \d: a look-alike name (a trailing newline, other
+# scripts' digits) is not dckpt's and must never be cleaned up or loaded.
+STEP_RE = re.compile(r"step-([0-9]{8,})")
+TMP_RE = re.compile(r"step-([0-9]{8,})\.tmp-([0-9a-f]{32})")
+REPLACED_RE = re.compile(r"step-([0-9]{8,})\.replaced-([0-9a-f]{32})")
+QUARANTINED_RE = re.compile(r"step-([0-9]{8,})(-[0-9a-f]{8})?")
 
 Status = Literal["committed", "incomplete", "quarantined"]
 
@@ -64,16 +67,16 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointEntry]:
     for child in base.iterdir():
         if not _is_real_dir(child):
             continue
-        if m := STEP_RE.match(child.name):
+        if m := STEP_RE.fullmatch(child.name):
             has_manifest = (child / MANIFEST_FILE).is_file()
             status: Status = "committed" if has_manifest else "incomplete"
             entries.append(CheckpointEntry(step=int(m.group(1)), status=status, path=child))
-        elif m := TMP_RE.match(child.name):
+        elif m := TMP_RE.fullmatch(child.name):
             entries.append(CheckpointEntry(step=int(m.group(1)), status="incomplete", path=child))
     quarantine = base / QUARANTINE_DIR
     if _is_real_dir(quarantine):
         for child in quarantine.iterdir():
-            m = re.match(r"^step-(\d{8,})", child.name)
+            m = QUARANTINED_RE.fullmatch(child.name)
             if m and _is_real_dir(child):
                 entries.append(
                     CheckpointEntry(step=int(m.group(1)), status="quarantined", path=child)
@@ -92,4 +95,4 @@ def read_latest(root: str | os.PathLike[str]) -> str | None:
         name = (Path(root) / LATEST_FILE).read_text(encoding="utf-8").strip()
     except (FileNotFoundError, UnicodeDecodeError):
         return None
-    return name if STEP_RE.match(name) else None
+    return name if STEP_RE.fullmatch(name) else None

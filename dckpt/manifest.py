@@ -6,7 +6,8 @@ it is caught. Records are frozen dataclasses, changed with ``dataclasses.replace
 
 Validation is strict and happens before any checkpoint byte is read:
 - the file is at most ``MAX_MANIFEST_BYTES`` and parses as a JSON object of this schema;
-- every file path is relative, POSIX, free of ``..``/NUL/backslash, unique, and not the manifest;
+- every file path is a plain file name (DCP writes a flat directory): no ``/``, ``..``, NUL or
+  backslash, unique, and not the manifest itself;
 - sizes and counts are bounded, so a hostile manifest cannot make a reader allocate absurdly;
 - ``check_layout`` then requires every listed file to be a regular file (no symlink, FIFO or
   directory) of exactly the recorded size.
@@ -23,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import IntegrityError, ManifestError
-from .storage.digest import digest_of_digests, new_hasher, parse_digest
+from .storage.digest import ALGORITHMS, digest_of_digests, new_hasher, parse_digest
 from .storage.records import FileRecord
 
 __all__ = [
@@ -110,8 +111,8 @@ class Manifest:
 
 
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> FileRecord:
-    """Write ``manifest.json`` into ``directory`` and fsync it; returns what was written."""
-    data = json.dumps(manifest.to_json_obj(), indent=1, sort_keys=True).encode()
+    """Write ``manifest.json`` (sealed) into ``directory``, fsynced; returns what was written."""
+    data = json.dumps(manifest.sealed().to_json_obj(), indent=1, sort_keys=True).encode()
     path = Path(directory) / MANIFEST_FILE
     with open(path, "wb") as f:
         f.write(data)
@@ -131,13 +132,16 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         ) from None
     except OSError as exc:
         raise ManifestError(f"cannot open {path}: {exc} (a symlink is never followed)") from exc
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ManifestError(f"{path} is not a regular file")
         if st.st_size > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{path} is {st.st_size} bytes, over {MAX_MANIFEST_BYTES}")
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -197,6 +201,7 @@ def _safe_path(path: Any, source: str) -> str:
     pure = PurePosixPath(path)
     if (
         pure.is_absolute()
+        or "/" in path
         or "\\" in path
         or "\0" in path
         or any(part in ("..", ".", "") for part in path.split("/"))
@@ -210,7 +215,7 @@ def _parse(obj: Any, source: str) -> Manifest:
     if not isinstance(obj, dict):
         raise _fail(source, "top level is not a JSON object")
     version = obj.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise _fail(
             source,
             f"schema_version {version!r} is not supported by this dckpt "
@@ -251,6 +256,11 @@ def _parse(obj: Any, source: str) -> Manifest:
             )
         )
     algorithm = _str(obj, "digest_algorithm", source)
+    if algorithm not in ALGORITHMS:
+        raise _fail(source, f"digest_algorithm {algorithm!r} is not one of {sorted(ALGORITHMS)}")
+    odd = [f.path for f in files if not f.digest.startswith(algorithm + ":")]
+    if odd:
+        raise _fail(source, f"files {odd[:3]} are not hashed with {algorithm}")
     state = obj.get("state", [])
     bytes_per_rank = obj.get("bytes_per_rank", [])
     if not isinstance(state, list) or not all(isinstance(s, str) for s in state):
@@ -286,6 +296,9 @@ def _parse(obj: Any, source: str) -> Manifest:
         milestone=milestone,
         metric=_dict(obj, "metric", source),
     )
-    if manifest.sealed().files_digest != manifest.files_digest:
+    sealed = manifest.sealed()
+    if sealed.files_digest != manifest.files_digest:
         raise _fail(source, "'files_digest' does not match the listed files")
+    if sealed.config_fingerprint != manifest.config_fingerprint:
+        raise _fail(source, "'config_fingerprint' does not match the config")
     return manifest

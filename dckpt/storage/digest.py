@@ -28,7 +28,7 @@ __all__ = [
 ALGORITHMS: dict[str, int] = {"xxh3_128": 32, "sha256": 64}
 """Supported algorithms and the length of their hex digests."""
 
-_DIGEST_RE = re.compile(r"^(xxh3_128|sha256):([0-9a-f]+)$")
+_DIGEST_RE = re.compile(r"(xxh3_128|sha256):([0-9a-f]+)")
 READ_CHUNK = 8 << 20
 
 
@@ -52,7 +52,7 @@ def format_digest(algorithm: str, hasher: Hasher) -> str:
 
 def parse_digest(digest: str) -> tuple[str, str]:
     """Split ``algo:hex`` and check the hex length for that algorithm; ValueError if malformed."""
-    match = _DIGEST_RE.match(digest)
+    match = _DIGEST_RE.fullmatch(digest)
     if match is None or len(match.group(2)) != ALGORITHMS[match.group(1)]:
         raise ValueError(f"malformed digest {digest!r}: expected '<xxh3_128|sha256>:<hex>'")
     return match.group(1), match.group(2)

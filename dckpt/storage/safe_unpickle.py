@@ -18,8 +18,19 @@ from ..errors import ManifestError
 
 __all__ = ["load_dcp_metadata"]
 
-_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "pathlib": frozenset({"PosixPath", "PurePosixPath", "Path"}),
@@ -30,11 +41,11 @@ _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module == _DCP_METADATA_MODULE and not name.startswith("__"):
-            return super().find_class(module, name)
+        # Exact names only: pickle protocol 4 resolves dotted names ("os.system") through a
+        # module's own imports, so a prefix or pattern match would let any callable through.
         if name in _ALLOWED.get(module, frozenset()):
             return super().find_class(module, name)
-        if module == "torch":
+        if module == "torch" and "." not in name:
             if name == "Size":
                 return torch.Size
             value = getattr(torch, name, None)

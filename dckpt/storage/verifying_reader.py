@@ -44,7 +44,10 @@ METADATA_FILE = ".metadata"
 
 def read_verified(path: str, record: FileRecord) -> bytearray:
     """Read ``path`` whole, hashing as it streams in; raise IntegrityError unless it matches."""
-    algorithm, _ = parse_digest(record.digest)
+    try:
+        algorithm, _ = parse_digest(record.digest)
+    except ValueError as exc:
+        raise IntegrityError(path, record.digest, "unusable digest", str(exc)) from None
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
@@ -116,7 +119,8 @@ class VerifyingReader(FileSystemReader):
 
     def _record(self, relative_path: str) -> FileRecord:
         record = self.expected.get(relative_path)
-        if record is None:
+        # DCP writes a flat directory: a separator or dot-name could only lead elsewhere.
+        if record is None or "/" in relative_path or relative_path in ("", ".", ".."):
             raise IntegrityError(
                 os.path.join(str(self.path), relative_path),
                 "a file listed in manifest.json",
