@@ -22,6 +22,7 @@ _EXPORTS = {
     "LoadResult": "manager",
     "ManifestError": "errors",
     "SaveError": "errors",
+    "SaveHandle": "manager",
     "SaveResult": "manager",
     "TrainState": "state",
 }
@@ -35,6 +36,7 @@ __all__ = [
     "LoadResult",
     "ManifestError",
     "SaveError",
+    "SaveHandle",
     "SaveResult",
     "TrainState",
     "__version__",
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from .errors import SaveError as SaveError
     from .manager import CheckpointManager as CheckpointManager
     from .manager import LoadResult as LoadResult
+    from .manager import SaveHandle as SaveHandle
     from .manager import SaveResult as SaveResult
     from .state import TrainState as TrainState
 

@@ -24,12 +24,21 @@ class CheckpointConfig:
         digest: ``xxh3_128`` (fast, default) or ``sha256`` (cryptographic) for every file.
         timeout_s: the longest any rank waits for the others in a save or load collective.
         io_threads: writer threads per rank (DCP's ``thread_count``); one file per thread.
+        async_save: write in the background; ``save()`` returns once the state is staged.
+        overlap_staging: let ``save()`` return before parameters and optimizer state are
+            copied; the copy completes before the next ``optimizer.step()`` (a step pre-hook
+            waits for it). Assumes those tensors change only inside ``optimizer.step()``.
+        if_busy: what ``save()`` does while the previous save is still writing: ``wait`` for
+            it, or ``skip`` this one (all ranks decide together; logged either way).
     """
 
     root: Path
     digest: str = "xxh3_128"
     timeout_s: float = 600.0
     io_threads: int = 1
+    async_save: bool = True
+    overlap_staging: bool = True
+    if_busy: str = "wait"
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
@@ -42,5 +51,9 @@ class CheckpointConfig:
                 f"timeout_s must be > 0, got {self.timeout_s}: a wait without a bound turns a "
                 "dead rank into a hang"
             )
+        if self.if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if self.overlap_staging and not self.async_save:
+            object.__setattr__(self, "overlap_staging", False)  # nothing to overlap with
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")

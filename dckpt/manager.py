@@ -1,17 +1,25 @@
 """CheckpointManager: the one object a training script holds.
 
-Save protocol (``save``), run by every rank with the same step:
-1. rank 0 picks a save id and broadcasts it; the tmp dir is ``step-XXXXXXXX.tmp-<id>/``;
-2. every rank takes its state dict; the ranks agree that all of them could (or all raise);
-3. every rank writes its shard through ``HashingWriter`` (DCP, on dckpt's own gloo group),
-   so each file's digest is computed as its bytes go out;
+Save protocol (``save``), called by every rank with the same step, in the same order:
+1. the previous save, if still writing, is waited for (or, with ``if_busy="skip"``, all ranks
+   agree to skip this one); its error, if it failed, is raised here;
+2. foreground: the state dict is taken and handed to the ``Stager`` (buffers and non-tensor
+   values copied now; parameters and optimizer state copied later, see stager.py); no
+   collective runs on the training group, and none at all in the foreground;
+3. background (``writer.BackgroundWriter``), on dckpt's own gloo group: all ranks agree that
+   step 2 succeeded everywhere; ``dcp.save`` plans (cached), stages this rank's deferred items,
+   and writes them through ``HashingWriter`` (a digest per file, computed as bytes go out);
 4. ``Coordinator.finish_save``: digests gathered to rank 0, manifest written, atomic commit,
    outcome broadcast. An error on any rank fails the save on all ranks and commits nothing.
+``save()`` returns after step 2 (with ``overlap_staging``) or once staging is complete
+(``async_save``), or after the commit (neither). The copy is always complete before the next
+``optimizer.step()`` runs: an optimizer step pre-hook calls ``before_optimizer_step()``.
 
-Load protocol (``load``):
+Load protocol (``load``), after draining any save in flight:
 1. rank 0 chooses the step (newest committed, or the one asked for) and broadcasts it;
 2. every rank reads and validates the manifest (schema, safe paths, self-digest), checks the
-   layout (regular files of the recorded sizes), and the ranks compare manifest digests;
+   layout (regular files of the recorded sizes) and verifies ``.metadata``; a failure on any
+   rank is raised on every rank; the ranks compare manifest digests;
 3. DCP loads through ``VerifyingReader``: each file this rank reads is hashed as it is read and
    must match the manifest, before any tensor is filled from it.
 """
@@ -30,40 +38,41 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from . import __version__
-from .comm import Comm
+from .comm import Comm, Progress
 from .commit import new_tmp_dir, recover
 from .config import CheckpointConfig
 from .coordinator import Coordinator, RankReport
-from .errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ManifestError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    SaveError,
+)
 from .faults import fault_point
 from .layout import committed_steps, step_dir_name
 from .manifest import Manifest, check_layout, read_manifest
+from .stager import Stager, StagingSavePlanner, storage_ptrs
 from .state import TrainState
 from .storage.hashing_writer import HashingWriter
 from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
+from .writer import BackgroundWriter, SaveHandle, SaveResult
 
-__all__ = ["CheckpointManager", "LoadResult", "SaveResult"]
+__all__ = ["CheckpointManager", "LoadResult", "SaveHandle", "SaveResult"]
 
 log = logging.getLogger("dckpt")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SaveResult:
-    step: int
-    path: Path
-    bytes: int
-    files: int
-    stall_s: float
-    commit_s: float
-
-
-@dataclass(frozen=True, kw_only=True)
 class LoadResult:
+    """A verified load: which step, from where, how much was checked and how long it took."""
+
     step: int
     path: Path
     bytes: int
@@ -107,6 +116,8 @@ class CheckpointManager:
         state: the TrainState to save and to load into.
         run_config: the training configuration (JSON-able), stored in every manifest.
         run_id: names the run in manifests; defaults to torchrun's run id or a new uuid.
+
+    Use it as a context manager, or call ``close()``: it drains the save in flight.
     """
 
     def __init__(
@@ -124,12 +135,23 @@ class CheckpointManager:
         self.state = state
         self.run_config = dict(run_config or {})
         _ensure_visible_logging()
-        self._comm = Comm(config.timeout_s)
-        self.rank = self._comm.rank
-        self.world_size = self._comm.world_size
-        self._coordinator = Coordinator(self._comm, self.root)
-        self.run_id = self._comm.broadcast(
-            run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
+        # Two groups, created in the same order on every rank: foreground calls (load, skip
+        # decisions) never interleave with the background save's collectives.
+        self._ctl = Comm(config.timeout_s)
+        self._io = Comm(config.timeout_s)
+        self.rank = self._ctl.rank
+        self.world_size = self._ctl.world_size
+        self._coordinator = Coordinator(self._io, self.root)
+        self._progress = Progress(self._io)
+        self._stager = Stager()
+        self._writer = BackgroundWriter()
+        self._saves = 0
+        self._closed = False
+        # The background save bounds each of its own waits by timeout_s and names a late rank
+        # when one expires; joining it waits for that to happen, with a margin, never forever.
+        self._join_timeout = 4 * config.timeout_s + 30
+        self.run_id = str(
+            self._ctl.broadcast(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex)
         )
         error: str | None = None
         if self.rank == 0:
@@ -140,85 +162,219 @@ class CheckpointManager:
                 recover(self.root)
             except (OSError, CheckpointError) as exc:
                 error = f"cannot use checkpoint root {self.root}: {exc}"
-        error = self._comm.broadcast(error)
+        error = self._ctl.broadcast(error)
         if error is not None:
             raise CheckpointError(error)
-        self._closed = False
+        self._hook: Any = None
+        if config.overlap_staging and state.optimizer is not None:
+            self._hook = state.optimizer.register_step_pre_hook(
+                lambda _opt, _args, _kwargs: self.before_optimizer_step()
+            )
 
-    # --- public API -----------------------------------------------------------------------
+    # --- saving -----------------------------------------------------------------------------
 
-    def latest_step(self) -> int | None:
-        """The newest committed step under the root (as rank 0 sees it), or None."""
-        step = None
-        if self.rank == 0:
-            steps = committed_steps(self.root)
-            step = steps[-1] if steps else None
-        return self._comm.broadcast(step)
+    def save(self, step: int, *, epoch: int = 0, milestone: bool = False) -> SaveHandle:
+        """Save the state as ``step`` on every rank; returns once training may go on.
 
-    def save(self, step: int, *, epoch: int = 0, milestone: bool = False) -> SaveResult:
-        """Save the state as ``step`` on every rank and commit it atomically; blocks until done."""
+        The returned handle's ``result()`` blocks until the checkpoint is committed. An error
+        of this save is raised by the next ``save()``, ``wait()`` or ``close()`` on every rank.
+        """
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
-        save_id = str(self._comm.broadcast(uuid.uuid4().hex if self.rank == 0 else ""))
-        tmp_dir = new_tmp_dir(self.root, step, save_id)
-        self.state.step = step
+        self._writer.raise_if_failed()
+        in_flight = self._writer.current
+        if self.config.if_busy == "skip" and self.config.async_save:
+            busy = self._ctl.all_gather(in_flight is not None)
+            if any(busy):
+                return self._skip(step, busy)
+        if in_flight is not None:
+            self._writer.join(self._join_timeout)
+            if self.rank == 0:
+                log.info(
+                    "dckpt: save of step %d waits for step %d to finish writing "
+                    "(saving faster than the disk; see if_busy='skip')",
+                    step,
+                    in_flight.step,
+                )
+            self._writer.raise_if_failed()
 
-        state_dict: dict[str, Any] | None = None
+        self._saves += 1
+        save_id = xxhash.xxh3_128_hexdigest(f"{self.run_id}:{step}:{self._saves}".encode())
+        handle = SaveHandle(step, t0)
+        self.state.step = step
+        snapshot: dict[str, Any] | None = None
+        deferred: set[int] = set()
         error: str | None = None
         try:
             state_dict = self.state.state_dict()
+            if self.config.overlap_staging:
+                deferred = self._deferred_storages()
+            snapshot = self._stager.snapshot(state_dict, deferred)
             fault_point("prepare", self.rank, step)
         except Exception as exc:
-            error = f"state_dict() failed: {exc!r}"
-        self._coordinator.agree(error, f"preparing the save of step {step}")
-        assert state_dict is not None
-        t_prepared = time.perf_counter()
+            error = f"taking the state dict failed: {exc!r}"
 
+        def job(h: SaveHandle) -> SaveResult:
+            return self._write(h, save_id, snapshot, deferred, error, epoch, milestone)
+
+        self._writer.submit(handle, job)
+        if not self.config.async_save:
+            handle.result()
+        elif not self.config.overlap_staging:
+            handle.wait_staged(self.config.timeout_s)
+        handle.stall_s = time.perf_counter() - t0
+        return handle
+
+    def before_optimizer_step(self) -> None:
+        """Block until the save in flight has its copy of the state (called by a step pre-hook).
+
+        Call it yourself before any in-place change of parameters or optimizer state that does
+        not happen inside ``optimizer.step()``.
+        """
+        handle = self._writer.current
+        if handle is not None:
+            handle.wait_staged(self.config.timeout_s)
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight is committed; raise if any earlier save failed."""
+        handle = self._writer.current
+        self._writer.join(self._join_timeout)
+        self._writer.raise_if_failed()
+        return handle.result() if handle is not None else None
+
+    def _skip(self, step: int, busy: list[bool]) -> SaveHandle:
+        handle = SaveHandle(step, time.perf_counter())
+        handle.skipped = True
+        handle._finish(None, None)
+        if self.rank == 0:
+            ranks = [r for r, b in enumerate(busy) if b]
+            log.warning(
+                "dckpt: skipped the save of step %d: the previous save is still writing on "
+                "rank(s) %s (if_busy='skip')",
+                step,
+                ranks,
+            )
+        return handle
+
+    def _deferred_storages(self) -> set[int]:
+        tensors: list[torch.Tensor] = list(self.state.model.parameters())
+        if self.state.optimizer is not None:
+            for per_param in self.state.optimizer.state.values():
+                tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+        return storage_ptrs(tensors)
+
+    def _write(
+        self,
+        handle: SaveHandle,
+        save_id: str,
+        snapshot: dict[str, Any] | None,
+        deferred: set[int],
+        error: str | None,
+        epoch: int,
+        milestone: bool,
+    ) -> SaveResult:
+        """The background half of a save (runs on the writer thread, on the io group).
+
+        Any failure becomes a SaveError that names the ranks that were behind (from the
+        progress markers), so a dead or stuck rank is named on every rank.
+        """
+        try:
+            result = self._write_steps(handle, save_id, snapshot, deferred, error, epoch, milestone)
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            lag = self._progress.lagging(save_id)
+            if isinstance(exc, SaveError) and not lag:
+                raise
+            raise SaveError(
+                f"save of step {handle.step} failed on rank {self.rank}, nothing was committed"
+                + (f": {lag}" if lag else "")
+                + f" ({exc})"
+            ) from exc
+        finally:
+            handle.staged.set()
+        self._progress.clear(save_id)
+        return result
+
+    def _write_steps(
+        self,
+        handle: SaveHandle,
+        save_id: str,
+        snapshot: dict[str, Any] | None,
+        deferred: set[int],
+        error: str | None,
+        epoch: int,
+        milestone: bool,
+    ) -> SaveResult:
+        step, t0 = handle.step, handle.started
+        tmp_dir = new_tmp_dir(self.root, step, save_id)
+        self._progress.mark(save_id, "started")
+        self._coordinator.agree(error, f"preparing the save of step {step}")
+        assert snapshot is not None
+        t_staging = time.perf_counter()
         writer = HashingWriter(
             tmp_dir,
             algorithm=self.config.digest,
             rank=self.rank,
             thread_count=self.config.io_threads,
-            on_written=lambda: fault_point("write_shards", self.rank, step),
+            on_written=lambda: self._written(save_id, step),
+        )
+        planner = StagingSavePlanner(
+            self._stager, deferred, handle.staged, cache_key=f"dckpt-{id(self)}"
         )
         try:
-            with self._comm.quiet():
+            with self._io.quiet():
                 dcp_save(
-                    state_dict,
+                    snapshot,
                     storage_writer=writer,
-                    process_group=self._comm.group,
-                    no_dist=not self._comm.distributed,
+                    planner=planner,
+                    process_group=self._io.group,
+                    no_dist=not self._io.distributed,
                 )
             fault_point("dcp_finish", self.rank, step)
+            self._progress.mark(save_id, "dcp_done")
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             error = f"writing shards failed: {_unwrap(exc)!r}"
+        finally:
+            handle.staged.set()
         t_written = time.perf_counter()
         report = RankReport(
             rank=self.rank,
             records=tuple(writer.records()),
             error=error,
-            timings={"prepare_s": t_prepared - t0, "write_s": t_written - t_prepared},
+            timings={
+                "prepare_s": t_staging - t0,
+                "write_s": t_written - t_staging,
+                "staged_bytes": float(planner.staged_bytes),
+            },
         )
 
         def build(reports: list[RankReport]) -> Manifest:
             return self._manifest(
-                step=step, epoch=epoch, milestone=milestone, save_id=save_id, reports=reports, t0=t0
+                step=step,
+                epoch=epoch,
+                milestone=milestone,
+                save_id=save_id,
+                reports=reports,
+                t0=t0,
             )
 
+        self._progress.mark(save_id, "reported")
         outcome = self._coordinator.finish_save(tmp_dir, step, report, build)
-        t_done = time.perf_counter()
         assert outcome.path is not None
+        commit_s = time.perf_counter() - t0
+        stall_s = commit_s if not self.config.async_save else handle.stall_s
         result = SaveResult(
             step=step,
             path=Path(outcome.path),
             bytes=outcome.total_bytes,
             files=outcome.files,
-            stall_s=t_done - t0,
-            commit_s=t_done - t0,
+            stall_s=stall_s,
+            commit_s=commit_s,
         )
         if self.rank == 0:
             log.info(
@@ -235,6 +391,22 @@ class CheckpointManager:
             )
         return result
 
+    def _written(self, save_id: str, step: int) -> None:
+        fault_point("write_shards", self.rank, step)
+        self._progress.mark(save_id, "written")
+
+    # --- loading ----------------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        """The newest committed step under the root (as rank 0 sees it), or None."""
+        self._check_open()
+        self.wait()
+        step = None
+        if self.rank == 0:
+            steps = committed_steps(self.root)
+            step = steps[-1] if steps else None
+        return self._ctl.broadcast(step)
+
     def load(self, step: int | None = None) -> LoadResult:
         """Load the newest committed checkpoint (or ``step``) into the state, fully verified.
 
@@ -242,6 +414,7 @@ class CheckpointManager:
         IntegrityError when the checkpoint must not be trusted (nothing is loaded silently).
         """
         self._check_open()
+        self.wait()
         t0 = time.perf_counter()
         chosen: int | str | None = None
         if self.rank == 0:
@@ -250,7 +423,7 @@ class CheckpointManager:
                 chosen = steps[-1] if steps else "none"
             else:
                 chosen = step if step in steps else "none"
-        chosen = self._comm.broadcast(chosen)
+        chosen = self._ctl.broadcast(chosen)
         if not isinstance(chosen, int):
             where = "any step" if step is None else f"step {step}"
             raise CheckpointNotFoundError(
@@ -271,7 +444,7 @@ class CheckpointManager:
             failure = exc
         self._raise_first(failure)
         assert manifest is not None and reader is not None
-        digests = self._comm.all_gather(manifest.files_digest)
+        digests = self._ctl.all_gather(manifest.files_digest)
         if len(set(digests)) != 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
             raise IntegrityError(
@@ -283,13 +456,13 @@ class CheckpointManager:
 
         state_dict = self.state.state_dict()
         try:
-            with self._comm.quiet():
+            with self._ctl.quiet():
                 dcp_load(
                     state_dict,
                     storage_reader=reader,
                     planner=SafeLoadPlanner(),
-                    process_group=self._comm.group,
-                    no_dist=not self._comm.distributed,
+                    process_group=self._ctl.group,
+                    no_dist=not self._ctl.distributed,
                 )
         except CheckpointException as exc:
             inner = _unwrap(exc)
@@ -297,7 +470,7 @@ class CheckpointManager:
                 raise inner from None
             raise CheckpointError(f"loading {path} failed: {exc}") from None
         self.state.load_state_dict(state_dict)
-        verified = self._comm.all_gather(sorted(reader.verified))
+        verified = self._ctl.all_gather(sorted(reader.verified))
         files_verified = len({p for paths in verified for p in paths})
         seconds = time.perf_counter() - t0
         result = LoadResult(
@@ -323,11 +496,24 @@ class CheckpointManager:
             )
         return result
 
+    # --- lifetime ---------------------------------------------------------------------------
+
     def close(self) -> None:
-        """Release dckpt's process group. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._comm.close()
+        """Drain the save in flight, release dckpt's groups, then raise any save's error.
+
+        Idempotent. Call it before ``destroy_process_group``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.join(self._join_timeout)
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+            self._io.close()
+            self._ctl.close()
+        self._writer.raise_if_failed()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -338,13 +524,19 @@ class CheckpointManager:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_exc:  # the error already in flight matters more
+            log.error("dckpt: while closing after an error: %r", close_exc)
 
     # --- internals --------------------------------------------------------------------------
 
     def _raise_first(self, failure: CheckpointError | None) -> None:
         """All ranks raise the first rank's failure (so every rank names the same file)."""
-        failures = self._comm.all_gather(failure)
+        failures = self._ctl.all_gather(failure)
         for rank, exc in enumerate(failures):
             if exc is not None:
                 if rank != self.rank:

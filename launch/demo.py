@@ -72,6 +72,16 @@ def main() -> int:
 
     say("3. what survived: dckpt ls")
     dckpt("ls", str(run_dir))
+    listing = subprocess.run(
+        [sys.executable, "-m", "dckpt.cli", "ls", str(run_dir), "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    committed = [r["step"] for r in json.loads(listing.stdout) if r["status"] == "committed"]
+    resume_from = max(committed)
+    print(
+        f"  newest committed: step {resume_from}. Saves are asynchronous, so a save still "
+        "writing when the job died is left as an incomplete tmp dir, never as a checkpoint."
+    )
 
     say("4. start the job again: it resumes from the newest committed checkpoint, verified")
     if torchrun(run_dir, run_log) != 0:
@@ -82,9 +92,9 @@ def main() -> int:
     if dckpt("verify", str(run_dir)) != 0:
         return 1
 
-    say(f"6. resumed run vs reference, steps {SAVE_EVERY * (CRASH_AT // SAVE_EVERY) + 1}-{STEPS}")
+    say(f"6. resumed run vs reference, steps {resume_from + 1}-{STEPS}")
     ref, got = losses(ref_log), losses(run_log)
-    resumed = range(SAVE_EVERY * (CRASH_AT // SAVE_EVERY) + 1, STEPS + 1)
+    resumed = range(resume_from + 1, STEPS + 1)
     same = all(ref[s] == got[s] for s in resumed)
     for s in resumed:
         mark = "identical" if ref[s] == got[s] else "DIFFERENT"

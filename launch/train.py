@@ -98,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--async",
+        dest="async_save",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="save in the background (default) or block until each save is committed",
+    )
     return p.parse_args(argv)
 
 
@@ -119,10 +126,13 @@ def main(argv: list[str] | None = None) -> None:
 
     # Everything that must match for a resume to be exact goes in the stored config.
     run_config = {
-        k: v for k, v in vars(args).items() if k not in ("ckpt_dir", "loss_log", "crash_at_step")
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("ckpt_dir", "loss_log", "crash_at_step", "async_save")
     }
     state = dckpt.TrainState(ddp, opt)
-    manager = dckpt.CheckpointManager(Path(args.ckpt_dir), state, run_config=run_config)
+    config = dckpt.CheckpointConfig(root=Path(args.ckpt_dir), async_save=args.async_save)
+    manager = dckpt.CheckpointManager(config, state, run_config=run_config)
     start = 0
     if manager.latest_step() is not None:
         start = manager.load().step

@@ -69,7 +69,7 @@ def _roundtrip(rank: int, world: int, root: str, parallel: str) -> dict[str, Any
     model, opt = _build(rank, parallel)
     state = dckpt.TrainState(model, opt)
     with dckpt.CheckpointManager(root, state) as mgr:
-        saved = mgr.save(7)
+        saved = mgr.save(7).result()  # committed before the weights are disturbed
         before = _full_state(model, opt)
         with torch.no_grad():  # disturb weights and optimizer state
             for p in model.parameters():

@@ -571,7 +571,7 @@ def trained(tmp_path: Path) -> Iterator[tuple[dckpt.CheckpointManager, dict[int,
     with dckpt.CheckpointManager(tmp_path / "ckpt", state, run_config={"lr": 1e-2}) as manager:
         for step in (1, 2):
             train_step(model, optimizer, seed=step)
-            result = manager.save(step)
+            result = manager.save(step).result()
             assert result.path == tmp_path / "ckpt" / f"step-{step:08d}"
             snaps[step] = snapshot(model, optimizer)
         # move on, so that a load has something to undo

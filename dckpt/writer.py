@@ -1,0 +1,145 @@
+"""The background writer: runs one save at a time on a worker thread and latches its error.
+
+Why a thread and not a process: staging copies into buffers owned by the training process, and
+the write path (file I/O, xxh3/sha256 hashing, tensor serialisation) runs in C and releases the
+GIL, so a thread writes at disk speed without pickling the state across a process boundary or
+holding it twice in shared memory. docs/ARCHITECTURE.md has the measurement.
+
+Invariants:
+- at most one save in flight: ``submit`` refuses while the previous job runs (the manager waits
+  or skips first, and says which);
+- a job's exception is kept and raised, once, by the next ``raise_if_failed`` (the manager calls
+  it at the next ``save()``, ``wait()`` or ``close()``); it is never lost and never raised twice;
+- the thread is started and joined by the manager's public methods, never by a finalizer; it is
+  not a daemon, so an interpreter that exits after ``save()`` still finishes the write.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointError, SaveError
+
+__all__ = ["BackgroundWriter", "SaveHandle", "SaveResult"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveResult:
+    """A committed save, as seen from one rank."""
+
+    step: int
+    path: Path
+    bytes: int
+    files: int
+    stall_s: float
+    """How long the training loop was held: inside save() plus the wait before the next step."""
+    commit_s: float
+    """From save() being called to the checkpoint being durable and visible."""
+
+
+class SaveHandle:
+    """One save: its progress (staged, done) and, once done, its result or error."""
+
+    def __init__(self, step: int, started: float) -> None:
+        self.step = step
+        self.started = started
+        self.staged = threading.Event()
+        self.stall_s = 0.0
+        self.skipped = False
+        self._done = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def add_stall(self, seconds: float) -> None:
+        self.stall_s += seconds
+
+    def wait_staged(self, timeout: float) -> float:
+        """Block until this save's copy of the state is taken; returns the seconds waited."""
+        if self.staged.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        if not self.staged.wait(timeout):
+            raise SaveError(
+                f"staging of step {self.step} did not finish within {timeout:.0f} s: the "
+                "background save is blocked, most likely waiting for another rank"
+            )
+        waited = time.perf_counter() - t0
+        self.add_stall(waited)
+        return waited
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """The committed save; raises its error if it failed, or SaveError on timeout."""
+        if not self._done.wait(timeout):
+            raise SaveError(f"save of step {self.step} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            raise CheckpointError(f"save of step {self.step} was skipped")
+        return self._result
+
+    def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self.staged.set()
+        self._done.set()
+
+
+class BackgroundWriter:
+    """Runs save jobs one at a time on a worker thread; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._current: SaveHandle | None = None
+        self._failed: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> SaveHandle | None:
+        """The save in flight, if any."""
+        handle = self._current
+        return handle if handle is not None and not handle.done() else None
+
+    def submit(self, handle: SaveHandle, job: Callable[[SaveHandle], SaveResult]) -> None:
+        if self.current is not None:
+            raise CheckpointError("a save is already in flight; wait for it first")
+
+        def run() -> None:
+            try:
+                result = job(handle)
+            except BaseException as exc:
+                with self._lock:
+                    self._failed = exc
+                handle._finish(None, exc)
+            else:
+                handle._finish(result, None)
+
+        self._current = handle
+        self._thread = threading.Thread(target=run, name=f"dckpt-save-{handle.step}")
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the save in flight to end (committed or failed)."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            step = self._current.step if self._current else "?"
+            raise SaveError(
+                f"the save of step {step} did not finish within {timeout:.0f} s; it is stuck "
+                "(storage hung, or a rank stopped answering). Nothing of it is committed."
+            )
+        self._thread = None
+
+    def raise_if_failed(self) -> None:
+        """Raise the latched error of an earlier save, once."""
+        with self._lock:
+            failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed

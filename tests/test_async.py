@@ -1,0 +1,217 @@
+"""Asynchronous saves on real gloo ranks: staging correctness, back-to-back saves, failures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import run_world
+from torch import nn
+
+pytestmark = pytest.mark.multiproc
+
+
+def _model(parallel: str = "ddp", width: int = 256) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model: nn.Module = nn.Sequential(
+        nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 4)
+    )
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[0])
+        fully_shard(model[3])
+        fully_shard(model)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int, width: int = 256) -> None:
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    model(torch.randn(8, width, generator=g)).pow(2).mean().backward()
+    opt.step()
+
+
+def _flat(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
+    for pid, st in osd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim.{pid}.{k}"] = v.detach().clone()
+    return out
+
+
+def _changes_after_save(rank: int, world: int, root: str, parallel: str, overlap: bool) -> None:
+    """Change the state right after save() returns; the checkpoint must hold the old values."""
+    import dckpt
+
+    model, opt = _model(parallel)
+    _step(model, opt, seed=1)
+    config = dckpt.CheckpointConfig(root=Path(root), overlap_staging=overlap)
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
+        before = _flat(model, opt)
+        handle = mgr.save(1)
+        # The next training step starts at once: forward updates BatchNorm statistics, the
+        # optimizer step changes weights and moments (its pre-hook waits for staging).
+        _step(model, opt, seed=2)
+        if not overlap:  # without overlap, save() returned only after staging: edit in place
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1000.0)
+        result = handle.result()
+        assert result.stall_s < result.commit_s or not overlap
+        after_change = _flat(model, opt)
+        assert any(not torch.equal(before[k], after_change[k]) for k in before)
+        mgr.load(step=1)
+        loaded = _flat(model, opt)
+    bad = [k for k in before if not torch.equal(before[k], loaded[k])]
+    assert not bad, f"changes made after save() returned reached the checkpoint: {bad}"
+
+
+@pytest.mark.parametrize(("parallel", "overlap"), [("ddp", True), ("ddp", False), ("fsdp", True)])
+def test_changes_after_save_returns_do_not_reach_the_checkpoint(
+    tmp_path: Path, parallel: str, overlap: bool
+) -> None:
+    run_world(_changes_after_save, 2, str(tmp_path), parallel, overlap)
+
+
+def _back_to_back(rank: int, world: int, root: str, n: int, if_busy: str) -> list[int]:
+    import dckpt
+
+    model, opt = _model(width=64)
+    config = dckpt.CheckpointConfig(root=Path(root), if_busy=if_busy, timeout_s=60)
+    handles = []
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
+        for step in range(1, n + 1):
+            _step(model, opt, seed=step, width=64)
+            handles.append(mgr.save(step))
+    return [h.step for h in handles if not h.skipped]
+
+
+@pytest.mark.parametrize("if_busy", ["wait", "skip"])
+def test_fifty_back_to_back_saves_commit_and_verify(tmp_path: Path, if_busy: str) -> None:
+    saved = run_world(_back_to_back, 2, str(tmp_path), 50, if_busy, timeout=240)
+    assert saved[0] == saved[1], "ranks disagreed on which saves were skipped"
+    from dckpt.layout import committed_steps
+    from dckpt.verify import verify_checkpoint
+
+    steps = committed_steps(tmp_path)
+    assert steps == saved[0]
+    if if_busy == "wait":
+        assert steps == list(range(1, 51))
+    else:
+        assert 2 <= len(steps) < 50  # some were skipped, and every one not skipped committed
+    for step in steps:
+        result = verify_checkpoint(tmp_path / f"step-{step:08d}")
+        assert result.ok, result.problems
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def _failing_write(rank: int, world: int, root: str) -> dict[str, Any]:
+    import dckpt
+
+    model, opt = _model(width=64)
+    config = dckpt.CheckpointConfig(root=Path(root), timeout_s=60)
+    mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
+    mgr.save(1).result()
+    good = _flat(model, opt)
+    _step(model, opt, seed=5, width=64)
+    mgr.save(2)  # fails on rank 1 in the background (DCKPT_FAULT)
+    _step(model, opt, seed=6, width=64)
+    raised = ""
+    try:
+        mgr.save(3)
+    except dckpt.SaveError as exc:
+        raised = str(exc)
+    # The error was raised once; the manager is usable again and the old checkpoint loads.
+    loaded_step = mgr.load().step
+    ok = all(torch.equal(v, _flat(model, opt)[k]) for k, v in good.items())
+    mgr.close()
+    return {"raised": raised, "loaded": loaded_step, "exact": ok}
+
+
+def test_write_failing_on_one_rank_fails_the_save_everywhere(tmp_path: Path) -> None:
+    fault = {"DCKPT_FAULT": "phase=write_shards,rank=1,action=raise,step=2"}
+    results = run_world(_failing_write, 2, str(tmp_path), env=fault)
+    for r in results:
+        assert "step 2" in r["raised"] and "injected fault" in r["raised"], r["raised"]
+        assert r["loaded"] == 1 and r["exact"]
+    from dckpt.layout import committed_steps
+
+    assert committed_steps(tmp_path) == [1]
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def _save_close_exit(rank: int, world: int, root: str) -> None:
+    import dckpt
+
+    model, opt = _model(width=512)
+    _step(model, opt, seed=1, width=512)
+    mgr = dckpt.CheckpointManager(root, dckpt.TrainState(model, opt))
+    handle = mgr.save(9)
+    assert not handle.done() or rank >= 0  # usually still writing here
+    mgr.close()  # drains; the process exits right after
+
+
+def test_close_drains_the_save_in_flight(tmp_path: Path) -> None:
+    run_world(_save_close_exit, 2, str(tmp_path))
+    from dckpt.layout import committed_steps, read_latest
+    from dckpt.verify import verify_checkpoint
+
+    assert committed_steps(tmp_path) == [9]
+    assert read_latest(tmp_path) == "step-00000009"
+    assert verify_checkpoint(tmp_path / "step-00000009").ok
+
+
+def _stuck_rank(rank: int, world: int, root: str) -> str:
+    import dckpt
+
+    model, opt = _model(width=64)
+    config = dckpt.CheckpointConfig(root=Path(root), timeout_s=4)
+    mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
+    mgr.save(1)
+    try:
+        mgr.wait()
+    except dckpt.SaveError as exc:
+        return str(exc)
+    finally:
+        mgr.close()
+    return "no error"
+
+
+def test_a_stuck_rank_is_named_within_the_timeout(tmp_path: Path) -> None:
+    fault = {"DCKPT_FAULT": "phase=write_shards,rank=1,action=sleep,seconds=12"}
+    results = run_world(_stuck_rank, 2, str(tmp_path), env=fault, timeout=90)
+    # Rank 0 gives up after the timeout and names rank 1 from the progress markers.
+    assert "rank(s) 1 did not complete writing shards" in results[0], results[0]
+    from dckpt.layout import committed_steps
+
+    assert committed_steps(tmp_path) == []
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: pinned staging needs one"
+)
+def test_cuda_staging_uses_pinned_buffers(tmp_path: Path) -> None:
+    import dckpt
+    from dckpt.stager import Stager
+
+    stager = Stager()
+    src = torch.randn(1024, 1024, device="cuda")
+    buf = stager.copy("x", src)
+    stager.synchronize()
+    assert buf.is_pinned() and torch.equal(buf, src.cpu())
+    model = nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    with dckpt.CheckpointManager(tmp_path, dckpt.TrainState(model, opt)) as mgr:
+        mgr.save(1).result()
+        mgr.load()
