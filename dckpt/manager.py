@@ -209,9 +209,13 @@ class CheckpointManager:
         error: str | None = None
         try:
             state_dict = self.state.state_dict()
-            if self.config.overlap_staging:
+            if self.config.async_save:
+                # Parameters and optimizer state are staged by the planner, once DCP's
+                # de-duplicated plan is known: each rank copies only what it writes.
                 deferred = self._deferred_storages()
-            snapshot = self._stager.snapshot(state_dict, deferred)
+                snapshot = self._stager.snapshot(state_dict, deferred)
+            else:
+                snapshot = state_dict  # the caller waits for the commit: write the live state
             fault_point("prepare", self.rank, step)
         except Exception as exc:
             error = f"taking the state dict failed: {exc!r}"

@@ -1,8 +1,9 @@
 """A DCP StorageReader that verifies every file against its manifest digest before use.
 
-Role: the bottom of the load path. Each file the load plan needs is read once, into memory, with
-its digest computed from the very bytes that are then handed to DCP; a mismatch raises
-``IntegrityError`` naming the file and both digests before any tensor is filled from it.
+Role: the bottom of the load path. Each file the load plan needs is read once, front to back:
+the byte ranges DCP asked for are kept, the rest is only hashed, and the digest is computed from
+the very bytes that are then handed to DCP; a mismatch raises ``IntegrityError`` naming the file
+and both digests before any tensor is filled from it.
 
 Invariants:
 - no file is opened unless the manifest lists it (a path in DCP metadata that the manifest does
@@ -11,13 +12,16 @@ Invariants:
 - ``.metadata`` is verified, then unpickled with an allow-list (storage.safe_unpickle);
 - non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``).
 
-Memory: a file is held in memory while its items are loaded, then released; peak extra memory is
-the largest shard file this rank reads.
+Memory: the ranges this rank needs from one file are held while they are loaded, then
+released; peak extra memory is what this rank reads from its largest file. Copies: one read
+into a bytes object (hashed in place), then DCP's own deserialisation and copy into the target,
+the same count as DCP's unverified reader.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import stat
 from collections.abc import Mapping
@@ -29,7 +33,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from ..errors import IntegrityError, ManifestError
@@ -37,13 +40,14 @@ from .digest import READ_CHUNK, format_digest, new_hasher, parse_digest
 from .records import FileRecord
 from .safe_unpickle import load_dcp_metadata
 
-__all__ = ["SafeLoadPlanner", "VerifyingReader", "read_verified"]
+__all__ = ["SafeLoadPlanner", "VerifyingReader", "read_spans_verified", "read_verified"]
 
 METADATA_FILE = ".metadata"
 
 
-def read_verified(path: str, record: FileRecord) -> bytearray:
-    """Read ``path`` whole, hashing as it streams in; raise IntegrityError unless it matches."""
+def _open_checked(path: str, record: FileRecord) -> tuple[io.FileIO, str]:
+    """Open ``path`` for reading without following a symlink; require a regular file of the
+    recorded size (checked before anything is allocated). Returns the file and the algorithm."""
     try:
         algorithm, _ = parse_digest(record.digest)
     except ValueError as exc:
@@ -55,14 +59,77 @@ def read_verified(path: str, record: FileRecord) -> bytearray:
         raise IntegrityError(path, record.digest, "missing file", detail="file missing") from None
     except OSError as exc:
         raise IntegrityError(path, record.digest, str(exc), detail="cannot open file") from exc
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise IntegrityError(path, "a regular file", "not a regular file", "wrong file type")
-        if st.st_size != record.bytes:
+    f = io.FileIO(fd, "rb", closefd=True)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        raise IntegrityError(path, "a regular file", "not a regular file", "wrong file type")
+    if st.st_size != record.bytes:
+        f.close()
+        raise IntegrityError(
+            path, f"{record.bytes} bytes", f"{st.st_size} bytes", detail="size mismatch"
+        )
+    return f, algorithm
+
+
+def _read_exactly(f: io.FileIO, n: int, path: str, record: FileRecord) -> bytes:
+    data = f.read(n) or b""
+    if len(data) < n:  # a regular file returns short reads only at EOF or past ~2 GiB
+        parts = [data]
+        got = len(data)
+        while got < n:
+            more = f.read(n - got)
+            if not more:
+                raise IntegrityError(path, f"{record.bytes} bytes", "fewer bytes", "truncated")
+            parts.append(more)
+            got += len(more)
+        data = b"".join(parts)
+    return data
+
+
+def read_spans_verified(
+    path: str, record: FileRecord, spans: list[tuple[int, int]]
+) -> dict[tuple[int, int], bytes]:
+    """Read the byte ranges ``(offset, length)`` of ``path``, hashing the whole file as it streams.
+
+    Bytes between and after the spans are read and hashed but not kept, so memory holds only
+    what the caller asked for, and the digest covers every byte of the file. Raises
+    IntegrityError (and returns nothing) unless the file matches its record.
+    """
+    wanted = sorted(set(spans))
+    for off, n in wanted:
+        if off < 0 or n < 0 or off + n > record.bytes:
             raise IntegrityError(
-                path, f"{record.bytes} bytes", f"{st.st_size} bytes", detail="size mismatch"
+                path, f"{record.bytes} bytes", f"a range at {off}+{n}", "bad range"
             )
+    if any(a[0] + a[1] > b[0] for a, b in itertools.pairwise(wanted)):
+        whole = bytes(read_verified(path, record))  # overlapping ranges: keep the whole file
+        return {(off, n): whole[off : off + n] for off, n in wanted}
+    f, algorithm = _open_checked(path, record)
+    hasher = new_hasher(algorithm)
+    out: dict[tuple[int, int], bytes] = {}
+    with f:
+        pos = 0
+        for off, n in [*wanted, (record.bytes, 0)]:
+            while pos < off:  # a gap: hash it, keep nothing
+                chunk = _read_exactly(f, min(READ_CHUNK, off - pos), path, record)
+                hasher.update(chunk)
+                pos += len(chunk)
+            if n:
+                data = _read_exactly(f, n, path, record)
+                hasher.update(data)
+                out[(off, n)] = data
+                pos += n
+    actual = format_digest(algorithm, hasher)
+    if actual != record.digest:
+        raise IntegrityError(path, record.digest, actual)
+    return out
+
+
+def read_verified(path: str, record: FileRecord) -> bytearray:
+    """Read ``path`` whole, hashing as it streams in; raise IntegrityError unless it matches."""
+    f, algorithm = _open_checked(path, record)
+    with f:
         buf = bytearray(record.bytes)
         view = memoryview(buf)
         hasher = new_hasher(algorithm)
@@ -148,19 +215,27 @@ class VerifyingReader(FileSystemReader):
                 item
             )
         for relative_path, items in per_file.items():
-            stream = io.BytesIO(self._read(relative_path))
-            for item in items:
-                self._load_item(stream, item, planner)
-            del stream  # release this file's bytes before reading the next
+            record = self._record(relative_path)
+            spans = [self._span(item) for item in items]
+            data = read_spans_verified(os.path.join(str(self.path), relative_path), record, spans)
+            self.verified[relative_path] = record.digest
+            # Only now, with the whole file verified, is any tensor filled from it.
+            for item, span in zip(items, spans, strict=True):
+                self._load_item(data[span], item, planner)
+            del data  # release this file's bytes before reading the next
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _load_item(self, stream: io.BytesIO, item: ReadItem, planner: LoadPlanner) -> None:
+    def _span(self, item: ReadItem) -> tuple[int, int]:
         info = self.storage_data[item.storage_index]
-        view = _create_file_view(stream, info.offset, info.length)
+        return (info.offset, info.length)
+
+    def _load_item(self, data: bytes, item: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        # BytesIO over a bytes object shares its buffer: no copy until someone writes to it.
         source = self.transforms.transform_load_stream(
-            item, info.transform_descriptors or (), cast(Any, view)
+            item, info.transform_descriptors or (), cast(Any, io.BytesIO(data))
         )
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(source.read(-1)))
