@@ -18,13 +18,21 @@ _EXPORTS = {
     "CheckpointError": "errors",
     "CheckpointManager": "manager",
     "CheckpointNotFoundError": "errors",
+    "ConfigMismatchError": "errors",
+    "GlobalBatchSampler": "data",
     "IntegrityError": "errors",
     "LoadResult": "manager",
+    "LossDeviationError": "errors",
     "ManifestError": "errors",
+    "PrecisionPolicy": "precision",
+    "ResumeReport": "resume",
     "SaveError": "errors",
     "SaveHandle": "manager",
     "SaveResult": "manager",
+    "StateMismatchError": "errors",
     "TrainState": "state",
+    "WorldError": "errors",
+    "init_distributed": "world",
 }
 
 __all__ = [
@@ -32,28 +40,44 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "ConfigMismatchError",
+    "GlobalBatchSampler",
     "IntegrityError",
     "LoadResult",
+    "LossDeviationError",
     "ManifestError",
+    "PrecisionPolicy",
+    "ResumeReport",
     "SaveError",
     "SaveHandle",
     "SaveResult",
+    "StateMismatchError",
     "TrainState",
+    "WorldError",
     "__version__",
+    "init_distributed",
 ]
 
 if TYPE_CHECKING:
     from .config import CheckpointConfig as CheckpointConfig
+    from .data import GlobalBatchSampler as GlobalBatchSampler
     from .errors import CheckpointError as CheckpointError
     from .errors import CheckpointNotFoundError as CheckpointNotFoundError
+    from .errors import ConfigMismatchError as ConfigMismatchError
     from .errors import IntegrityError as IntegrityError
+    from .errors import LossDeviationError as LossDeviationError
     from .errors import ManifestError as ManifestError
     from .errors import SaveError as SaveError
+    from .errors import StateMismatchError as StateMismatchError
+    from .errors import WorldError as WorldError
     from .manager import CheckpointManager as CheckpointManager
     from .manager import LoadResult as LoadResult
     from .manager import SaveHandle as SaveHandle
     from .manager import SaveResult as SaveResult
+    from .precision import PrecisionPolicy as PrecisionPolicy
+    from .resume import ResumeReport as ResumeReport
     from .state import TrainState as TrainState
+    from .world import init_distributed as init_distributed
 
 
 def __getattr__(name: str) -> Any:

@@ -30,6 +30,11 @@ class CheckpointConfig:
             waits for it). Assumes those tensors change only inside ``optimizer.step()``.
         if_busy: what ``save()`` does while the previous save is still writing: ``wait`` for
             it, or ``skip`` this one (all ranks decide together; logged either way).
+        fallback: on resume, quarantine a checkpoint that fails verification and try the next
+            older one (``False``: raise instead).
+        warmup: run the warmup all-reduce on the training group at the end of a resume.
+        loss_watch: after a resume, compare the first ``loss_watch_steps`` losses given to
+            ``observe()`` with the loss recorded at save time: ``warn``, ``raise`` or ``off``.
     """
 
     root: Path
@@ -39,6 +44,10 @@ class CheckpointConfig:
     async_save: bool = True
     overlap_staging: bool = True
     if_busy: str = "wait"
+    fallback: bool = True
+    warmup: bool = True
+    loss_watch: str = "warn"
+    loss_watch_steps: int = 5
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
@@ -51,6 +60,10 @@ class CheckpointConfig:
                 f"timeout_s must be > 0, got {self.timeout_s}: a wait without a bound turns a "
                 "dead rank into a hang"
             )
+        if self.loss_watch not in ("warn", "raise", "off"):
+            raise ValueError(f"loss_watch must be warn, raise or off, got {self.loss_watch!r}")
+        if self.loss_watch_steps < 1:
+            raise ValueError(f"loss_watch_steps must be >= 1, got {self.loss_watch_steps}")
         if self.if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.overlap_staging and not self.async_save:

@@ -10,9 +10,13 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "ConfigMismatchError",
     "IntegrityError",
+    "LossDeviationError",
     "ManifestError",
     "SaveError",
+    "StateMismatchError",
+    "WorldError",
 ]
 
 
@@ -50,3 +54,20 @@ class IntegrityError(CheckpointError):
 
 class SaveError(CheckpointError):
     """A save failed on some rank; nothing was committed and older checkpoints are intact."""
+
+
+class ConfigMismatchError(CheckpointError):
+    """The run's config differs from the checkpoint's in a key that changes the training math."""
+
+
+class LossDeviationError(CheckpointError):
+    """After a resume, the loss left the band recorded at save time (``loss_watch="raise"``)."""
+
+
+class WorldError(CheckpointError):
+    """The process group could not be formed, or a rank did not answer the warmup collective."""
+
+
+class StateMismatchError(CheckpointError):
+    """The objects being restored do not fit the checkpoint (a tensor's shape or dtype, or a
+    whole category of state): the model or setup changed, the checkpoint is not damaged."""

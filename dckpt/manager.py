@@ -39,32 +39,40 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from . import __version__
+from . import __version__, rng
 from .comm import Comm, Progress
-from .commit import new_tmp_dir, recover
+from .commit import new_tmp_dir, quarantine, recover
 from .config import CheckpointConfig
 from .coordinator import Coordinator, RankReport
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConfigMismatchError,
     IntegrityError,
     ManifestError,
     SaveError,
+    StateMismatchError,
 )
 from .faults import fault_point
 from .layout import committed_steps, step_dir_name
 from .manifest import Manifest, check_layout, read_manifest
+from .precision import PrecisionPolicy
+from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport, check_config
 from .stager import Stager, StagingSavePlanner, storage_ptrs
 from .state import TrainState
+from .storage.digest import hash_file
 from .storage.hashing_writer import HashingWriter
 from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
+from .world import warmup_collective
 from .writer import BackgroundWriter, SaveHandle, SaveResult
 
-__all__ = ["CheckpointManager", "LoadResult", "SaveHandle", "SaveResult"]
+__all__ = ["CheckpointManager", "LoadResult", "ResumeReport", "SaveHandle", "SaveResult"]
 
 log = logging.getLogger("dckpt")
 
@@ -114,8 +122,12 @@ class CheckpointManager:
     Args:
         config: a CheckpointConfig, or just the root directory.
         state: the TrainState to save and to load into.
-        run_config: the training configuration (JSON-able), stored in every manifest.
+        run_config: the training configuration (JSON-able), stored in every manifest and
+            compared on resume.
         run_id: names the run in manifests; defaults to torchrun's run id or a new uuid.
+        precision: the PrecisionPolicy in use, recorded in every manifest, compared on resume.
+        allow_config_changes: config keys that may change across a resume (beyond
+            ``dckpt.resume.SAFE_CONFIG_KEYS``) with a warning instead of an error.
 
     Use it as a context manager, or call ``close()``: it drains the save in flight.
     """
@@ -127,6 +139,8 @@ class CheckpointManager:
         *,
         run_config: dict[str, Any] | None = None,
         run_id: str | None = None,
+        precision: PrecisionPolicy | None = None,
+        allow_config_changes: tuple[str, ...] | list[str] = (),
     ) -> None:
         if not isinstance(config, CheckpointConfig):
             config = CheckpointConfig(root=Path(config))
@@ -134,6 +148,9 @@ class CheckpointManager:
         self.root = config.root
         self.state = state
         self.run_config = dict(run_config or {})
+        self.precision = precision
+        self._allowed_changes = SAFE_CONFIG_KEYS | frozenset(allow_config_changes)
+        self._loss_watch = LossWatch()
         _ensure_visible_logging()
         # Two groups, created in the same order on every rank: foreground calls (load, skip
         # decisions) never interleave with the background save's collectives.
@@ -173,7 +190,7 @@ class CheckpointManager:
 
     # --- saving -----------------------------------------------------------------------------
 
-    def save(self, step: int, *, epoch: int = 0, milestone: bool = False) -> SaveHandle:
+    def save(self, step: int, *, epoch: int | None = None, milestone: bool = False) -> SaveHandle:
         """Save the state as ``step`` on every rank; returns once training may go on.
 
         The returned handle's ``result()`` blocks until the checkpoint is committed. An error
@@ -204,11 +221,17 @@ class CheckpointManager:
         save_id = xxhash.xxh3_128_hexdigest(f"{self.run_id}:{step}:{self._saves}".encode())
         handle = SaveHandle(step, t0)
         self.state.step = step
+        if epoch is not None:
+            self.state.epoch = epoch
+        epoch = self.state.epoch
+        loss = self._loss_watch.summary()
         snapshot: dict[str, Any] | None = None
         deferred: set[int] = set()
         error: str | None = None
         try:
             state_dict = self.state.state_dict()
+            # Taken now, at the point the training loop will continue from after a resume.
+            state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
             if self.config.async_save:
                 # Parameters and optimizer state are staged by the planner, once DCP's
                 # de-duplicated plan is known: each rank copies only what it writes.
@@ -221,7 +244,7 @@ class CheckpointManager:
             error = f"taking the state dict failed: {exc!r}"
 
         def job(h: SaveHandle) -> SaveResult:
-            return self._write(h, save_id, snapshot, deferred, error, epoch, milestone)
+            return self._write(h, save_id, snapshot, deferred, error, epoch, milestone, loss)
 
         self._writer.submit(handle, job)
         if not self.config.async_save:
@@ -278,6 +301,7 @@ class CheckpointManager:
         error: str | None,
         epoch: int,
         milestone: bool,
+        loss: dict[str, float],
     ) -> SaveResult:
         """The background half of a save (runs on the writer thread, on the io group).
 
@@ -285,7 +309,9 @@ class CheckpointManager:
         progress markers), so a dead or stuck rank is named on every rank.
         """
         try:
-            result = self._write_steps(handle, save_id, snapshot, deferred, error, epoch, milestone)
+            result = self._write_steps(
+                handle, save_id, snapshot, deferred, error, epoch, milestone, loss
+            )
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -311,6 +337,7 @@ class CheckpointManager:
         error: str | None,
         epoch: int,
         milestone: bool,
+        loss: dict[str, float],
     ) -> SaveResult:
         step, t0 = handle.step, handle.started
         tmp_dir = new_tmp_dir(self.root, step, save_id)
@@ -365,6 +392,7 @@ class CheckpointManager:
                 save_id=save_id,
                 reports=reports,
                 t0=t0,
+                loss=loss,
             )
 
         self._progress.mark(save_id, "reported")
@@ -414,12 +442,12 @@ class CheckpointManager:
     def load(self, step: int | None = None) -> LoadResult:
         """Load the newest committed checkpoint (or ``step``) into the state, fully verified.
 
-        Raises CheckpointNotFoundError when there is nothing to load, ManifestError or
-        IntegrityError when the checkpoint must not be trusted (nothing is loaded silently).
+        No fallback and no config check: that is ``resume()``. Raises CheckpointNotFoundError
+        when there is nothing to load, ManifestError or IntegrityError when the checkpoint must
+        not be trusted (nothing is loaded silently).
         """
         self._check_open()
         self.wait()
-        t0 = time.perf_counter()
         chosen: int | str | None = None
         if self.rank == 0:
             steps = committed_steps(self.root) if self.root.is_dir() else []
@@ -434,8 +462,112 @@ class CheckpointManager:
                 f"no committed checkpoint for {where} under {self.root}; "
                 "run `dckpt ls` on it to see what is there"
             )
-        path = self.root / step_dir_name(chosen)
+        result = self._load_step(chosen, ResumeReport(world_size_now=self.world_size), False)
+        if self.rank == 0:
+            log.info(
+                "dckpt: loaded step %d | %s | %d of %d files verified (%s), ranks agree | "
+                "%.3f s | %s/s | %s",
+                result.step,
+                _human(result.bytes),
+                result.files_verified,
+                len(result.manifest.files),
+                result.manifest.digest_algorithm,
+                result.seconds,
+                _human(result.bytes / max(result.seconds, 1e-9)),
+                result.path,
+            )
+        return result
 
+    def resume(self, *, fallback: bool | None = None) -> ResumeReport:
+        """Resume from the newest checkpoint that passes every check; see dckpt.resume.
+
+        Returns the ResumeReport (``report.resumed`` is False on a fresh start) after logging it
+        as one block. A checkpoint whose bytes or manifest are bad is quarantined and the next
+        older one is tried, unless ``fallback`` is False (default: the config's). Raises
+        ConfigMismatchError on an unsafe config change, StateMismatchError when the model does
+        not fit the checkpoint, WorldError when the warmup collective fails.
+        """
+        self._check_open()
+        self.wait()
+        t0 = time.perf_counter()
+        fallback = self.config.fallback if fallback is None else fallback
+        steps = self._ctl.broadcast(
+            sorted(committed_steps(self.root), reverse=True) if self.rank == 0 else []
+        )
+        report = ResumeReport(world_size_now=self.world_size)
+        result: LoadResult | None = None
+        for step in steps:
+            report.checks = []
+            try:
+                result = self._load_step(step, report, True)
+                break
+            except (IntegrityError, ManifestError) as exc:
+                if not fallback:
+                    raise
+                self._quarantine(step, f"{type(exc).__name__}: {exc}")
+                report.skipped.append((step, f"{type(exc).__name__}: {exc}"))
+        if result is None:
+            if report.skipped:
+                if self.rank == 0:
+                    log.error("%s", report.format())
+                raise CheckpointError(
+                    f"none of the {len(steps)} committed checkpoints under {self.root} passed "
+                    "verification; all were moved to quarantine/ (see the report above). "
+                    "Nothing was loaded: restore a good copy, or start a new run."
+                )
+            if self.rank == 0:
+                log.info("%s", report.format())
+            return report
+        t_loaded = time.perf_counter()
+        if self.config.warmup and self._ctl.distributed:
+            latency = warmup_collective(result.manifest.save_id, self.config.timeout_s)
+            report.check(
+                "warmup all-reduce",
+                True,
+                f"{self.world_size} ranks answered, sum correct, {latency * 1000:.1f} ms",
+            )
+        report.timings = {
+            "load_and_verify": t_loaded - t0,
+            "warmup": time.perf_counter() - t_loaded,
+            "total": time.perf_counter() - t0,
+        }
+        if result.manifest.loss and self.config.loss_watch != "off":
+            self._loss_watch.arm(
+                result.manifest.loss, self.config.loss_watch_steps, result.path.name
+            )
+            report.check(
+                "loss watch armed",
+                True,
+                f"next {self.config.loss_watch_steps} losses vs saved mean "
+                f"{result.manifest.loss['mean']:.4f} (bound {self._loss_watch.bound():.4f})",
+            )
+        if self.rank == 0:
+            log.info("%s", report.format())
+        return report
+
+    def observe(self, loss: float) -> None:
+        """Record this step's loss: kept for the manifest, and checked after a resume."""
+        message = self._loss_watch.observe(float(loss), self.config.loss_watch)
+        if message is not None and self.rank == 0:
+            (log.warning if "WARNING" in message else log.info)("%s", message)
+
+    def _quarantine(self, step: int, reason: str) -> None:
+        error: str | None = None
+        if self.rank == 0:
+            try:
+                target = quarantine(self.root, self.root / step_dir_name(step), reason)
+                log.warning("dckpt: step %d failed verification, moved to %s", step, target)
+            except (OSError, ValueError) as exc:
+                error = f"could not quarantine step {step}: {exc}"
+        error = self._ctl.broadcast(error)
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _load_step(self, step: int, report: ResumeReport, check_cfg: bool) -> LoadResult:
+        """Validate, verify and load one committed step into the state (RNG last)."""
+        t0 = time.perf_counter()
+        path = self.root / step_dir_name(step)
+        report.step, report.path = None, None
         manifest: Manifest | None = None
         reader: VerifyingReader | None = None
         failure: CheckpointError | None = None
@@ -448,6 +580,13 @@ class CheckpointManager:
             failure = exc
         self._raise_first(failure)
         assert manifest is not None and reader is not None
+        report.world_size_saved = manifest.world_size
+        report.check(
+            "manifest",
+            True,
+            f"schema {manifest.schema_version}, {len(manifest.files)} files, self-digest ok, "
+            "layout ok",
+        )
         digests = self._ctl.all_gather(manifest.files_digest)
         if len(set(digests)) != 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -457,8 +596,25 @@ class CheckpointManager:
                 ", ".join(f"rank {r}: {digests[r]}" for r in odd),
                 detail="ranks read different manifests",
             )
+        report.check("one manifest", True, f"all {self.world_size} ranks read {digests[0]}")
+        if check_cfg:
+            self._check_config(manifest, path.name, report)
+        saved = set(manifest.state)
+        missing = [c for c in self.state.categories() if c not in saved]
+        if missing:
+            raise StateMismatchError(
+                f"{path.name} holds no {', '.join(missing)} state (it holds "
+                f"{', '.join(manifest.state)}): it was saved by a run set up differently"
+            )
+        unused = sorted(saved - set(self.state.categories()) - {"rng"})
+        if unused:
+            report.warnings.append(f"checkpoint state not restored (no such object now): {unused}")
 
         state_dict = self.state.state_dict()
+        self._check_shapes(state_dict, reader, path.name)
+        same_world = manifest.world_size == self.world_size and "rng" in saved
+        if same_world:
+            state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
         try:
             with self._ctl.quiet():
                 dcp_load(
@@ -473,32 +629,102 @@ class CheckpointManager:
             if inner is not exc:
                 raise inner from None
             raise CheckpointError(f"loading {path} failed: {exc}") from None
+        files_verified = self._verify_rest(path, manifest, reader)
+        report.check(
+            "digests",
+            True,
+            f"{files_verified} of {len(manifest.files)} files hashed and matched "
+            f"({manifest.digest_algorithm}); ranks agree on every digest",
+        )
         self.state.load_state_dict(state_dict)
-        verified = self._ctl.all_gather(sorted(reader.verified))
-        files_verified = len({p for paths in verified for p in paths})
-        seconds = time.perf_counter() - t0
-        result = LoadResult(
-            step=chosen,
+        report.check("state", True, ", ".join(c for c in manifest.state if c != "rng"))
+        if same_world:
+            rng.restore(state_dict["rng"][f"rank_{self.rank}"])
+            kinds = "python, numpy, torch" + (
+                ", CUDA" if "cuda" in state_dict["rng"][f"rank_{self.rank}"] else ""
+            )
+            report.rng = f"restored on every rank ({kinds})"
+        else:
+            rng.reseed(self.state.seed, step, self.rank)
+            report.rng = (
+                f"reseeded from (seed {self.state.seed}, step {step}, rank): the world size "
+                f"changed from {manifest.world_size} to {self.world_size}, so saved per-rank "
+                "generator states do not map"
+            )
+            report.warnings.append(
+                "RNG reseeded, not restored: dropout and sampling differ from an uninterrupted run"
+            )
+        report.step, report.path = step, path
+        return LoadResult(
+            step=step,
             path=path,
             bytes=manifest.total_bytes,
             files_verified=files_verified,
-            seconds=seconds,
+            seconds=time.perf_counter() - t0,
             manifest=manifest,
         )
-        if self.rank == 0:
-            log.info(
-                "dckpt: loaded step %d | %s | %d of %d files verified (%s), ranks agree on "
-                "manifest | %.3f s | %s/s | %s",
-                chosen,
-                _human(manifest.total_bytes),
-                files_verified,
-                len(manifest.files),
-                manifest.digest_algorithm,
-                seconds,
-                _human(manifest.total_bytes / max(seconds, 1e-9)),
-                path,
+
+    def _check_shapes(self, state_dict: dict[str, Any], reader: VerifyingReader, name: str) -> None:
+        """Every tensor to restore has the shape and dtype the checkpoint's metadata records."""
+        saved = reader.load_metadata().state_dict_metadata
+        flat, _ = flatten_state_dict(state_dict)
+        for fqn, value in flat.items():
+            meta = saved.get(fqn)
+            if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
+                continue
+            if tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
+                raise StateMismatchError(
+                    f"tensor {fqn}: {name} holds {tuple(meta.size)} {meta.properties.dtype}, "
+                    f"the object being restored has {tuple(value.shape)} {value.dtype}. The "
+                    "model or optimizer is built differently from the run that saved it "
+                    "(check the config); the checkpoint is not damaged."
+                )
+
+    def _check_config(self, manifest: Manifest, name: str, report: ResumeReport) -> None:
+        changes = check_config(manifest.config, self.run_config, self._allowed_changes, name)
+        if changes:
+            report.warnings.append(
+                "config changed in safe keys: " + "; ".join(str(c) for c in changes)
             )
-        return result
+        report.check(
+            "config",
+            True,
+            "identical" if not changes else f"{len(changes)} safe change(s)",
+        )
+        saved_mode = manifest.precision.get("mode")
+        if self.precision is None or saved_mode is None or saved_mode == self.precision.mode:
+            return
+        if self.precision.mode == "fp16" and "scaler" not in manifest.state:
+            raise ConfigMismatchError(
+                f"{name} was saved under {saved_mode} without GradScaler state; resuming it "
+                "under fp16 would start loss scaling from scratch. Resume with the saved "
+                "precision, or start a new run."
+            )
+        report.warnings.append(
+            f"precision changed from {saved_mode} to {self.precision.mode}: numerics differ "
+            "from an uninterrupted run"
+        )
+
+    def _verify_rest(self, path: Path, manifest: Manifest, reader: VerifyingReader) -> int:
+        """Hash the files no rank read; compare every rank's digests; return files verified."""
+        seen = self._ctl.all_gather(dict(reader.verified))
+        failure: CheckpointError | None = None
+        union: dict[str, str] = {}
+        for rank, digests in enumerate(seen):
+            for name, digest in digests.items():
+                if union.setdefault(name, digest) != digest:
+                    failure = IntegrityError(
+                        str(path / name), union[name], f"{digest} on rank {rank}",
+                        detail="ranks saw different bytes",
+                    )  # fmt: skip
+        unread = sorted(set(manifest.file_map()) - set(union))
+        for name in unread[self.rank :: self.world_size]:
+            record = manifest.file_map()[name]
+            actual, _size = hash_file(path / name, manifest.digest_algorithm)
+            if actual != record.digest and failure is None:
+                failure = IntegrityError(str(path / name), record.digest, actual)
+        self._raise_first(failure)
+        return len(union) + len(unread)
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -560,6 +786,7 @@ class CheckpointManager:
         save_id: str,
         reports: list[RankReport],
         t0: float,
+        loss: dict[str, float],
     ) -> Manifest:
         records = tuple(sorted(rec for r in reports for rec in r.records))
         return Manifest(
@@ -571,7 +798,7 @@ class CheckpointManager:
             save_id=save_id,
             created_at=time.time(),
             digest_algorithm=self.config.digest,
-            state=tuple(self.state.categories()),
+            state=(*self.state.categories(), "rng"),
             versions={
                 "dckpt": __version__,
                 "torch": torch.__version__,
@@ -579,6 +806,8 @@ class CheckpointManager:
             },
             mesh={"world_size": self.world_size},
             config=self.run_config,
+            precision=self.precision.describe() if self.precision is not None else {},
+            loss=loss,
             timings={
                 "prepare_s": max(r.timings.get("prepare_s", 0.0) for r in reports),
                 "write_s": max(r.timings.get("write_s", 0.0) for r in reports),

@@ -1,62 +1,122 @@
-"""TrainState: what one checkpoint holds, as a DCP state dict with named categories.
+"""TrainState: everything a checkpoint holds to resume a run exactly, as named categories.
 
-The model and optimizer go through DCP's state-dict helpers (``get_state_dict`` /
-``set_state_dict``), so plain modules, DDP and FSDP2 all save sharded and load resharded.
-Each top-level key of the state dict is one *category* and is listed in the manifest.
+Categories (top-level keys of the DCP state dict, listed in the manifest):
+
+- ``model`` and ``optimizer``: through DCP's state-dict helpers (``get_state_dict`` /
+  ``set_state_dict``), so plain modules, DDP and FSDP2 save sharded and load resharded;
+- ``scheduler``: the LR scheduler(s); ``scaler``: the GradScaler (fp16);
+- ``data``: the data position (e.g. ``GlobalBatchSampler``), global, the same on every rank;
+- ``progress``: step, epoch and samples seen;
+- ``extra``: any user object with ``state_dict`` / ``load_state_dict``;
+- ``rng``: added by the manager, one entry per rank (see dckpt.rng).
 
 Loading is two-phase, as DCP requires: ``state_dict()`` gives the structure with tensors to
-fill in place, DCP fills it, then ``load_state_dict()`` hands the values to the objects.
+fill in place, DCP fills it, then ``load_state_dict()`` hands the values back, in the order of
+the resume checklist: model, optimizer, scheduler, scaler, data position, counters (RNG last,
+by the manager).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
-__all__ = ["TrainState"]
+__all__ = ["Stateful", "TrainState"]
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
 
 
 class TrainState:
-    """The model, its optimizer and the training progress of one run.
+    """The complete state of one training run; see the module docstring.
 
-    ``step`` is kept here (and in the manifest) so a resumed run knows where it stopped.
+    Args:
+        model: the (possibly DDP- or FSDP2-wrapped) model.
+        optimizer: its optimizer.
+        scheduler: an LR scheduler, or a list of them.
+        scaler: the GradScaler (only meaningful for fp16).
+        data: the data position, e.g. a ``GlobalBatchSampler``.
+        extra: further named objects with ``state_dict`` / ``load_state_dict``.
+        seed: the run's seed, used to reseed RNG when a resume changes the world size.
     """
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Stateful | Sequence[Stateful] | None = None,
+        scaler: Stateful | None = None,
+        data: Stateful | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        if scheduler is None:
+            self.schedulers: list[Stateful] = []
+        elif isinstance(scheduler, Sequence):
+            self.schedulers = list(scheduler)
+        else:
+            self.schedulers = [scheduler]
+        self.scaler = scaler
+        self.data = data
+        self.extra = dict(extra or {})
+        self.seed = seed
         self.step = 0
+        self.epoch = 0
+        self.samples_seen = 0
         self._options = StateDictOptions(strict=True)
 
     def categories(self) -> list[str]:
         cats = ["model"]
         if self.optimizer is not None:
             cats.append("optimizer")
-        return [*cats, "progress"]
+        if self.schedulers:
+            cats.append("scheduler")
+        if self.scaler is not None:
+            cats.append("scaler")
+        if self.data is not None:
+            cats.append("data")
+        cats.append("progress")
+        if self.extra:
+            cats.append("extra")
+        return cats
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
             sd: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
         else:
             msd, osd = get_state_dict(self.model, self.optimizer, options=self._options)
             sd = {"model": msd, "optimizer": osd}
-        sd["progress"] = {"step": self.step}
+        if self.schedulers:
+            sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
+        if self.scaler is not None:
+            sd["scaler"] = self.scaler.state_dict()
+        if self.data is not None:
+            sd["data"] = self.data.state_dict()
+        sd["progress"] = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+        }
+        if self.extra:
+            sd["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.optimizer is None:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
             set_model_state_dict(self.model, state_dict["model"], options=self._options)
         else:
             set_state_dict(
@@ -66,4 +126,15 @@ class TrainState:
                 optim_state_dict=state_dict["optimizer"],
                 options=self._options,
             )
-        self.step = int(state_dict["progress"]["step"])
+        for i, sched in enumerate(self.schedulers):
+            sched.load_state_dict(state_dict["scheduler"][str(i)])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        if self.data is not None:
+            self.data.load_state_dict(state_dict["data"])
+        progress = state_dict["progress"]
+        self.step = int(progress["step"])
+        self.epoch = int(progress.get("epoch", 0))
+        self.samples_seen = int(progress.get("samples_seen", 0))
+        for name, obj in self.extra.items():
+            obj.load_state_dict(state_dict["extra"][name])

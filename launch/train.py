@@ -1,36 +1,40 @@
-"""Example trainer: a small transformer language model, checkpointed with dckpt.
+"""Example trainer: a small transformer language model, checkpointed and resumed with dckpt.
 
 Run by torchrun on CPU (gloo) or GPUs (nccl):
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 launch/train.py \
         --ckpt-dir runs/demo --steps 12 --save-every 4
 
-On start it resumes from the newest committed checkpoint in ``--ckpt-dir`` (verified: every
-file's digest is checked before any tensor is loaded). It saves after every step divisible by
-``--save-every`` and after the last step. Rank 0 appends one JSON line per optimizer step to
-``--loss-log``: ``{"step", "loss", "lr", "time"}``. ``--crash-at-step N`` kills the process with
-SIGKILL right after step N's optimizer update, to show that a crash loses nothing committed.
+On start it resumes from the newest checkpoint that passes every check (manifest, config,
+digests of every file, warmup collective) and prints the resume report; a bad newest checkpoint
+is quarantined and the one before it is used. It saves after every step divisible by
+``--save-every`` and after the last step (in the background unless ``--no-async``), and closes
+the manager before it exits, so the last save is committed. Rank 0 appends one JSON line per
+optimizer step to ``--loss-log``: ``{"step", "loss", "lr", "time"}``. ``--crash-at-step N``
+kills every rank with SIGKILL right after step N's optimizer update: no graceful save.
 
-The data is synthetic and deterministic: batch ``i`` of rank ``r`` depends only on the seed,
-``i`` and ``r``, so the data position after a resume is simply the step counter.
+Everything that decides the next step is in the checkpoint: weights, AdamW moments, the
+warmup-cosine LR schedule, the GradScaler (fp16), every rank's RNG (dropout), the data position
+(a global batch sampler over a deterministic synthetic dataset), and the step. So a run that
+crashed and resumed logs the same losses, bit for bit, as one that never stopped.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
 
 import dckpt
 
@@ -38,19 +42,24 @@ import dckpt
 class TinyLM(nn.Module):
     """A decoder-only transformer: token + position embeddings, pre-norm blocks, linear head."""
 
-    def __init__(self, vocab: int, d_model: int, layers: int, heads: int, seq_len: int) -> None:
+    def __init__(
+        self, vocab: int, d_model: int, layers: int, heads: int, seq_len: int, dropout: float
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        block = nn.TransformerEncoderLayer(
-            d_model,
-            heads,
-            dim_feedforward=4 * d_model,
-            dropout=0.0,
-            batch_first=True,
-            norm_first=True,
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                d_model,
+                heads,
+                dim_feedforward=4 * d_model,
+                dropout=dropout,
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(layers)
         )
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         mask = torch.triu(torch.full((seq_len, seq_len), float("-inf")), diagonal=1)
@@ -59,27 +68,38 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
-        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
-        x = self.blocks(x, mask=self.causal_mask[:t, :t], is_causal=True)
+        x = self.drop(self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device)))
+        for block in self.blocks:
+            x = block(x, src_mask=self.causal_mask[:t, :t], is_causal=True)
         return self.head(self.norm(x))  # type: ignore[no-any-return]
 
 
-def batch(seed: int, step: int, rank: int, size: int, seq_len: int, vocab: int) -> torch.Tensor:
-    """Batch ``step`` of ``rank``: a deterministic function of (seed, step, rank) only."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    # Sequences with structure (a noisy counting pattern) so the loss visibly falls.
-    start = torch.randint(0, vocab, (size, 1), generator=g)
-    stride = torch.randint(1, 4, (size, 1), generator=g)
-    seq = (start + stride * torch.arange(seq_len + 1)) % vocab
-    noise = torch.rand(size, seq_len + 1, generator=g) < 0.1
-    return torch.where(noise, torch.randint(0, vocab, seq.shape, generator=g), seq)
+class SyntheticText(Dataset[torch.Tensor]):
+    """Sample ``i`` is a noisy counting sequence that depends only on (seed, i)."""
+
+    def __init__(self, size: int, seq_len: int, vocab: int, seed: int) -> None:
+        self.size, self.seq_len, self.vocab, self.seed = size, seq_len, vocab, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        start = int(torch.randint(0, self.vocab, (1,), generator=g))
+        stride = int(torch.randint(1, 4, (1,), generator=g))
+        seq = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab
+        noise = torch.rand(self.seq_len + 1, generator=g) < 0.1
+        return torch.where(noise, torch.randint(0, self.vocab, seq.shape, generator=g), seq)
 
 
-def lr_at(step: int, base: float, warmup: int, total: int) -> float:
-    if step <= warmup:
-        return base * step / max(1, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
-    return base * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:  # LambdaLR calls it with the number of steps taken
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,14 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-log", default=None, help="rank 0 appends a JSON line per step")
     p.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL after this step")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
     p.add_argument(
         "--async",
         dest="async_save",
@@ -105,57 +119,99 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="save in the background (default) or block until each save is committed",
     )
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument(
+        "--batch-size", type=int, default=12, help="global batch: samples per step, all ranks"
+    )
+    p.add_argument("--dataset-size", type=int, default=4096)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=5)
     return p.parse_args(argv)
+
+
+# Flags that do not change the math: they may differ between a run and its resume.
+NOT_CONFIG = ("ckpt_dir", "loss_log", "crash_at_step", "async_save")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else None
+    rank, world, device = dckpt.init_distributed(timeout_s=120)
+    policy = dckpt.PrecisionPolicy(mode=args.precision)
+    policy.apply()
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model: nn.Module = TinyLM(
+        args.vocab, args.d_model, args.layers, args.heads, args.seq_len, args.dropout
+    ).to(device)
+    if args.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = nn.parallel.DistributedDataParallel(model)
+    torch.manual_seed(args.seed * 7919 + rank + 1)  # each rank its own dropout stream
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+    scaler = policy.make_scaler(device.type) if policy.needs_scaler else None
+    sampler = dckpt.GlobalBatchSampler(
+        args.dataset_size, args.batch_size, rank=rank, world_size=world, seed=args.seed
     )
-    if device is not None:
-        torch.cuda.set_device(device)
+    loader = DataLoader(
+        SyntheticText(args.dataset_size, args.seq_len, args.vocab, args.seed),
+        batch_sampler=sampler,
+        # Its own generator: creating an iterator draws a worker seed, and drawing it from the
+        # global RNG would shift every dropout mask after a resume.
+        generator=torch.Generator().manual_seed(args.seed),
+    )
 
-    torch.manual_seed(args.seed)  # same initial weights on every rank
-    model = TinyLM(args.vocab, args.d_model, args.layers, args.heads, args.seq_len).to(device)
-    ddp = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
-
-    # Everything that must match for a resume to be exact goes in the stored config.
-    run_config = {
-        k: v
-        for k, v in vars(args).items()
-        if k not in ("ckpt_dir", "loss_log", "crash_at_step", "async_save")
-    }
-    state = dckpt.TrainState(ddp, opt)
+    state = dckpt.TrainState(
+        model, opt, scheduler=sched, scaler=scaler, data=sampler, seed=args.seed
+    )
     config = dckpt.CheckpointConfig(root=Path(args.ckpt_dir), async_save=args.async_save)
-    manager = dckpt.CheckpointManager(config, state, run_config=run_config)
-    start = 0
-    if manager.latest_step() is not None:
-        start = manager.load().step
+    run_config = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
+    manager = dckpt.CheckpointManager(config, state, run_config=run_config, precision=policy)
+    manager.resume()  # logs the report; a fresh start when there is nothing to resume
     if rank == 0:
         print(
-            f"train: rank 0 of {world}, starting after step {start}, training to {args.steps}",
-            flush=True,
+            f"train: {world} ranks, starting after step {state.step}, to {args.steps}", flush=True
         )
 
     log_file = open(args.loss_log, "a", encoding="utf-8") if (rank == 0 and args.loss_log) else None  # noqa: SIM115
-    for step in range(start + 1, args.steps + 1):
-        tokens = batch(args.seed, step, rank, args.batch_size, args.seq_len, args.vocab).to(device)
-        lr = lr_at(step, args.lr, args.warmup, args.steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        logits = ddp(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+    batches = iter(loader)
+    for step in range(state.step + 1, args.steps + 1):
+        try:
+            tokens = next(batches)
+        except StopIteration:  # end of an epoch: the sampler moved on to the next one
+            batches = iter(loader)
+            tokens = next(batches)
+        tokens = tokens.to(device)
+        with policy.autocast(device.type):
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(
+                logits.reshape(-1, args.vocab).float(), tokens[:, 1:].reshape(-1)
+            )
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        mean_loss = loss.detach().clone()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        lr = sched.get_last_lr()[0]
+        sched.step()
+        mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)
         mean_loss /= world
+        state.epoch, state.samples_seen = sampler.epoch, step * args.batch_size
+        manager.observe(float(mean_loss))
         if log_file is not None:
             record = {"step": step, "loss": float(mean_loss), "lr": lr, "time": time.time()}
             log_file.write(json.dumps(record) + "\n")

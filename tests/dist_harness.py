@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -45,7 +46,9 @@ def _entry(
             timeout=datetime.timedelta(seconds=60),
         )
         result = fn(rank, world_size, *args)
-        out.put((rank, "ok", result))
+        # Plain pickle bytes: a Queue would send tensors as shared-memory handles, which die
+        # with this process before the parent reads them.
+        out.put((rank, "ok", pickle.dumps(result)))
     except BaseException as exc:
         out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -104,4 +107,7 @@ def run_world(
     if errors and not expect_failure:
         text = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(errors.items()))
         raise AssertionError(f"{len(errors)} of {world_size} ranks failed:\n{text}")
-    return [results[r][1] for r in range(world_size)]
+    return [
+        pickle.loads(results[r][1]) if results[r][0] == "ok" else results[r][1]
+        for r in range(world_size)
+    ]

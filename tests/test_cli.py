@@ -81,7 +81,8 @@ def test_inspect_json_has_contract_fields(trained_root: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     obj = json.loads(proc.stdout)
     assert obj["step"] == 12 and obj["world_size"] == 2
-    assert set(obj["state"]) == {"model", "optimizer", "progress"}
+    assert set(obj["state"]) == {"model", "optimizer", "scheduler", "data", "progress", "rng"}
+    assert obj["precision"]["mode"] == "bf16" and obj["loss"]["n"] > 0
     paths = {f["path"] for f in obj["files"]}
     assert paths == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     step_dir = trained_root / "step-00000012"

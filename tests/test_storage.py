@@ -617,7 +617,7 @@ def test_manager_manifest_describes_the_directory(
     manifest = read_manifest(path)
     assert manifest.step == 2
     assert manifest.config == {"lr": 1e-2}
-    assert manifest.state == ("model", "optimizer", "progress")
+    assert manifest.state == ("model", "optimizer", "progress", "rng")
     listed = {f.path: f for f in manifest.files}
     assert sorted(listed) == sorted(n for n in os.listdir(path) if n != MANIFEST_FILE)
     for name, rec in listed.items():

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ..errors import IntegrityError, ManifestError
+from ..errors import IntegrityError, ManifestError, StateMismatchError
 from .digest import READ_CHUNK, format_digest, new_hasher, parse_digest
 from .records import FileRecord
 from .safe_unpickle import load_dcp_metadata
@@ -244,11 +244,12 @@ class VerifyingReader(FileSystemReader):
         tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise ManifestError(
-                f"tensor {item.dest_index.fqn}: checkpoint holds shape {tuple(tensor.size())}, "
-                f"the model expects {tuple(target.size())}; the model does not match this "
-                "checkpoint's config"
+        if target.size() != tensor.size() or target.dtype != tensor.dtype:
+            raise StateMismatchError(
+                f"tensor {item.dest_index.fqn}: the checkpoint holds {tuple(tensor.size())} "
+                f"{tensor.dtype}, the object being restored has {tuple(target.size())} "
+                f"{target.dtype}. The model or optimizer was built differently from the run "
+                "that saved this checkpoint (check the config); the checkpoint is not damaged."
             )
         target.copy_(tensor)
         planner.commit_tensor(item, target)

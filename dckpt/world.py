@@ -1,0 +1,89 @@
+"""Forming the training world and checking that it answers: init and the warmup collective.
+
+``init_distributed`` starts the training process group with a bounded timeout, NCCL when the
+process has a CUDA device and gloo otherwise. ``warmup_collective`` is the last step of a
+resume: an all-reduce of a known value on the *training* group (the NCCL path when training
+runs on NCCL), whose result and latency are checked. A rank that does not join within the
+timeout is named, from markers in the job's store, on every rank that waited for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import WorldError
+from .faults import fault_point
+
+__all__ = ["init_distributed", "warmup_collective"]
+
+
+def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
+    """Join the job's process group (from torchrun's environment); returns rank, world, device."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as exc:
+            raise WorldError(
+                f"could not form the process group ({backend}) within {timeout_s:.0f} s: {exc}. "
+                "Check that every node was started with the same rendezvous settings."
+            ) from exc
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def warmup_collective(nonce: str, timeout_s: float) -> float:
+    """All-reduce (rank + 1) over the training group; check the sum; return the latency (s)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0.0
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fault_point("warmup", rank)
+    store = _store()
+    key = f"dckpt/warmup/{nonce}"
+    if store is not None:
+        store.set(f"{key}/{rank}", "1")
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([float(rank + 1)], device=device)
+    t0 = time.perf_counter()
+    try:
+        work = dist.all_reduce(value, async_op=True)
+        assert work is not None
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except RuntimeError as exc:
+        missing: list[int] = []
+        if store is not None:
+            missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+        who = f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank"
+        raise WorldError(
+            f"warmup all-reduce failed after {time.perf_counter() - t0:.1f} s: {who} did not "
+            f"join (seen from rank {rank}): {exc}. The job cannot train; restart it, and check "
+            "that host's health."
+        ) from exc
+    latency = time.perf_counter() - t0
+    expected = world * (world + 1) / 2
+    if float(value.item()) != expected:
+        raise WorldError(
+            f"warmup all-reduce returned {value.item()} instead of {expected} on rank {rank}: "
+            "the collective backend is broken on this host"
+        )
+    return latency

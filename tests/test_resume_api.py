@@ -1,0 +1,290 @@
+"""Resume through the API: resharding across world sizes, fallback control, the warmup
+collective, the loss watch, config comparison, the data sampler and the RNG."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from dist_harness import run_world
+from torch import nn
+
+import dckpt
+from dckpt.resume import LossWatch, check_config, config_changes
+
+# --- multi-process ---------------------------------------------------------------------------
+
+
+def _fsdp_setup(rank: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(24, 48), nn.ReLU(), nn.Linear(48, 24), nn.ReLU(), nn.Linear(24, 6)
+    )
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    sampler = dckpt.GlobalBatchSampler(600, 12, rank=rank, world_size=world, seed=3)
+    return model, opt, sched, sampler
+
+
+def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"m.{k}": v.clone() for k, v in msd.items()}
+    for pid, st in osd["state"].items():
+        out.update({f"o.{pid}.{k}": v.clone() for k, v in st.items()})
+    return out
+
+
+def _save_fsdp(rank: int, world: int, root: str) -> dict[str, Any]:
+    model, opt, sched, sampler = _fsdp_setup(rank, world)
+    batches = iter(sampler)
+    for _ in range(5):
+        idx = next(batches)
+        x = torch.tensor(idx, dtype=torch.float32).unsqueeze(1).repeat(1, 24) / 600
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    state = dckpt.TrainState(model, opt, scheduler=sched, data=sampler, seed=3)
+    with dckpt.CheckpointManager(root, state) as mgr:
+        mgr.save(5).result()
+    nxt = next(batches)
+    return {"full": _full(model, opt), "next": nxt, "lr": sched.get_last_lr()}
+
+
+def _resume_fsdp(rank: int, world: int, root: str) -> dict[str, Any]:
+    model, opt, sched, sampler = _fsdp_setup(rank, world)
+    state = dckpt.TrainState(model, opt, scheduler=sched, data=sampler, seed=3)
+    with dckpt.CheckpointManager(root, state) as mgr:
+        report = mgr.resume()
+    return {
+        "full": _full(model, opt),
+        "next": next(iter(sampler)),
+        "lr": sched.get_last_lr(),
+        "rng": report.rng,
+        "warnings": report.warnings,
+        "step": report.step,
+    }
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_two_ranks_save_fsdp2_and_other_world_sizes_resume(tmp_path: Path, new_world: int) -> None:
+    saved = run_world(_save_fsdp, 2, str(tmp_path))
+    resumed = run_world(_resume_fsdp, new_world, str(tmp_path))
+    want = saved[0]["full"]
+    global_next = [i for r in saved for i in r["next"]]  # the next global batch, in rank order
+    for r in resumed:
+        assert r["step"] == 5
+        assert r["full"].keys() == want.keys()
+        assert all(torch.equal(r["full"][k], want[k]) for k in want), "model/optimizer not exact"
+        assert r["lr"] == saved[0]["lr"]
+        assert "reseeded" in r["rng"] and "from 2 to" in r["rng"]
+        assert any("RNG reseeded" in w for w in r["warnings"])
+    # The data continues with the same global batch, split over the new world size.
+    assert sorted(i for r in resumed for i in r["next"]) == sorted(global_next)
+
+
+def _resume_no_fallback(rank: int, world: int, root: str) -> str:
+    model, opt, _s, _d = _fsdp_setup(rank, world)
+    config = dckpt.CheckpointConfig(root=Path(root), fallback=False)
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
+        try:
+            mgr.resume()
+        except dckpt.IntegrityError as exc:
+            return str(exc)
+    return "resumed"
+
+
+def _save_two(rank: int, world: int, root: str) -> None:
+    model, opt, _s, _d = _fsdp_setup(rank, world)
+    with dckpt.CheckpointManager(root, dckpt.TrainState(model, opt)) as mgr:
+        mgr.save(1)
+        mgr.save(2)
+
+
+@pytest.mark.multiproc
+def test_fallback_false_raises_and_quarantines_nothing(tmp_path: Path) -> None:
+    run_world(_save_two, 2, str(tmp_path))
+    shard = tmp_path / "step-00000002" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-20] ^= 0x80
+    shard.write_bytes(bytes(data))
+    results = run_world(_resume_no_fallback, 2, str(tmp_path))
+    assert all("__1_0.distcp" in r and "digest mismatch" in r for r in results), results
+    assert not (tmp_path / "quarantine").exists()
+    assert (tmp_path / "step-00000002").is_dir()
+
+
+def _warmup_hang(rank: int, world: int, root: str) -> str:
+    model, opt, _s, _d = _fsdp_setup(rank, world)
+    config = dckpt.CheckpointConfig(root=Path(root), timeout_s=4)
+    mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
+    try:
+        mgr.resume()
+    except dckpt.WorldError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_hangs_in_the_warmup_collective_is_named(tmp_path: Path) -> None:
+    run_world(_save_two, 2, str(tmp_path))
+    fault = {"DCKPT_FAULT": "phase=warmup,rank=1,action=sleep,seconds=12"}
+    results = run_world(_warmup_hang, 2, str(tmp_path), env=fault, timeout=120)
+    assert "rank(s) 1 did not join" in results[0], results[0]
+
+
+# --- single process --------------------------------------------------------------------------
+
+
+def _tiny(tmp_path: Path, **kwargs: Any) -> tuple[dckpt.CheckpointManager, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = dckpt.TrainState(model, opt, **kwargs)
+    return dckpt.CheckpointManager(tmp_path, state, run_config={"lr": 0.1, "width": 3}), model
+
+
+def test_resume_on_an_empty_root_is_a_fresh_start(tmp_path: Path) -> None:
+    mgr, _ = _tiny(tmp_path)
+    report = mgr.resume()
+    assert not report.resumed and "starting from scratch" in report.format()
+    mgr.close()
+
+
+def test_rng_is_restored_exactly_in_one_process(tmp_path: Path) -> None:
+    mgr, _ = _tiny(tmp_path)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    mgr.save(1).result()
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    report = mgr.resume()
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+    assert "restored on every rank" in report.rng
+    mgr.close()
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = int(sd["n"])
+
+
+def test_extra_objects_scaler_and_counters_round_trip(tmp_path: Path) -> None:
+    counter = _Counter()
+    scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
+    mgr, _ = _tiny(tmp_path, extra={"counter": counter}, scaler=scaler)
+    counter.n = 41
+    mgr.state.epoch, mgr.state.samples_seen = 2, 900
+    mgr.save(7).result()
+    counter.n, mgr.state.epoch, mgr.state.samples_seen = 0, 0, 0
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 2.0})
+    report = mgr.resume()
+    assert (counter.n, mgr.state.step, mgr.state.epoch, mgr.state.samples_seen) == (41, 7, 2, 900)
+    assert scaler.get_scale() == 1024.0
+    restored = next(c for c in report.checks if c.name == "state").detail
+    assert "extra" in restored and "scaler" in restored
+    mgr.close()
+
+
+def test_a_category_the_checkpoint_lacks_is_a_clear_error(tmp_path: Path) -> None:
+    mgr, model = _tiny(tmp_path)
+    mgr.save(1).result()
+    mgr.close()
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    mgr2, _ = _tiny(tmp_path, scheduler=sched)
+    with pytest.raises(dckpt.StateMismatchError, match="holds no scheduler state"):
+        mgr2.resume()
+    mgr2.close()
+    assert (tmp_path / "step-00000001").is_dir()  # not quarantined: it is not damaged
+
+
+def test_a_tensor_of_another_shape_is_named(tmp_path: Path) -> None:
+    mgr, _ = _tiny(tmp_path)
+    mgr.save(1).result()
+    mgr.close()
+    wide = nn.Linear(4, 5)
+    state = dckpt.TrainState(wide, torch.optim.SGD(wide.parameters(), lr=0.1))
+    config = {"lr": 0.1, "width": 3}
+    with (
+        dckpt.CheckpointManager(tmp_path, state, run_config=config) as mgr2,
+        pytest.raises(dckpt.StateMismatchError, match=r"model\.weight.*\(3, 4\).*\(5, 4\)"),
+    ):
+        mgr2.resume()
+    assert not (tmp_path / "quarantine").exists()
+
+
+def test_config_comparison_and_diff() -> None:
+    saved = {"lr": 0.1, "model": {"width": 64, "layers": 2}, "save_every": 10}
+    now = {"lr": 0.1, "model": {"width": 96, "layers": 2}, "save_every": 5, "new": 1}
+    assert [c.key for c in config_changes(saved, now)] == ["model.width", "new", "save_every"]
+    allowed = frozenset({"save_every", "new"})
+    with pytest.raises(dckpt.ConfigMismatchError, match=r"model\.width: 64 -> 96"):
+        check_config(saved, now, allowed, "step-1")
+    now["model"]["width"] = 64  # type: ignore[index]
+    assert [c.key for c in check_config(saved, now, allowed, "step-1")] == ["new", "save_every"]
+
+
+def test_loss_watch_bounds_warns_and_raises() -> None:
+    watch = LossWatch()
+    for v in [2.0, 2.1, 1.9, 2.0]:
+        assert watch.observe(v, "warn") is None
+    summary = watch.summary()
+    assert summary["n"] == 4 and abs(summary["mean"] - 2.0) < 1e-9
+    watch.arm(summary, steps=3, checkpoint="step-00000004")
+    assert watch.observe(1.5, "warn") is None  # lower is fine
+    warned = watch.observe(9.0, "warn")
+    assert warned is not None and "WARNING" in warned and "step-00000004" in warned
+    done = watch.observe(2.05, "warn")
+    assert done is not None and "within bound" in done and not watch.armed
+    watch.arm(summary, steps=2, checkpoint="step-00000004")
+    with pytest.raises(dckpt.LossDeviationError):
+        watch.observe(float("nan"), "raise")
+
+
+def test_global_batch_sampler_is_world_size_independent() -> None:
+    def shares(world: int, start: tuple[int, int], n: int) -> list[list[int]]:
+        samplers = [
+            dckpt.GlobalBatchSampler(100, 12, rank=r, world_size=world, seed=1)
+            for r in range(world)
+        ]
+        out = []
+        for s in samplers:
+            s.set_position(*start)
+            it = iter(s)
+            out.append([i for _ in range(n) for i in next(it)])
+        return out
+
+    one = shares(1, (0, 3), 2)[0]
+    for world in (2, 3, 4):
+        assert sorted(i for share in shares(world, (0, 3), 2) for i in share) == sorted(one)
+    s = dckpt.GlobalBatchSampler(100, 12, seed=1)
+    it = iter(s)
+    for _ in range(8):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert (s.epoch, s.batches_done) == (1, 0)
+    other = dckpt.GlobalBatchSampler(100, 10, seed=1)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        other.load_state_dict(s.state_dict())
+    with pytest.raises(ValueError, match="not divisible"):
+        dckpt.GlobalBatchSampler(100, 10, world_size=3)

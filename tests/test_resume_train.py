@@ -1,0 +1,98 @@
+"""Verified resume of the example trainer under torchrun: a crashed run equals an uninterrupted
+one, loss for loss; a corrupted newest checkpoint falls back; a changed config is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import torchrun_train
+
+from dckpt.layout import committed_steps, list_checkpoints
+
+pytestmark = pytest.mark.multiproc
+
+
+def _losses(log: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in log.read_text().splitlines():
+        rec = json.loads(line)
+        assert set(rec) == {"step", "loss", "lr", "time"}
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("parallel", "precision"),
+    [("ddp", "bf16"), ("ddp", "fp32"), ("fsdp", "bf16"), ("fsdp", "fp32")],
+)
+def test_crashed_and_resumed_run_equals_uninterrupted_run(
+    tmp_path: Path, parallel: str, precision: str
+) -> None:
+    args = ["--steps", "10", "--save-every", "3", "--parallel", parallel]
+    args += ["--precision", precision]
+    ref = torchrun_train(tmp_path / "ref", *args, "--loss-log", str(tmp_path / "ref.jsonl"))
+    assert ref.returncode == 0, ref.stderr
+
+    log = tmp_path / "run.jsonl"
+    crashed = torchrun_train(
+        tmp_path / "run", *args, "--loss-log", str(log), "--crash-at-step", "8"
+    )
+    assert crashed.returncode != 0  # it really died (SIGKILL), between the saves of 6 and 9
+    # Saves are asynchronous: step 6's may still have been writing when step 8 crashed. Either
+    # it committed, or only its tmp dir is left; nothing under a final name is partial.
+    committed = committed_steps(tmp_path / "run")
+    assert committed in ([3], [3, 6])
+    resumed = torchrun_train(tmp_path / "run", *args, "--loss-log", str(log))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"dckpt resume: step {committed[-1]}" in resumed.stderr
+    assert "[ok  ] digests" in resumed.stderr and "[ok  ] warmup all-reduce" in resumed.stderr
+    assert "rng           restored on every rank" in resumed.stderr
+    want, got = _losses(tmp_path / "ref.jsonl"), _losses(log)
+    assert sorted(got) == list(range(1, 11))
+    after = range(committed[-1] + 1, 11)
+    assert [got[s] for s in after] == [want[s] for s in after]  # bit-identical, dropout included
+    assert committed_steps(tmp_path / "run") == [3, 6, 9, 10]
+
+
+def test_corrupted_newest_checkpoint_is_quarantined_and_the_previous_one_used(
+    tmp_path: Path,
+) -> None:
+    args = ["--steps", "9", "--save-every", "3", "--no-async"]
+    first = torchrun_train(tmp_path / "ckpt", *args, "--loss-log", str(tmp_path / "a.jsonl"))
+    assert first.returncode == 0, first.stderr
+    assert committed_steps(tmp_path / "ckpt") == [3, 6, 9]
+    _flip_bit(tmp_path / "ckpt" / "step-00000009" / "__0_0.distcp")
+    # Ask for more steps than were run: resume must come from step 6, not 9. The config must
+    # match, so resume the same 9-step run and compare the re-run steps 7-9.
+    again = torchrun_train(tmp_path / "ckpt", *args, "--loss-log", str(tmp_path / "b.jsonl"))
+    assert again.returncode == 0, again.stderr
+    assert "dckpt resume: step 6" in again.stderr
+    assert "skipped step 9 (quarantined)" in again.stderr and "__0_0.distcp" in again.stderr
+    statuses = {(e.step, e.status) for e in list_checkpoints(tmp_path / "ckpt")}
+    assert (9, "quarantined") in statuses and (9, "committed") in statuses  # re-saved
+    reason = tmp_path / "ckpt" / "quarantine" / "step-00000009.reason.txt"
+    assert "digest mismatch" in reason.read_text()
+    a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    assert [b[s] for s in (7, 8, 9)] == [a[s] for s in (7, 8, 9)]
+
+
+def test_changed_config_is_refused_with_a_diff_and_safe_keys_only_warn(tmp_path: Path) -> None:
+    base = ["--steps", "4", "--save-every", "2", "--no-async"]
+    assert torchrun_train(tmp_path / "ckpt", *base).returncode == 0
+    lr = torchrun_train(tmp_path / "ckpt", *base, "--lr", "0.01")
+    assert lr.returncode != 0
+    assert "ConfigMismatchError" in lr.stderr and "lr: 0.003 -> 0.01" in lr.stderr
+    width = torchrun_train(tmp_path / "ckpt", *base, "--d-model", "96")
+    assert width.returncode != 0 and "d_model: 64 -> 96" in width.stderr
+    assert committed_steps(tmp_path / "ckpt") == [2, 4]  # refused runs touched nothing
+    safe = torchrun_train(tmp_path / "ckpt", "--steps", "4", "--save-every", "1", "--no-async")
+    assert safe.returncode == 0, safe.stderr
+    assert "config changed in safe keys: save_every: 2 -> 1" in safe.stderr
