@@ -217,8 +217,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 out.print(f"FAILED  {label}: {p.path}: {p.error}{detail}")
         if not ok:
             out.print(
-                "integrity failure: do not load the FAILED checkpoints; resume from an OK one "
-                "(CheckpointManager.load(step=N)) and check the storage for bit rot."
+                "integrity failure: do not load the FAILED checkpoints. A training job's "
+                "resume() quarantines them and falls back to the newest good one; check the "
+                "storage for bit rot."
             )
     return EXIT_OK if ok else EXIT_INTEGRITY
 

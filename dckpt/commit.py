@@ -159,5 +159,7 @@ def quarantine(root: str | os.PathLike[str], step_dir: Path, reason: str) -> Pat
     fsync_dir(qdir)
     fsync_dir(base)
     RenameCommit.publish_latest(base)
-    log.warning("dckpt: quarantined %s: %s", step_dir.name, reason)
+    log.warning(
+        "dckpt: moved %s to %s: %s", step_dir.name, target, reason.split(". ", maxsplit=1)[0]
+    )
     return target

@@ -505,7 +505,8 @@ class CheckpointManager:
                 if not fallback:
                     raise
                 self._quarantine(step, f"{type(exc).__name__}: {exc}")
-                report.skipped.append((step, f"{type(exc).__name__}: {exc}"))
+                # The report keeps the first sentence; quarantine/<step>.reason.txt has it all.
+                report.skipped.append((step, f"{type(exc).__name__}: {str(exc).split('. ')[0]}"))
         if result is None:
             if report.skipped:
                 if self.rank == 0:
@@ -555,8 +556,7 @@ class CheckpointManager:
         error: str | None = None
         if self.rank == 0:
             try:
-                target = quarantine(self.root, self.root / step_dir_name(step), reason)
-                log.warning("dckpt: step %d failed verification, moved to %s", step, target)
+                quarantine(self.root, self.root / step_dir_name(step), reason)
             except (OSError, ValueError) as exc:
                 error = f"could not quarantine step {step}: {exc}"
         error = self._ctl.broadcast(error)

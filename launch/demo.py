@@ -3,10 +3,13 @@
 1. an uninterrupted 2-rank run of launch/train.py to step 12 (the reference);
 2. the same run, saving every 4 steps, killed with SIGKILL right after step 10;
 3. `dckpt ls` shows what survived: steps 4 and 8, committed;
-4. the run is started again: it resumes from step 8 after verifying every file's digest;
+4. the run is started again: it resumes from the newest committed checkpoint after checking its
+   manifest, config and every file's digest, restoring RNG and data position, and a warmup
+   all-reduce; the report is printed;
 5. `dckpt verify` re-hashes every committed checkpoint;
 6. the losses of steps 9-12 of the resumed run are compared with the reference, bit for bit;
-7. one bit of a copy of the newest checkpoint is flipped, and `dckpt verify` names the file.
+7. one bit of a copy of the newest checkpoint is flipped, and `dckpt verify` names the file;
+8. a job started on that copy quarantines the damaged checkpoint and resumes from the one before.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ def torchrun(ckpt: Path, log: Path, *extra: str) -> int:
         str(ROOT / "launch" / "train.py"), "--ckpt-dir", str(ckpt), "--steps", str(STEPS),
         "--save-every", str(SAVE_EVERY), "--loss-log", str(log), *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    for line in (proc.stdout + proc.stderr).splitlines():
-        if line.startswith(("dckpt:", "train:")):
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(("dckpt", "train:", "  [", "  rng", "  world", "  timings", "  skip")):
             print("  " + line)
     return proc.returncode
 
@@ -83,7 +88,7 @@ def main() -> int:
         "writing when the job died is left as an incomplete tmp dir, never as a checkpoint."
     )
 
-    say("4. start the job again: it resumes from the newest committed checkpoint, verified")
+    say("4. start the job again: a verified resume, with its report")
     if torchrun(run_dir, run_log) != 0:
         print("resumed run failed")
         return 1
@@ -112,6 +117,12 @@ def main() -> int:
     shard.write_bytes(bytes(data))
     code = dckpt("verify", str(bad), "--step", str(STEPS))
     print(f"  dckpt verify exited with {code} (3 = integrity failure) and named the file")
+
+    say("8. start a job on the damaged copy: it quarantines the bad step and falls back")
+    if torchrun(bad, RUNS / "bitrot.jsonl") != 0:
+        print("the job on the damaged copy failed")
+        return 1
+    dckpt("ls", str(bad))
 
     say("done: crashed, resumed from a verified checkpoint, continued loss for loss")
     print(f"  checkpoints: {run_dir}\n  loss logs: {ref_log}, {run_log}")
