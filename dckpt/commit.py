@@ -27,17 +27,28 @@ from pathlib import Path
 from .faults import fault_point
 from .layout import (
     LATEST_FILE,
+    PINS_DIR,
     QUARANTINE_DIR,
     REPLACED_RE,
     STEP_RE,
     TMP_RE,
+    TRASH_RE,
     committed_steps,
     read_latest,
     step_dir_name,
 )
 from .manifest import MANIFEST_FILE
 
-__all__ = ["RenameCommit", "fsync_dir", "new_tmp_dir", "quarantine", "recover"]
+__all__ = [
+    "RenameCommit",
+    "delete_checkpoints",
+    "fsync_dir",
+    "new_tmp_dir",
+    "pin",
+    "quarantine",
+    "recover",
+    "unpin",
+]
 
 log = logging.getLogger("dckpt")
 
@@ -124,6 +135,9 @@ def recover(root: str | os.PathLike[str]) -> list[str]:
         if TMP_RE.fullmatch(child.name):
             shutil.rmtree(child, ignore_errors=True)
             actions.append(f"removed abandoned save {child.name}")
+        elif TRASH_RE.fullmatch(child.name):
+            shutil.rmtree(child, ignore_errors=True)
+            actions.append(f"finished deleting {child.name}")
         elif m := REPLACED_RE.fullmatch(child.name):
             final = base / f"step-{m.group(1)}"
             if not final.exists() and (child / MANIFEST_FILE).is_file():
@@ -163,3 +177,50 @@ def quarantine(root: str | os.PathLike[str], step_dir: Path, reason: str) -> Pat
         "dckpt: moved %s to %s: %s", step_dir.name, target, reason.split(". ", maxsplit=1)[0]
     )
     return target
+
+
+def delete_checkpoints(root: str | os.PathLike[str], steps: list[int]) -> list[str]:
+    """Delete committed checkpoints: rename each to a trash name (fsynced), then remove it.
+
+    After the rename the directory no longer looks committed, so a crash mid-delete leaves
+    only a trash dir, which ``recover`` removes. ``latest`` is never left pointing at one.
+    """
+    base = Path(root)
+    trashed: list[Path] = []
+    for step in steps:
+        src = base / step_dir_name(step)
+        if not (src / MANIFEST_FILE).is_file():
+            continue
+        dst = base / f"{src.name}.trash-{uuid.uuid4().hex}"
+        os.rename(src, dst)
+        trashed.append(dst)
+    if trashed:
+        fsync_dir(base)
+        RenameCommit.publish_latest(base)
+        fault_point("retention", 0)
+    for path in trashed:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name.split(".trash-")[0] for p in trashed]
+
+
+def pin(root: str | os.PathLike[str], step: int) -> Path:
+    """Mark a committed step as pinned: retention never deletes it."""
+    base = Path(root)
+    if not (base / step_dir_name(step) / MANIFEST_FILE).is_file():
+        raise FileNotFoundError(f"no committed checkpoint for step {step} under {base}")
+    pins = base / PINS_DIR
+    pins.mkdir(exist_ok=True)
+    marker = pins / step_dir_name(step)
+    marker.touch()
+    fsync_dir(pins)
+    return marker
+
+
+def unpin(root: str | os.PathLike[str], step: int) -> bool:
+    """Remove a pin; returns whether there was one."""
+    marker = Path(root) / PINS_DIR / step_dir_name(step)
+    if not marker.exists():
+        return False
+    marker.unlink()
+    fsync_dir(marker.parent)
+    return True

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .retention import RetentionPolicy
 from .storage.digest import ALGORITHMS
 
 __all__ = ["CheckpointConfig"]
@@ -35,6 +36,11 @@ class CheckpointConfig:
         warmup: run the warmup all-reduce on the training group at the end of a resume.
         loss_watch: after a resume, compare the first ``loss_watch_steps`` losses given to
             ``observe()`` with the loss recorded at save time: ``warn``, ``raise`` or ``off``.
+        keep_last: keep the N newest committed checkpoints (at least 2); None keeps all.
+        milestone_every: every checkpoint whose step is a multiple of this is a milestone,
+            kept forever (as is any ``save(..., milestone=True)``).
+        best_k, best_mode: also keep the k best by the metric given to ``save(metric=...)``.
+        lock: hold ``ROOT/.dckpt-lock`` so a second job on the same root fails fast.
     """
 
     root: Path
@@ -48,6 +54,18 @@ class CheckpointConfig:
     warmup: bool = True
     loss_watch: str = "warn"
     loss_watch_steps: int = 5
+    keep_last: int | None = None
+    milestone_every: int | None = None
+    best_k: int = 0
+    best_mode: str = "min"
+    lock: bool = True
+    lock_lease_s: float = 300.0
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(
+            keep_last=self.keep_last, best_k=self.best_k, best_mode=self.best_mode
+        )
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
@@ -60,6 +78,13 @@ class CheckpointConfig:
                 f"timeout_s must be > 0, got {self.timeout_s}: a wait without a bound turns a "
                 "dead rank into a hang"
             )
+        self.retention  # noqa: B018 - builds the policy, which validates its settings
+        if self.milestone_every is not None and self.milestone_every < 1:
+            raise ValueError(f"milestone_every must be >= 1, got {self.milestone_every}")
+        if self.best_k and self.keep_last is None:
+            raise ValueError("best_k needs keep_last: with keep_last=None everything is kept")
+        if self.lock_lease_s < 10:
+            raise ValueError(f"lock_lease_s must be >= 10 s, got {self.lock_lease_s}")
         if self.loss_watch not in ("warn", "raise", "off"):
             raise ValueError(f"loss_watch must be warn, raise or off, got {self.loss_watch!r}")
         if self.loss_watch_steps < 1:

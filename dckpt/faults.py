@@ -11,7 +11,8 @@ process of that rank fire the action when it reaches that phase (of that step, i
 Unset, it costs one cached lookup per phase. Phases, in save order: ``prepare`` (state dict
 taken), ``write_shards`` (this rank's shard files written, before DCP's metadata),
 ``dcp_finish`` (DCP returned on this rank), ``write_manifest``, ``rename`` (before the commit
-rename), ``publish_latest`` (after the rename, before ``latest``); and in a resume, ``warmup``
+rename), ``publish_latest`` (after the rename, before ``latest``), ``retention`` (after the
+victims were renamed to trash, before they are removed); and in a resume, ``warmup``
 (before this rank joins the warmup collective).
 """
 
@@ -33,6 +34,7 @@ PHASES = (
     "write_manifest",
     "rename",
     "publish_latest",
+    "retention",
     "warmup",
 )
 ACTIONS = ("sigkill", "raise", "enospc", "sleep")

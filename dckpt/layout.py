@@ -5,7 +5,10 @@
       step-00001200/                committed: final name and a manifest.json inside
       step-00001300.tmp-<hex>/      a save in flight, or abandoned (never loaded)
       step-00001200.replaced-<hex>/ an older copy being replaced by a re-save of that step
+      step-00000400.trash-<hex>/    being deleted by retention (renamed first: never loadable)
       quarantine/step-00001100/     failed verification, kept for forensics
+      pins/step-00001000            an empty file: that step is pinned (retention keeps it)
+      .dckpt-lock                   the run lock (dckpt.lock)
 
 Only names that match these patterns are dckpt's; nothing else under ROOT is ever touched.
 This module reads; dckpt.commit is the only writer of these names.
@@ -38,6 +41,9 @@ QUARANTINE_DIR = "quarantine"
 STEP_RE = re.compile(r"step-([0-9]{8,})")
 TMP_RE = re.compile(r"step-([0-9]{8,})\.tmp-([0-9a-f]{32})")
 REPLACED_RE = re.compile(r"step-([0-9]{8,})\.replaced-([0-9a-f]{32})")
+TRASH_RE = re.compile(r"step-([0-9]{8,})\.trash-([0-9a-f]{32})")
+PINS_DIR = "pins"
+LOCK_FILE = ".dckpt-lock"
 QUARANTINED_RE = re.compile(r"step-([0-9]{8,})(-[0-9a-f]{8})?")
 
 Status = Literal["committed", "incomplete", "quarantined"]
@@ -96,3 +102,22 @@ def read_latest(root: str | os.PathLike[str]) -> str | None:
     except (FileNotFoundError, UnicodeDecodeError):
         return None
     return name if STEP_RE.fullmatch(name) else None
+
+
+def pinned_steps(root: str | os.PathLike[str]) -> set[int]:
+    """Steps pinned with ``dckpt pin`` (marker files under ``pins/``)."""
+    pins = Path(root) / PINS_DIR
+    if not _is_real_dir(pins):
+        return set()
+    return {int(m.group(1)) for p in pins.iterdir() if (m := STEP_RE.fullmatch(p.name))}
+
+
+def is_dckpt_root(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` holds anything of dckpt's (a step dir, ``latest`` or the lock)."""
+    base = Path(root)
+    if (base / LATEST_FILE).exists() or (base / LOCK_FILE).exists():
+        return True
+    return any(
+        STEP_RE.fullmatch(c.name) or TMP_RE.fullmatch(c.name) or c.name == QUARANTINE_DIR
+        for c in base.iterdir()
+    )

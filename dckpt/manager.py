@@ -60,7 +60,9 @@ from .errors import (
     StateMismatchError,
 )
 from .faults import fault_point
+from .housekeeping import apply_retention
 from .layout import committed_steps, step_dir_name
+from .lock import LockError, RunLock
 from .manifest import Manifest, check_layout, read_manifest
 from .precision import PrecisionPolicy
 from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport, check_config
@@ -170,18 +172,26 @@ class CheckpointManager:
         self.run_id = str(
             self._ctl.broadcast(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex)
         )
-        error: str | None = None
+        failure: CheckpointError | None = None
+        self._lock: RunLock | None = None
         if self.rank == 0:
             try:
                 if self.root.exists() and not self.root.is_dir():
                     raise CheckpointError(f"{self.root} exists and is not a directory")
                 self.root.mkdir(parents=True, exist_ok=True)
+                if config.lock:
+                    self._lock = RunLock(self.root, self.run_id, config.lock_lease_s)
+                    self._lock.acquire()
                 recover(self.root)
+            except LockError as exc:
+                failure = exc
             except (OSError, CheckpointError) as exc:
-                error = f"cannot use checkpoint root {self.root}: {exc}"
-        error = self._ctl.broadcast(error)
-        if error is not None:
-            raise CheckpointError(error)
+                failure = CheckpointError(f"cannot use checkpoint root {self.root}: {exc}")
+        failure = self._ctl.broadcast(failure)
+        if failure is not None:
+            self._ctl.close()
+            self._io.close()
+            raise failure
         self._hook: Any = None
         if config.overlap_staging and state.optimizer is not None:
             self._hook = state.optimizer.register_step_pre_hook(
@@ -190,8 +200,18 @@ class CheckpointManager:
 
     # --- saving -----------------------------------------------------------------------------
 
-    def save(self, step: int, *, epoch: int | None = None, milestone: bool = False) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        *,
+        epoch: int | None = None,
+        milestone: bool = False,
+        metric: float | None = None,
+    ) -> SaveHandle:
         """Save the state as ``step`` on every rank; returns once training may go on.
+
+        ``milestone=True`` (or a step that is a multiple of ``milestone_every``) keeps this
+        checkpoint through retention; ``metric`` ranks it for ``best_k``.
 
         The returned handle's ``result()`` blocks until the checkpoint is committed. An error
         of this save is raised by the next ``save()``, ``wait()`` or ``close()`` on every rank.
@@ -225,6 +245,9 @@ class CheckpointManager:
             self.state.epoch = epoch
         epoch = self.state.epoch
         loss = self._loss_watch.summary()
+        every = self.config.milestone_every
+        milestone = milestone or (every is not None and step % every == 0)
+        extra = {"loss": loss, "metric": {} if metric is None else {"value": float(metric)}}
         snapshot: dict[str, Any] | None = None
         deferred: set[int] = set()
         error: str | None = None
@@ -244,7 +267,7 @@ class CheckpointManager:
             error = f"taking the state dict failed: {exc!r}"
 
         def job(h: SaveHandle) -> SaveResult:
-            return self._write(h, save_id, snapshot, deferred, error, epoch, milestone, loss)
+            return self._write(h, save_id, snapshot, deferred, error, epoch, milestone, extra)
 
         self._writer.submit(handle, job)
         if not self.config.async_save:
@@ -301,7 +324,7 @@ class CheckpointManager:
         error: str | None,
         epoch: int,
         milestone: bool,
-        loss: dict[str, float],
+        extra: dict[str, Any],
     ) -> SaveResult:
         """The background half of a save (runs on the writer thread, on the io group).
 
@@ -310,7 +333,7 @@ class CheckpointManager:
         """
         try:
             result = self._write_steps(
-                handle, save_id, snapshot, deferred, error, epoch, milestone, loss
+                handle, save_id, snapshot, deferred, error, epoch, milestone, extra
             )
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -337,7 +360,7 @@ class CheckpointManager:
         error: str | None,
         epoch: int,
         milestone: bool,
-        loss: dict[str, float],
+        extra: dict[str, Any],
     ) -> SaveResult:
         step, t0 = handle.step, handle.started
         tmp_dir = new_tmp_dir(self.root, step, save_id)
@@ -392,7 +415,7 @@ class CheckpointManager:
                 save_id=save_id,
                 reports=reports,
                 t0=t0,
-                loss=loss,
+                extra=extra,
             )
 
         self._progress.mark(save_id, "reported")
@@ -421,6 +444,11 @@ class CheckpointManager:
                 self.config.digest,
                 result.path,
             )
+            if self.config.retention.enabled:
+                try:
+                    apply_retention(self.root, self.config.retention)
+                except (OSError, CheckpointError) as exc:  # the save itself is committed
+                    log.error("dckpt retention failed, nothing more was deleted: %r", exc)
         return result
 
     def _written(self, save_id: str, step: int) -> None:
@@ -741,6 +769,8 @@ class CheckpointManager:
         finally:
             if self._hook is not None:
                 self._hook.remove()
+            if self._lock is not None:
+                self._lock.release()
             self._io.close()
             self._ctl.close()
         self._writer.raise_if_failed()
@@ -786,7 +816,7 @@ class CheckpointManager:
         save_id: str,
         reports: list[RankReport],
         t0: float,
-        loss: dict[str, float],
+        extra: dict[str, Any],
     ) -> Manifest:
         records = tuple(sorted(rec for r in reports for rec in r.records))
         return Manifest(
@@ -807,7 +837,8 @@ class CheckpointManager:
             mesh={"world_size": self.world_size},
             config=self.run_config,
             precision=self.precision.describe() if self.precision is not None else {},
-            loss=loss,
+            loss=extra["loss"],
+            metric=extra["metric"],
             timings={
                 "prepare_s": max(r.timings.get("prepare_s", 0.0) for r in reports),
                 "write_s": max(r.timings.get("write_s", 0.0) for r in reports),

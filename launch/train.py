@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="save in the background (default) or block until each save is committed",
     )
+    p.add_argument("--keep-last", type=int, default=None, help="keep the N newest checkpoints")
+    p.add_argument("--milestone-every", type=int, default=None, help="keep every M-th step forever")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -135,7 +137,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # Flags that do not change the math: they may differ between a run and its resume.
-NOT_CONFIG = ("ckpt_dir", "loss_log", "crash_at_step", "async_save")
+NOT_CONFIG = (
+    "ckpt_dir",
+    "loss_log",
+    "crash_at_step",
+    "async_save",
+    "keep_last",
+    "milestone_every",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,7 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     state = dckpt.TrainState(
         model, opt, scheduler=sched, scaler=scaler, data=sampler, seed=args.seed
     )
-    config = dckpt.CheckpointConfig(root=Path(args.ckpt_dir), async_save=args.async_save)
+    config = dckpt.CheckpointConfig(
+        root=Path(args.ckpt_dir),
+        async_save=args.async_save,
+        keep_last=args.keep_last,
+        milestone_every=args.milestone_every,
+    )
     run_config = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
     manager = dckpt.CheckpointManager(config, state, run_config=run_config, precision=policy)
     manager.resume()  # logs the report; a fresh start when there is nothing to resume

@@ -1,0 +1,152 @@
+"""The run lock: one training job per checkpoint root.
+
+``ROOT/.dckpt-lock`` (JSON) names the owner: host, pid, process start time, run id, and a lease
+that the owner renews while it lives. A second job on the same root fails fast with a message
+naming the owner. The lock is taken over, with a log line, when the owner is provably gone:
+on the same host, its pid no longer runs (or runs another program); on another host, its lease
+expired. A restart of the same run (same run id) takes the lock over too.
+
+Acquire writes a fresh file with O_EXCL, or, to take over, writes a tmp file and renames it
+over the old one, then reads it back to confirm it won a race with another taker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from .errors import CheckpointError
+from .layout import LOCK_FILE
+
+__all__ = ["LockError", "RunLock"]
+
+log = logging.getLogger("dckpt")
+
+
+class LockError(CheckpointError):
+    """Another live job holds the checkpoint root."""
+
+
+@dataclass(frozen=True)
+class _Owner:
+    host: str
+    pid: int
+    started: float
+    run_id: str
+    token: str
+    lease_until: float
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return f"run {self.run_id} (pid {self.pid} on {self.host}, started {when})"
+
+
+def _proc_started(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
+class RunLock:
+    """Holds ``ROOT/.dckpt-lock`` for one job; renews its lease on a daemon thread."""
+
+    def __init__(self, root: Path, run_id: str, lease_s: float = 300.0) -> None:
+        self.path = root / LOCK_FILE
+        self.run_id = run_id
+        self.lease_s = lease_s
+        self._token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.took_over: str | None = None
+
+    def _me(self) -> _Owner:
+        pid = os.getpid()
+        return _Owner(
+            host=socket.gethostname(),
+            pid=pid,
+            started=_proc_started(pid) or time.time(),
+            run_id=self.run_id,
+            token=self._token,
+            lease_until=time.time() + self.lease_s,
+        )
+
+    def _read(self) -> _Owner | None:
+        try:
+            return _Owner(**json.loads(self.path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError):
+            return _Owner("?", -1, 0.0, "?", "?", 0.0)  # unreadable: treat as stale
+
+    def _write_over(self) -> None:
+        tmp = self.path.with_name(f"{LOCK_FILE}.tmp-{self._token}")
+        tmp.write_text(json.dumps(asdict(self._me())), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def _stale_reason(self, owner: _Owner) -> str | None:
+        if owner.run_id == self.run_id:
+            return "the same run restarted"
+        if owner.host == socket.gethostname():
+            started = _proc_started(owner.pid)
+            if started is None:
+                return f"pid {owner.pid} is no longer running"
+            if abs(started - owner.started) > 1.0:
+                return f"pid {owner.pid} now belongs to another process"
+            return None
+        if owner.lease_until < time.time():
+            return f"its lease expired {time.time() - owner.lease_until:.0f} s ago"
+        return None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise LockError naming the live owner."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            owner = self._read()
+            reason = None if owner is None else self._stale_reason(owner)
+            if owner is not None and reason is None:
+                raise LockError(
+                    f"{self.path.parent} is in use by {owner.describe()}. Two jobs writing one "
+                    "checkpoint root would corrupt each other's history: stop that job, or "
+                    "point this one at another --ckpt-dir."
+                ) from None
+            self._write_over()
+            if owner is not None:
+                self.took_over = f"took over the lock of {owner.describe()}: {reason}"
+                log.warning("dckpt: %s", self.took_over)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(asdict(self._me())))
+        mine = self._read()
+        if mine is None or mine.token != self._token:
+            other = mine.describe() if mine else "another job"
+            raise LockError(f"{self.path.parent}: lost the race for the lock to {other}")
+        self._thread = threading.Thread(target=self._renew, name="dckpt-lock", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        # A daemon on purpose: if the process dies, the lease must stop being renewed.
+        while not self._stop.wait(self.lease_s / 3):
+            owner = self._read()
+            if owner is None or owner.token != self._token:
+                log.error("dckpt: the run lock %s was taken by someone else", self.path)
+                return
+            self._write_over()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        owner = self._read()
+        if owner is not None and owner.token == self._token:
+            self.path.unlink(missing_ok=True)
