@@ -7,6 +7,9 @@ receives byte counts so a caller can draw a bar.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,7 +20,15 @@ from .manifest import check_layout, read_manifest
 from .storage.digest import hash_file, parse_digest
 from .storage.records import FileRecord
 
-__all__ = ["FileProblem", "VerifyResult", "verify_checkpoint"]
+__all__ = [
+    "FileProblem",
+    "VerifyResult",
+    "read_verification",
+    "record_verification",
+    "verify_checkpoint",
+]
+
+VERIFIED_DIR = ".dckpt-verified"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,3 +105,35 @@ def verify_checkpoint(
         bytes_checked=manifest.total_bytes,
         problems=[p for p in found if p is not None],
     )
+
+
+def _record_path(step_dir: Path) -> Path:
+    return step_dir.parent / VERIFIED_DIR / f"{step_dir.name}.json"
+
+
+def record_verification(result: VerifyResult) -> None:
+    """Remember a verification outcome beside the root (``ls`` shows it); best effort."""
+    try:
+        manifest = read_manifest(result.step_dir)
+    except (ManifestError, IntegrityError):
+        return
+    path = _record_path(result.step_dir)
+    try:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        record = {"ok": result.ok, "time": time.time(), "files_digest": manifest.files_digest}
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        return
+
+
+def read_verification(step_dir: Path, files_digest: str) -> dict[str, object] | None:
+    """The last recorded verification of this very checkpoint (same files digest), if any."""
+    try:
+        record = json.loads(_record_path(step_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("files_digest") != files_digest:
+        return None
+    return record

@@ -1,0 +1,84 @@
+"""The ``dckpt`` command: look at, check, inspect and manage checkpoints without Python.
+
+Commands: ``ls``, ``verify``, ``inspect`` (reading.py), ``gc``, ``pin``, ``unpin``
+(manage.py). Exit codes: 0 ok; 2 bad usage, or a root/step that does not exist or is not
+dckpt's; 3 an integrity failure. Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .. import __version__
+from .common import CliError, err
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .manage import cmd_gc, cmd_pin, cmd_unpin
+    from .reading import cmd_inspect, cmd_ls, cmd_verify
+
+    parser = argparse.ArgumentParser(
+        prog="dckpt", description="Inspect, verify and manage dckpt checkpoints."
+    )
+    parser.add_argument("--version", action="version", version=f"dckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ls", help="list the checkpoints under a root")
+    p.add_argument("root")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("verify", help="re-hash every file against its manifest")
+    p.add_argument("root")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="only this step")
+    which.add_argument("--all", action="store_true", help="every committed step (the default)")
+    p.add_argument("--threads", type=int, default=4, help="files hashed in parallel")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("inspect", help="show a checkpoint's manifest")
+    p.add_argument("root")
+    p.add_argument("--step", type=int, help="this step (default: the newest committed)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("gc", help="apply the retention policy by hand")
+    p.add_argument("root")
+    p.add_argument("--keep-last", type=int, required=True, help="keep the N newest (>= 2)")
+    p.add_argument("--best-k", type=int, default=0, help="also keep the k best by metric")
+    p.add_argument("--mode", choices=["min", "max"], default="min", help="what 'best' means")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p.add_argument("--force", action="store_true", help="even while a job holds the lock")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_gc)
+
+    for name, func, what in (
+        ("pin", cmd_pin, "keep a step through retention"),
+        ("unpin", cmd_unpin, "let retention judge a step again"),
+    ):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("root")
+        p.add_argument("step", type=int)
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)  # exits 2 on bad usage
+    try:
+        code: int = args.func(args)
+    except CliError as exc:
+        err.print(f"dckpt {args.command}: {exc}")
+        return exc.code
+    except BrokenPipeError:
+        return 0
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

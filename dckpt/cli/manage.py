@@ -1,0 +1,85 @@
+"""``dckpt gc``, ``pin`` and ``unpin``: retention run by hand, and exemptions from it.
+
+``gc`` applies the same policy as a training job (dckpt.retention): it never deletes the newest
+checkpoint, a milestone or a pinned one, and deletes by renaming to a trash name first. It
+refuses to run while a live job holds the root's lock, unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+
+from rich.table import Table
+
+from ..commit import pin, unpin
+from ..housekeeping import apply_retention, plan_retention
+from ..layout import LOCK_FILE
+from ..retention import RetentionPolicy
+from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
+
+__all__ = ["cmd_gc", "cmd_pin", "cmd_unpin"]
+
+
+def _live_lock_owner(args: argparse.Namespace) -> str | None:
+    path = root_arg(args.root) / LOCK_FILE
+    try:
+        owner = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    import psutil
+
+    pid, host = owner.get("pid"), owner.get("host")
+    if host == socket.gethostname() and isinstance(pid, int) and not psutil.pid_exists(pid):
+        return None
+    return f"run {owner.get('run_id')} (pid {pid} on {host})"
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    root = root_arg(args.root)
+    try:
+        policy = RetentionPolicy(keep_last=args.keep_last, best_k=args.best_k, best_mode=args.mode)
+    except ValueError as exc:
+        fail(EXIT_USAGE, str(exc))
+    owner = _live_lock_owner(args)
+    if owner is not None and not args.dry_run and not args.force:
+        fail(
+            EXIT_USAGE,
+            f"{root} is held by {owner}; its own retention runs after each save. Stop it, or "
+            "use --dry-run to see the plan, or --force.",
+        )
+    if args.dry_run:
+        decisions, deleted = plan_retention(root, policy), list[str]()
+    else:
+        decisions, deleted = apply_retention(root, policy)
+    if args.json:
+        rows = [{"step": d.step, "keep": d.keep, "reasons": list(d.reasons)} for d in decisions]
+        print(json.dumps({"dry_run": args.dry_run, "decisions": rows, "deleted": deleted}))
+        return EXIT_OK
+    table = Table(title=f"retention under {root}" + (" (dry run)" if args.dry_run else ""))
+    for col in ("step", "decision", "why"):
+        table.add_column(col)
+    for d in decisions:
+        verb = "keep" if d.keep else ("would delete" if args.dry_run else "deleted")
+        table.add_row(str(d.step), verb, ", ".join(d.reasons))
+    out.print(table)
+    return EXIT_OK
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    root = root_arg(args.root)
+    try:
+        marker = pin(root, args.step)
+    except FileNotFoundError as exc:
+        fail(EXIT_USAGE, str(exc))
+    out.print(f"pinned step {args.step} ({marker}): retention will keep it")
+    return EXIT_OK
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    root = root_arg(args.root)
+    if not unpin(root, args.step):
+        fail(EXIT_USAGE, f"step {args.step} is not pinned under {root}")
+    out.print(f"unpinned step {args.step}")
+    return EXIT_OK

@@ -1,0 +1,234 @@
+"""``dckpt ls``, ``verify`` and ``inspect``: look at and check checkpoints (a read-only view,
+except that ``verify`` records its result under ``.dckpt-verified/`` for ``ls``).
+
+Output contract (tests and scripts read it):
+- ``ls --json``: one object per checkpoint with ``step`` (int), ``status`` (``committed``,
+  ``incomplete`` or ``quarantined``), ``path``, ``bytes``, ``milestone``, ``pinned``,
+  ``verified`` (``ok``, ``failed`` or null), ``files``, ``created_at``, ``age_s``, ``error``.
+- ``verify --json``: ``{"ok": bool, "checkpoints": [{"step", "path", "ok", "files_checked",
+  "bytes_checked", "problems": [{"path", "error", "expected", "actual"}]}]}``.
+- ``inspect --json``: the manifest, with ``step``, ``world_size``, ``files`` (``path`` relative
+  to the step dir, ``bytes``, ``digest``), ``state``, ``precision``, ``config``, ``timings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from ..errors import IntegrityError, ManifestError
+from ..layout import CheckpointEntry, list_checkpoints, pinned_steps
+from ..manifest import read_manifest
+from ..verify import VerifyResult, read_verification, record_verification, verify_checkpoint
+from .common import (
+    EXIT_INTEGRITY,
+    EXIT_OK,
+    EXIT_USAGE,
+    committed_dir,
+    dir_bytes,
+    err,
+    fail,
+    human,
+    out,
+    root_arg,
+)
+
+__all__ = ["cmd_inspect", "cmd_ls", "cmd_verify"]
+
+
+# --- ls ------------------------------------------------------------------------------------
+
+
+def _ls_record(entry: CheckpointEntry, now: float, pins: set[int]) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "step": entry.step,
+        "status": entry.status,
+        "path": str(entry.path),
+        "bytes": 0,
+        "milestone": False,
+        "pinned": entry.status == "committed" and entry.step in pins,
+        "verified": None,
+        "files": None,
+        "created_at": None,
+        "age_s": None,
+        "error": None,
+    }
+    if entry.status == "committed":
+        try:
+            manifest = read_manifest(entry.path)
+        except (ManifestError, IntegrityError) as exc:
+            record["error"] = str(exc)
+            record["bytes"] = dir_bytes(entry.path)
+            return record
+        check = read_verification(entry.path, manifest.files_digest)
+        record.update(
+            verified=None if check is None else ("ok" if check["ok"] else "failed"),
+            verified_at=None if check is None else check["time"],
+            bytes=manifest.total_bytes,
+            milestone=manifest.milestone,
+            files=len(manifest.files),
+            created_at=manifest.created_at,
+            age_s=max(0.0, now - manifest.created_at),
+        )
+    else:
+        record["bytes"] = dir_bytes(entry.path)
+    return record
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = root_arg(args.root)
+    now = time.time()
+    pins = pinned_steps(root)
+    records = [_ls_record(e, now, pins) for e in list_checkpoints(root)]
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return EXIT_OK
+    if not records:
+        out.print(f"no checkpoints under {root}")
+        return EXIT_OK
+    table = Table(title=f"checkpoints under {root}")
+    for col in (
+        "step",
+        "status",
+        "size",
+        "files",
+        "age",
+        "milestone",
+        "pinned",
+        "verified",
+        "note",
+    ):
+        table.add_column(col, justify="right" if col in ("step", "size", "files") else "left")
+    for r in records:
+        table.add_row(
+            str(r["step"]),
+            r["status"] if r["error"] is None else "committed (damaged)",
+            human(r["bytes"]),
+            "-" if r["files"] is None else str(r["files"]),
+            _age(r["age_s"]),
+            "yes" if r["milestone"] else "",
+            "yes" if r["pinned"] else "",
+            r["verified"] or "",
+            "" if r["error"] is None else r["error"][:80],
+        )
+    out.print(table)
+    return EXIT_OK
+
+
+# --- verify --------------------------------------------------------------------------------
+
+
+def _verify_json(result: VerifyResult) -> dict[str, Any]:
+    return {
+        "step": result.step,
+        "path": str(result.step_dir),
+        "ok": result.ok,
+        "files_checked": result.files_checked,
+        "bytes_checked": result.bytes_checked,
+        "problems": [
+            {"path": p.path, "error": p.error, "expected": p.expected, "actual": p.actual}
+            for p in result.problems
+        ],
+    }
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root = root_arg(args.root)
+    if args.step is not None:
+        dirs = [committed_dir(root, args.step)]
+    else:
+        dirs = [e.path for e in list_checkpoints(root) if e.status == "committed"]
+        if not dirs:
+            fail(EXIT_USAGE, f"no committed checkpoint under {root} (see `dckpt ls {root}`)")
+    total = sum(dir_bytes(d) for d in dirs)
+    results: list[VerifyResult] = []
+    show_bar = not args.json and err.is_terminal
+    with Progress(
+        TextColumn("verifying"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err,
+        disable=not show_bar,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("verify", total=total)
+        for d in dirs:
+            result = verify_checkpoint(
+                d, threads=args.threads, progress=lambda n: bar.advance(task, n)
+            )
+            record_verification(result)
+            results.append(result)
+    ok = all(r.ok for r in results)
+    if args.json:
+        print(json.dumps({"ok": ok, "checkpoints": [_verify_json(r) for r in results]}, indent=1))
+    else:
+        for r in results:
+            label = r.step_dir.name
+            if r.ok:
+                out.print(f"OK      {label}: {r.files_checked} files, {human(r.bytes_checked)}")
+            for p in r.problems:
+                detail = f" (expected {p.expected}, got {p.actual})" if p.expected else ""
+                out.print(f"FAILED  {label}: {p.path}: {p.error}{detail}")
+        if not ok:
+            out.print(
+                "integrity failure: do not load the FAILED checkpoints. A training job's "
+                "resume() quarantines them and falls back to the newest good one; check the "
+                "storage for bit rot."
+            )
+    return EXIT_OK if ok else EXIT_INTEGRITY
+
+
+# --- inspect -------------------------------------------------------------------------------
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    root = root_arg(args.root)
+    step_dir = committed_dir(root, args.step)
+    try:
+        manifest = read_manifest(step_dir)
+    except (ManifestError, IntegrityError) as exc:
+        fail(EXIT_INTEGRITY, str(exc))
+    obj = manifest.to_json_obj()
+    obj["path"] = str(step_dir)
+    if args.json:
+        print(json.dumps(obj, indent=1, sort_keys=True))
+        return EXIT_OK
+    out.print(f"[bold]{step_dir}[/bold]")
+    rows = [
+        ("step", manifest.step),
+        ("epoch", manifest.epoch),
+        ("world size", manifest.world_size),
+        ("state", ", ".join(manifest.state)),
+        ("size", f"{human(manifest.total_bytes)} in {len(manifest.files)} files"),
+        ("digests", manifest.digest_algorithm),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created_at))),
+        ("run id", manifest.run_id),
+        ("milestone", manifest.milestone),
+        ("versions", ", ".join(f"{k} {v}" for k, v in sorted(manifest.versions.items()))),
+        ("timings", ", ".join(f"{k} {v:.3f}" for k, v in sorted(manifest.timings.items()))),
+        ("config", json.dumps(manifest.config, sort_keys=True)),
+    ]
+    for key, value in rows:
+        out.print(f"  {key:<10} {value}")
+    table = Table(title="files")
+    for col in ("path", "rank", "bytes", "digest"):
+        table.add_column(col)
+    for f in manifest.files:
+        table.add_row(f.path, str(f.rank), human(f.bytes), f.digest)
+    out.print(table)
+    return EXIT_OK

@@ -1,0 +1,41 @@
+"""Reading a checkpoint's tensors without the model that wrote it (for ``dckpt diff/export``).
+
+The state dict is rebuilt from DCP's metadata (full, unsharded shapes), optionally only the
+keys under a prefix, and loaded through the verifying reader: every file read is checked
+against the manifest first. Everything lands in this process's memory: meant for one process
+on one machine, for inspection and export, not for resuming training.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from .manifest import check_layout, read_manifest
+from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
+
+__all__ = ["load_flat"]
+
+
+def load_flat(step_dir: Path, prefix: str = "") -> dict[str, Any]:
+    """Every value under ``prefix`` (dotted fqn) in one checkpoint, verified, as a flat dict."""
+    manifest = read_manifest(step_dir)
+    check_layout(step_dir, manifest)
+    reader = VerifyingReader(step_dir, manifest.file_map())
+    state: dict[str, Any] = {}
+    for fqn, meta in reader.load_metadata().state_dict_metadata.items():
+        if not fqn.startswith(prefix):
+            continue
+        if isinstance(meta, TensorStorageMetadata):
+            state[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        else:
+            state[fqn] = None  # a pickled value; DCP fills it in (weights_only)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return state
