@@ -95,14 +95,36 @@ class RenameCommit:
         if final.exists():
             replaced = base / f"{final.name}.replaced-{uuid.uuid4().hex}"
             os.rename(final, replaced)
-        fault_point("rename", 0, step)
-        os.rename(tmp_dir, final)
-        fsync_dir(base)
-        fault_point("publish_latest", 0, step)
-        self.publish_latest(base)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+        try:
+            fault_point("rename", 0, step)
+            os.rename(tmp_dir, final)  # the commit point
+        except BaseException:
+            if replaced is not None:  # put the old copy back: nothing changed
+                os.rename(replaced, final)
+            raise
+        # Committed. What follows only tidies up: a failure here is logged, not raised, so a
+        # committed save is never reported as lost; `recover` finishes the job at next start.
+        try:
+            fsync_dir(base)
+            self._supersede(base, step)
+            fault_point("publish_latest", 0, step)
+            self.publish_latest(base)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+        except Exception as exc:
+            log.warning("dckpt: step %d is committed, but tidying up failed: %r", step, exc)
         return final
+
+    @staticmethod
+    def _supersede(root: Path, step: int) -> None:
+        """After a rollback (a save below the newest step), move the abandoned newer branch to
+        quarantine/, so that resume and retention follow the run as it goes on."""
+        for newer in [s for s in committed_steps(root) if s > step]:
+            quarantine(
+                root,
+                root / step_dir_name(newer),
+                f"superseded: the run was rolled back and saved step {step} after step {newer}",
+            )
 
     @staticmethod
     def publish_latest(root: Path) -> None:

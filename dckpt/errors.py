@@ -11,11 +11,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigMismatchError",
+    "IncompatibleCheckpointError",
     "IntegrityError",
     "LossDeviationError",
     "ManifestError",
     "SaveError",
     "StateMismatchError",
+    "StorageError",
     "WorldError",
 ]
 
@@ -71,3 +73,12 @@ class WorldError(CheckpointError):
 class StateMismatchError(CheckpointError):
     """The objects being restored do not fit the checkpoint (a tensor's shape or dtype, or a
     whole category of state): the model or setup changed, the checkpoint is not damaged."""
+
+
+class StorageError(CheckpointError):
+    """The storage failed to serve a file (EIO, EMFILE, ESTALE, EACCES ...): the checkpoint
+    is not known to be damaged, so it is never quarantined for this; retry or fix the storage."""
+
+
+class IncompatibleCheckpointError(ManifestError):
+    """The checkpoint was written by a newer dckpt (unknown schema): upgrade dckpt to read it."""

@@ -97,10 +97,16 @@ def committed_steps(root: str | os.PathLike[str]) -> list[int]:
 
 def read_latest(root: str | os.PathLike[str]) -> str | None:
     """The step dir name ``latest`` points to, or None when absent or not a step name."""
-    try:
-        name = (Path(root) / LATEST_FILE).read_text(encoding="utf-8").strip()
-    except (FileNotFoundError, UnicodeDecodeError):
+    try:  # never follow a symlink, never read more than a step name needs
+        fd = os.open(Path(root) / LATEST_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
         return None
+    try:
+        name = os.read(fd, 256).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
     return name if STEP_RE.fullmatch(name) else None
 
 

@@ -7,7 +7,7 @@ Save protocol (``save``), called by every rank with the same step, in the same o
    values copied now; parameters and optimizer state copied later, see stager.py); no
    collective runs on the training group, and none at all in the foreground;
 3. background (``writer.BackgroundWriter``), on dckpt's own gloo group: all ranks agree that
-   step 2 succeeded everywhere; ``dcp.save`` plans (cached), stages this rank's deferred items,
+   step 2 succeeded everywhere; ``dcp.save`` plans, stages this rank's deferred items,
    and writes them through ``HashingWriter`` (a digest per file, computed as bytes go out);
 4. ``Coordinator.finish_save``: digests gathered to rank 0, manifest written, atomic commit,
    outcome broadcast. An error on any rank fails the save on all ranks and commits nothing.
@@ -26,6 +26,7 @@ Load protocol (``load``), after draining any save in flight:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -54,23 +55,25 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigMismatchError,
+    IncompatibleCheckpointError,
     IntegrityError,
     ManifestError,
     SaveError,
     StateMismatchError,
+    StorageError,
+    WorldError,
 )
 from .faults import fault_point
 from .housekeeping import apply_retention
-from .layout import committed_steps, step_dir_name
+from .layout import committed_steps, list_checkpoints, step_dir_name
 from .lock import LockError, RunLock
 from .manifest import Manifest, check_layout, read_manifest
 from .precision import PrecisionPolicy
 from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport, check_config
-from .stager import Stager, StagingSavePlanner, storage_ptrs
+from .stager import Stager, StagingSavePlanner, storage_versions
 from .state import TrainState
-from .storage.digest import hash_file
 from .storage.hashing_writer import HashingWriter
-from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
+from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader, read_spans_verified
 from .world import warmup_collective
 from .writer import BackgroundWriter, SaveHandle, SaveResult
 
@@ -149,7 +152,14 @@ class CheckpointManager:
         self.config = config
         self.root = config.root
         self.state = state
-        self.run_config = dict(run_config or {})
+        try:  # stored as JSON in every manifest and compared on resume: normalise it once
+            self.run_config: dict[str, Any] = json.loads(
+                json.dumps(dict(run_config or {}), allow_nan=False, default=str)
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"run_config must be JSON-serialisable (finite numbers): {exc}"
+            ) from None
         self.precision = precision
         self._allowed_changes = SAFE_CONFIG_KEYS | frozenset(allow_config_changes)
         self._loss_watch = LossWatch()
@@ -166,6 +176,8 @@ class CheckpointManager:
         self._writer = BackgroundWriter()
         self._saves = 0
         self._closed = False
+        self._broken: str | None = None
+        self._device: int | None = None
         # The background save bounds each of its own waits by timeout_s and names a late rank
         # when one expires; joining it waits for that to happen, with a margin, never forever.
         self._join_timeout = 4 * config.timeout_s + 30
@@ -219,6 +231,12 @@ class CheckpointManager:
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._broken is not None:
+            raise WorldError(
+                f"an earlier save failed inside a collective ({self._broken}); dckpt's process "
+                "group cannot recover from that. Restart the job: it resumes from the last "
+                "committed checkpoint."
+            )
         t0 = time.perf_counter()
         self._writer.raise_if_failed()
         in_flight = self._writer.current
@@ -238,6 +256,8 @@ class CheckpointManager:
             self._writer.raise_if_failed()
 
         self._saves += 1
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._device = torch.cuda.current_device()
         save_id = xxhash.xxh3_128_hexdigest(f"{self.run_id}:{step}:{self._saves}".encode())
         handle = SaveHandle(step, t0)
         self.state.step = step
@@ -249,7 +269,7 @@ class CheckpointManager:
         milestone = milestone or (every is not None and step % every == 0)
         extra = {"loss": loss, "metric": {} if metric is None else {"value": float(metric)}}
         snapshot: dict[str, Any] | None = None
-        deferred: set[int] = set()
+        deferred: dict[int, int] = {}
         error: str | None = None
         try:
             state_dict = self.state.state_dict()
@@ -271,9 +291,13 @@ class CheckpointManager:
 
         self._writer.submit(handle, job)
         if not self.config.async_save:
-            handle.result()
+            try:
+                handle.result()
+            except BaseException:
+                self._writer.clear_failed()  # delivered here; the next save() starts clean
+                raise
         elif not self.config.overlap_staging:
-            handle.wait_staged(self.config.timeout_s)
+            handle.wait_staged(self._join_timeout)
         handle.stall_s = time.perf_counter() - t0
         return handle
 
@@ -285,7 +309,7 @@ class CheckpointManager:
         """
         handle = self._writer.current
         if handle is not None:
-            handle.wait_staged(self.config.timeout_s)
+            handle.wait_staged(self._join_timeout)
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight is committed; raise if any earlier save failed."""
@@ -308,19 +332,23 @@ class CheckpointManager:
             )
         return handle
 
-    def _deferred_storages(self) -> set[int]:
-        tensors: list[torch.Tensor] = list(self.state.model.parameters())
-        if self.state.optimizer is not None:
-            for per_param in self.state.optimizer.state.values():
-                tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-        return storage_ptrs(tensors)
+    def _deferred_storages(self) -> dict[int, int]:
+        """Tensors whose copy may wait for the background: only what the hooked optimizer
+        changes (its parameters and its state); with overlap, nothing else may wait."""
+        opt = self.state.optimizer
+        if opt is None or (self.config.overlap_staging and self._hook is None):
+            return {}
+        tensors = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        for per_param in opt.state.values():
+            tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+        return storage_versions(tensors)
 
     def _write(
         self,
         handle: SaveHandle,
         save_id: str,
         snapshot: dict[str, Any] | None,
-        deferred: set[int],
+        deferred: dict[int, int],
         error: str | None,
         epoch: int,
         milestone: bool,
@@ -338,13 +366,14 @@ class CheckpointManager:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+            if not isinstance(exc, SaveError):  # a collective failed: the group is unusable
+                self._broken = f"{type(exc).__name__}: {str(exc)[:200]}"
             lag = self._progress.lagging(save_id)
             if isinstance(exc, SaveError) and not lag:
                 raise
             raise SaveError(
-                f"save of step {handle.step} failed on rank {self.rank}, nothing was committed"
-                + (f": {lag}" if lag else "")
-                + f" ({exc})"
+                f"save of step {handle.step} failed (seen from rank {self.rank}), nothing was "
+                "committed" + (f": {lag}" if lag else "") + f" ({exc})"
             ) from exc
         finally:
             handle.staged.set()
@@ -356,13 +385,15 @@ class CheckpointManager:
         handle: SaveHandle,
         save_id: str,
         snapshot: dict[str, Any] | None,
-        deferred: set[int],
+        deferred: dict[int, int],
         error: str | None,
         epoch: int,
         milestone: bool,
         extra: dict[str, Any],
     ) -> SaveResult:
         step, t0 = handle.step, handle.started
+        if self._device is not None:
+            torch.cuda.set_device(self._device)  # a new thread starts on device 0
         tmp_dir = new_tmp_dir(self.root, step, save_id)
         self._progress.mark(save_id, "started")
         self._coordinator.agree(error, f"preparing the save of step {step}")
@@ -376,7 +407,7 @@ class CheckpointManager:
             on_written=lambda: self._written(save_id, step),
         )
         planner = StagingSavePlanner(
-            self._stager, deferred, handle.staged, cache_key=f"dckpt-{id(self)}"
+            self._stager, deferred, handle.staged, cancelled=lambda: handle.cancelled
         )
         try:
             with self._io.quiet():
@@ -447,7 +478,7 @@ class CheckpointManager:
             if self.config.retention.enabled:
                 try:
                     apply_retention(self.root, self.config.retention)
-                except (OSError, CheckpointError) as exc:  # the save itself is committed
+                except Exception as exc:  # the save itself is committed; never fail it here
                     log.error("dckpt retention failed, nothing more was deleted: %r", exc)
         return result
 
@@ -519,9 +550,16 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         fallback = self.config.fallback if fallback is None else fallback
-        steps = self._ctl.broadcast(
-            sorted(committed_steps(self.root), reverse=True) if self.rank == 0 else []
-        )
+        listing: list[int] | CheckpointError = []
+        if self.rank == 0:
+            try:
+                listing = sorted(committed_steps(self.root), reverse=True)
+            except OSError as exc:
+                listing = StorageError(f"cannot list {self.root}: {exc}")
+        listing = self._ctl.broadcast(listing)
+        if isinstance(listing, CheckpointError):
+            raise listing
+        steps = listing
         report = ResumeReport(world_size_now=self.world_size)
         result: LoadResult | None = None
         for step in steps:
@@ -530,7 +568,8 @@ class CheckpointManager:
                 result = self._load_step(step, report, True)
                 break
             except (IntegrityError, ManifestError) as exc:
-                if not fallback:
+                # Only evidence of damage moves a checkpoint aside; a newer schema does not.
+                if not fallback or isinstance(exc, IncompatibleCheckpointError):
                     raise
                 self._quarantine(step, f"{type(exc).__name__}: {exc}")
                 # The report keeps the first sentence; quarantine/<step>.reason.txt has it all.
@@ -542,7 +581,15 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"none of the {len(steps)} committed checkpoints under {self.root} passed "
                     "verification; all were moved to quarantine/ (see the report above). "
-                    "Nothing was loaded: restore a good copy, or start a new run."
+                    "The model may be partly overwritten by the failed attempts: rebuild it "
+                    "before training. Restore a good copy, or start a new run elsewhere."
+                )
+            quarantined = self._ctl.broadcast(self._quarantined_count() if self.rank == 0 else 0)
+            if quarantined:
+                raise CheckpointError(
+                    f"{self.root} has no committed checkpoint but {quarantined} in quarantine/: "
+                    "starting from scratch would silently throw that run away. Inspect them "
+                    "(dckpt ls), restore one, or remove quarantine/ to really start over."
                 )
             if self.rank == 0:
                 log.info("%s", report.format())
@@ -580,6 +627,9 @@ class CheckpointManager:
         if message is not None and self.rank == 0:
             (log.warning if "WARNING" in message else log.info)("%s", message)
 
+    def _quarantined_count(self) -> int:
+        return sum(1 for e in list_checkpoints(self.root) if e.status == "quarantined")
+
     def _quarantine(self, step: int, reason: str) -> None:
         error: str | None = None
         if self.rank == 0:
@@ -604,7 +654,11 @@ class CheckpointManager:
             check_layout(path, manifest)
             reader = VerifyingReader(path, manifest.file_map())
             reader.load_metadata()
-        except (ManifestError, IntegrityError) as exc:
+            if manifest.step != step:
+                raise ManifestError(
+                    f"{path}/manifest.json says step {manifest.step}, its directory says {step}"
+                )
+        except CheckpointError as exc:
             failure = exc
         self._raise_first(failure)
         assert manifest is not None and reader is not None
@@ -696,6 +750,14 @@ class CheckpointManager:
         """Every tensor to restore has the shape and dtype the checkpoint's metadata records."""
         saved = reader.load_metadata().state_dict_metadata
         flat, _ = flatten_state_dict(state_dict)
+        missing = sorted(k for k in flat if k not in saved)
+        if missing:
+            raise StateMismatchError(
+                f"{name} has no value for {', '.join(missing[:5])}"
+                + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                + ": the model or optimizer has parts the run that saved it did not have "
+                "(check the config); the checkpoint is not damaged."
+            )
         for fqn, value in flat.items():
             meta = saved.get(fqn)
             if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
@@ -722,7 +784,7 @@ class CheckpointManager:
         saved_mode = manifest.precision.get("mode")
         if self.precision is None or saved_mode is None or saved_mode == self.precision.mode:
             return
-        if self.precision.mode == "fp16" and "scaler" not in manifest.state:
+        if self.precision.mode == "fp16" and not manifest.precision.get("grad_scaler"):
             raise ConfigMismatchError(
                 f"{name} was saved under {saved_mode} without GradScaler state; resuming it "
                 "under fp16 would start loss scaling from scratch. Resume with the saved "
@@ -747,10 +809,10 @@ class CheckpointManager:
                     )  # fmt: skip
         unread = sorted(set(manifest.file_map()) - set(union))
         for name in unread[self.rank :: self.world_size]:
-            record = manifest.file_map()[name]
-            actual, _size = hash_file(path / name, manifest.digest_algorithm)
-            if actual != record.digest and failure is None:
-                failure = IntegrityError(str(path / name), record.digest, actual)
+            try:  # hashes the whole file, keeps none of it; no symlink or FIFO is followed
+                read_spans_verified(str(path / name), manifest.file_map()[name], [])
+            except CheckpointError as exc:
+                failure = failure or exc
         self._raise_first(failure)
         return len(union) + len(unread)
 

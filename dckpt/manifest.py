@@ -16,6 +16,7 @@ Validation is strict and happens before any checkpoint byte is read:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import stat
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import IntegrityError, ManifestError
+from .errors import IncompatibleCheckpointError, IntegrityError, ManifestError, StorageError
 from .storage.digest import ALGORITHMS, digest_of_digests, new_hasher, parse_digest
 from .storage.records import FileRecord
 
@@ -131,7 +132,9 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
             f"{path} does not exist: {directory} is not a committed checkpoint"
         ) from None
     except OSError as exc:
-        raise ManifestError(f"cannot open {path}: {exc} (a symlink is never followed)") from exc
+        if exc.errno == errno.ELOOP:
+            raise ManifestError(f"{path} is a symlink; a manifest is never followed") from exc
+        raise StorageError(f"cannot open {path}: {exc}; the storage failed, retry") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -144,7 +147,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         os.close(fd)
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ManifestError(f"{path} is not valid JSON ({exc}); the manifest is damaged") from exc
     return _parse(obj, str(path))
 
@@ -158,6 +161,8 @@ def check_layout(directory: str | os.PathLike[str], manifest: Manifest) -> None:
             st = os.lstat(path)
         except FileNotFoundError:
             raise IntegrityError(str(path), rec.digest, "missing file", "file missing") from None
+        except OSError as exc:
+            raise StorageError(f"cannot stat {path}: {exc}; the storage failed, retry") from exc
         if not stat.S_ISREG(st.st_mode):
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
             raise IntegrityError(str(path), "a regular file", kind, "wrong file type")
@@ -215,11 +220,16 @@ def _parse(obj: Any, source: str) -> Manifest:
     if not isinstance(obj, dict):
         raise _fail(source, "top level is not a JSON object")
     version = obj.get("schema_version")
+    if type(version) is int and version > SCHEMA_VERSION:
+        raise IncompatibleCheckpointError(
+            f"{source}: schema_version {version} is newer than this dckpt supports "
+            f"({SCHEMA_VERSION}); upgrade dckpt to read it"
+        )
     if type(version) is not int or version != SCHEMA_VERSION:
         raise _fail(
             source,
-            f"schema_version {version!r} is not supported by this dckpt "
-            f"(supports {SCHEMA_VERSION}); upgrade dckpt to read it",
+            f"schema_version {version!r} is not supported by this dckpt (supports "
+            f"{SCHEMA_VERSION}); if it was written by a newer dckpt, upgrade dckpt to read it",
         )
     claimed = obj.get("self_digest")
     body = {k: v for k, v in obj.items() if k != "self_digest"}

@@ -1,9 +1,9 @@
 """Capture and restore every random number generator a training rank uses.
 
-Python's ``random``, NumPy's global generator, torch's CPU generator and every CUDA device's
-generator, per rank, as tensors (so DCP stores them as tensors, never as pickles). Restoring
-RNG is the last step of a resume, so nothing in the resume itself consumes random numbers
-after it.
+Python's ``random``, NumPy's global generator, torch's CPU generator and the generator of the
+rank's current CUDA device, per rank, as tensors (so DCP stores them as tensors, never as
+pickles). Restoring RNG is the last step of a resume, so nothing in the resume itself consumes
+random numbers after it.
 
 When the world size changed, a rank's generator state has no meaning on another rank count:
 ``reseed`` derives a fresh, deterministic state from (seed, step, rank) instead, and the
@@ -40,7 +40,8 @@ def capture() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        # This rank's device only: the number of visible devices may change across restarts.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -61,9 +62,7 @@ def restore(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
     if "cuda" in state and torch.cuda.is_available():
-        saved = list(state["cuda"].to(torch.uint8).cpu())
-        if len(saved) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(saved)
+        torch.cuda.set_rng_state(state["cuda"].to(torch.uint8).cpu())
 
 
 def reseed(seed: int, step: int, rank: int) -> int:

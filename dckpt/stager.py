@@ -5,12 +5,15 @@ tensor is copied into a staging buffer, training may change the original; the by
 from the copy, in the background.
 
 Two kinds of leaves, decided per save in ``snapshot`` (foreground, inside ``save()``):
-- *deferred*: tensors whose storage belongs to a model parameter or an optimizer state tensor.
-  These change only inside ``optimizer.step()``, so their copy may be taken after ``save()``
-  returned, as long as it is taken before the next optimizer step (``wait_staged`` is called by
-  an optimizer step pre-hook). They are copied by ``StagingSavePlanner.finish_plan``, in the
-  background, once DCP's global plan says which items this rank writes: replicated tensors that
-  DCP de-duplicates onto another rank are never copied here.
+- *deferred*: tensors whose storage belongs to a parameter the hooked optimizer steps, or to
+  that optimizer's state. These change only inside ``optimizer.step()``, so their copy may be
+  taken after ``save()`` returned, as long as it is taken before the next optimizer step
+  (``wait_staged`` is called by an optimizer step pre-hook). Their version counters are
+  recorded in ``save()`` and checked when the copy is taken: a tensor changed in between
+  fails the save instead of committing a torn snapshot. They are copied by
+  ``StagingSavePlanner.finish_plan``, in the background, once DCP's global plan says which
+  items this rank writes: replicated tensors that DCP de-duplicates onto another rank are
+  never copied here.
 - *eager*: everything else (buffers such as BatchNorm statistics, which change in forward, and
   every non-tensor value), copied or deep-copied before ``save()`` returns.
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -33,7 +36,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Stager", "StagingSavePlanner", "storage_ptrs"]
+from .errors import SaveError
+
+__all__ = ["Stager", "StagingSavePlanner", "storage_versions"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -44,9 +49,13 @@ def _ptr(t: torch.Tensor) -> int:
     return int(_local(t).untyped_storage().data_ptr())
 
 
-def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
-    """Storage addresses of ``tensors`` (DTensors by their local shard)."""
-    return {_ptr(t) for t in tensors if _local(t).numel() > 0}
+def storage_versions(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Storage address → version counter of ``tensors`` (DTensors by their local shard).
+
+    The version counter moves on every in-place change, so comparing it when the deferred copy
+    is finally taken proves the copy holds the values of ``save()`` time.
+    """
+    return {_ptr(t): _local(t)._version for t in tensors if _local(t).numel() > 0}
 
 
 class Stager:
@@ -89,7 +98,7 @@ class Stager:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def snapshot(self, state_dict: dict[str, Any], deferred: set[int]) -> dict[str, Any]:
+    def snapshot(self, state_dict: dict[str, Any], deferred: Mapping[int, int]) -> dict[str, Any]:
         """The state dict to hand the background writer.
 
         Tensors whose storage is in ``deferred`` stay references (copied later by the planner);
@@ -129,26 +138,40 @@ class StagingSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(
-        self, stager: Stager, deferred: set[int], staged: threading.Event, cache_key: str
+        self,
+        stager: Stager,
+        deferred: Mapping[int, int],
+        staged: threading.Event,
+        cancelled: Callable[[], bool],
     ) -> None:
-        super().__init__(enable_plan_caching=True)
-        # DCP caches plans per class by default; one key per manager keeps two managers in one
-        # process (two models, or a benchmark) from ever reusing each other's plans.
-        self._cached_plans_key = cache_key
+        # No plan caching: DCP's cache compares plans without dtypes, so a model cast between
+        # two saves would commit metadata with the old dtype. Planning is cheap next to I/O.
+        super().__init__()
         self._stager = stager
         self._deferred = deferred
         self._staged = staged
+        self._cancelled = cancelled
         self._copies: dict[MetadataIndex, torch.Tensor] = {}
         self.staged_bytes = 0
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
         try:
+            if self._cancelled():
+                raise SaveError("the save was cancelled: its staging took longer than allowed")
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     continue
                 live = self.lookup_object(item.index)
                 if isinstance(live, torch.Tensor) and _ptr(live) in self._deferred:
+                    if _local(live)._version != self._deferred[_ptr(live)]:
+                        raise SaveError(
+                            f"{item.index.fqn} changed in place after save() returned and "
+                            "before its copy was taken, so this save would not be a "
+                            "consistent snapshot; it is abandoned. Call "
+                            "manager.before_optimizer_step() before changing parameters "
+                            "outside optimizer.step(), or use overlap_staging=False."
+                        )
                     key = ("item", item.index.fqn, tuple(item.index.offset or ()))
                     buf = self._stager.copy(key, live.detach())
                     self._copies[item.index] = buf

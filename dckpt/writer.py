@@ -50,6 +50,7 @@ class SaveHandle:
         self.staged = threading.Event()
         self.stall_s = 0.0
         self.skipped = False
+        self.cancelled = False
         self._done = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
@@ -66,9 +67,12 @@ class SaveHandle:
             return 0.0
         t0 = time.perf_counter()
         if not self.staged.wait(timeout):
+            self.cancelled = True  # the copy must never be taken after training moved on
             raise SaveError(
                 f"staging of step {self.step} did not finish within {timeout:.0f} s: the "
-                "background save is blocked, most likely waiting for another rank"
+                "background save is blocked, most likely waiting for another rank. The save is "
+                "cancelled and will not commit; the job's process group is probably unusable: "
+                "restart the job (it resumes from the last committed checkpoint)."
             )
         waited = time.perf_counter() - t0
         self.add_stall(waited)
@@ -136,6 +140,11 @@ class BackgroundWriter:
                 "(storage hung, or a rank stopped answering). Nothing of it is committed."
             )
         self._thread = None
+
+    def clear_failed(self) -> None:
+        """Forget the latched error (it was delivered another way)."""
+        with self._lock:
+            self._failed = None
 
     def raise_if_failed(self) -> None:
         """Raise the latched error of an earlier save, once."""

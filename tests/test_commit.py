@@ -104,11 +104,20 @@ def test_latest_names_newest_committed_step(tmp_path: Path) -> None:
     assert read_latest(tmp_path) == "step-00000001"
     commit(tmp_path, 3)
     assert read_latest(tmp_path) == "step-00000003"
-    commit(tmp_path, 2)  # an older step committed later does not move latest back
-    assert read_latest(tmp_path) == "step-00000003"
     commit(tmp_path, 123_456_789)  # more than 8 digits sorts numerically, not by name
     assert read_latest(tmp_path) == "step-123456789"
-    assert committed_steps(tmp_path) == [1, 2, 3, 123_456_789]
+    assert committed_steps(tmp_path) == [1, 3, 123_456_789]
+
+
+def test_a_rollback_moves_the_abandoned_newer_branch_to_quarantine(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        commit(tmp_path, step)
+    commit(tmp_path, 2)  # the run went back to step 1 and saved step 2 again
+    assert committed_steps(tmp_path) == [1, 2]
+    assert read_latest(tmp_path) == "step-00000002"
+    assert (tmp_path / "quarantine" / "step-00000003").is_dir()
+    reason = (tmp_path / "quarantine" / "step-00000003.reason.txt").read_text()
+    assert "superseded" in reason and "step 2" in reason
     assert not [n for n in names(tmp_path) if n.startswith(f"{LATEST_FILE}.tmp")]
 
 

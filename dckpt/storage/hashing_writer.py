@@ -64,6 +64,8 @@ class _HashingStream(io.RawIOBase):
         return self._raw.tell()
 
     def fileno(self) -> int:
+        # DCP fsyncs fileno() before close: the buffered tail must be in the kernel first.
+        self._raw.flush()
         return self._raw.fileno()
 
     def flush(self) -> None:

@@ -20,6 +20,7 @@ the same count as DCP's unverified reader.
 
 from __future__ import annotations
 
+import errno
 import io
 import itertools
 import os
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ..errors import IntegrityError, ManifestError, StateMismatchError
+from ..errors import IntegrityError, ManifestError, StateMismatchError, StorageError
 from .digest import READ_CHUNK, format_digest, new_hasher, parse_digest
 from .records import FileRecord
 from .safe_unpickle import load_dcp_metadata
@@ -58,7 +59,9 @@ def _open_checked(path: str, record: FileRecord) -> tuple[io.FileIO, str]:
     except FileNotFoundError:
         raise IntegrityError(path, record.digest, "missing file", detail="file missing") from None
     except OSError as exc:
-        raise IntegrityError(path, record.digest, str(exc), detail="cannot open file") from exc
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: the layout was tampered with
+            raise IntegrityError(path, "a regular file", "a symlink", "wrong file type") from exc
+        raise StorageError(f"cannot open {path}: {exc}; the storage failed, retry") from exc
     f = io.FileIO(fd, "rb", closefd=True)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
