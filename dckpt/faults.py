@@ -9,11 +9,11 @@ process of that rank fire the action when it reaches that phase (of that step, i
 - ``sleep``: sleeps ``seconds`` (a stuck write).
 
 Unset, it costs one cached lookup per phase. Phases, in save order: ``prepare`` (state dict
-taken), ``write_shards`` (this rank's shard files written, before DCP's metadata),
-``dcp_finish`` (DCP returned on this rank), ``write_manifest``, ``rename`` (before the commit
-rename), ``publish_latest`` (after the rename, before ``latest``), ``retention`` (after the
-victims were renamed to trash, before they are removed); and in a resume, ``warmup``
-(before this rank joins the warmup collective).
+taken), ``stage`` (background, before the deferred copies are taken), ``write_shards`` (this
+rank's shard files written, before DCP's metadata), ``dcp_finish`` (DCP returned on this rank),
+``write_manifest``, ``rename`` (before the commit rename), ``publish_latest`` (after the
+rename, before ``latest``), ``retention`` (after the victims were renamed to trash, before
+they are removed); and in a resume, ``warmup`` (before this rank joins the warmup collective).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = ["PHASES", "InjectedFaultError", "fault_point"]
 
 PHASES = (
     "prepare",
+    "stage",
     "write_shards",
     "dcp_finish",
     "write_manifest",

@@ -398,6 +398,7 @@ class CheckpointManager:
         self._progress.mark(save_id, "started")
         self._coordinator.agree(error, f"preparing the save of step {step}")
         assert snapshot is not None
+        fault_point("stage", self.rank, step)
         t_staging = time.perf_counter()
         writer = HashingWriter(
             tmp_dir,

@@ -215,3 +215,44 @@ def test_cuda_staging_uses_pinned_buffers(tmp_path: Path) -> None:
     with dckpt.CheckpointManager(tmp_path, dckpt.TrainState(model, opt)) as mgr:
         mgr.save(1).result()
         mgr.load()
+
+
+def test_a_parameter_changed_before_its_copy_fails_the_save_not_the_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dckpt
+
+    monkeypatch.setenv("DCKPT_FAULT", "phase=stage,action=sleep,seconds=1,step=2")
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dckpt.CheckpointManager(tmp_path, dckpt.TrainState(model, opt)) as mgr:
+        mgr.save(1).result()
+        handle = mgr.save(2)  # the background waits 1 s before taking the deferred copies
+        with torch.no_grad():
+            model.weight.add_(1.0)  # in place, outside optimizer.step(), without the hook
+        with pytest.raises(dckpt.SaveError, match=r"weight changed in place after save"):
+            handle.result()
+        with pytest.raises(dckpt.SaveError):
+            mgr.wait()  # the same error, latched for the next call, raised once
+        assert mgr.wait() is None
+    from dckpt.layout import committed_steps
+
+    assert committed_steps(tmp_path) == [1]
+
+
+def test_without_an_optimizer_nothing_is_deferred(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dckpt
+
+    monkeypatch.setenv("DCKPT_FAULT", "phase=stage,action=sleep,seconds=1")
+    model = nn.Linear(8, 8)
+    before = model.weight.detach().clone()
+    with dckpt.CheckpointManager(tmp_path, dckpt.TrainState(model)) as mgr:
+        handle = mgr.save(1)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # no optimizer hook guards it: it was copied in save()
+        handle.result()
+        mgr.load()
+    assert torch.equal(model.weight, before)
