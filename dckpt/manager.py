@@ -440,6 +440,9 @@ class CheckpointManager:
         )
 
         def build(reports: list[RankReport]) -> Manifest:
+            # rank 0's stall as known at commit time
+            sync = not self.config.async_save
+            extra["stall_s"] = time.perf_counter() - t0 if sync else handle.stall_s
             return self._manifest(
                 step=step,
                 epoch=epoch,
@@ -903,6 +906,7 @@ class CheckpointManager:
             loss=extra["loss"],
             metric=extra["metric"],
             timings={
+                "stall_s": extra.get("stall_s", 0.0),
                 "prepare_s": max(r.timings.get("prepare_s", 0.0) for r in reports),
                 "write_s": max(r.timings.get("write_s", 0.0) for r in reports),
                 "to_commit_s": time.perf_counter() - t0,

@@ -109,3 +109,72 @@ def test_usage_errors_exit_2_with_a_reason(trained_root: Path, tmp_path: Path) -
     assert dckpt_cli("inspect", str(tmp_path)).returncode == 2  # a dir with no checkpoints
     assert dckpt_cli("verify").returncode == 2  # argparse usage error
     assert dckpt_cli("frobnicate", str(trained_root)).returncode == 2
+
+
+def test_every_command_is_listed(trained_root: Path) -> None:
+    helptext = dckpt_cli("--help").stdout
+    for cmd in ("ls", "verify", "inspect", "diff", "gc", "plan", "export", "pin", "unpin"):
+        assert cmd in helptext
+    not_root = trained_root.parent / "not-a-root"
+    not_root.mkdir(exist_ok=True)
+    proc = dckpt_cli("ls", str(not_root))
+    assert proc.returncode == 2 and "is not a dckpt checkpoint root" in proc.stderr
+
+
+def test_diff_reports_config_and_tensor_differences(trained_root: Path) -> None:
+    proc = dckpt_cli("diff", str(trained_root), "4", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(proc.stdout)
+    assert obj["config"] == []  # one run: the same config
+    by_name = {r["name"]: r for r in obj["differences"]}
+    weight = by_name["model.head.weight"]
+    assert weight["status"] == "changed" and weight["max_abs_diff"] > 0
+    assert by_name["progress.step"]["status"] == "4 -> 12"
+    same = json.loads(dckpt_cli("diff", str(trained_root), "8", "8", "--json").stdout)
+    assert same["differences"] == [] and same["tensors_compared"] > 10
+    assert "largest differences first" in dckpt_cli("diff", str(trained_root), "4", "8").stdout
+    assert dckpt_cli("diff", str(trained_root), "4", "5").returncode == 2
+
+
+def test_export_writes_the_model_alone_and_loads_back(trained_root: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    out_file = tmp_path / "model.safetensors"
+    proc = dckpt_cli("export", str(trained_root), "--step", "12", "--out", str(out_file))
+    assert proc.returncode == 0, proc.stderr
+    tensors = load_file(str(out_file))
+    assert "head.weight" in tensors and not any(k.startswith("optimizer") for k in tensors)
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    bf16 = tmp_path / "model.pt"
+    assert (
+        dckpt_cli("export", str(trained_root), "--out", str(bf16), "--dtype", "bf16").returncode
+        == 0
+    )
+    small = torch.load(bf16, weights_only=True)
+    assert small["head.weight"].dtype == torch.bfloat16
+    assert torch.equal(small["head.weight"], tensors["head.weight"].to(torch.bfloat16))
+    assert dckpt_cli("export", str(trained_root), "--out", str(bf16)).returncode == 2  # exists
+
+
+def test_plan_matches_a_hand_computation_of_young_daly() -> None:
+    import math
+
+    args = ["plan", "--bytes", str(10**11), "--write-gbps", "2", "--read-gbps", "4",
+            "--stall-s", "3", "--restart-s", "120", "--mtbf-hours", "1000", "--nodes", "50",
+            "--keep-last", "3", "--milestones", "2", "--host-mem-gb", "512", "--json"]  # fmt: skip
+    proc = dckpt_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)["plan"]
+    mtbf = 1000 * 3600 / 50  # 72 000 s for the job
+    tau = math.sqrt(2 * 3 * mtbf)  # Young-Daly: sqrt(2 * delta * M) = 657.3 s
+    commit = 10**11 / 2e9  # 50 s to write the checkpoint
+    rto = 10**11 / 4e9 + 120  # 145 s
+    assert math.isclose(got["job_mtbf_s"], mtbf)
+    assert math.isclose(got["interval_s"], tau) and round(tau, 1) == 657.3
+    assert math.isclose(got["expected_work_lost_s"], tau / 2 + commit)
+    assert math.isclose(got["rto_s"], rto)
+    assert math.isclose(got["overhead_fraction"], 3 / tau + (tau / 2 + commit + rto) / mtbf)
+    assert got["storage_bytes"] == 10**11 * 6
+    assert got["staging_bytes_per_node"] == 2 * 10**9 and got["staging_fits"]
+    assert dckpt_cli("plan").returncode == 2  # nothing to plan from

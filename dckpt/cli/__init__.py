@@ -1,8 +1,9 @@
 """The ``dckpt`` command: look at, check, inspect and manage checkpoints without Python.
 
-Commands: ``ls``, ``verify``, ``inspect`` (reading.py), ``gc``, ``pin``, ``unpin``
-(manage.py). Exit codes: 0 ok; 2 bad usage, or a root/step that does not exist or is not
-dckpt's; 3 an integrity failure. Importing this package does not import torch.
+Commands: ``ls``, ``verify``, ``inspect`` (reading.py); ``gc``, ``pin``, ``unpin``
+(manage.py); ``diff``, ``export`` (tensors.py); ``plan`` (planning.py). Exit codes: 0 ok; 2
+bad usage, or a root/step that does not exist or is not dckpt's; 3 an integrity failure.
+Importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     from .manage import cmd_gc, cmd_pin, cmd_unpin
+    from .planning import cmd_plan
     from .reading import cmd_inspect, cmd_ls, cmd_verify
+    from .tensors import cmd_diff, cmd_export
 
     parser = argparse.ArgumentParser(
         prog="dckpt", description="Inspect, verify and manage dckpt checkpoints."
@@ -56,6 +59,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="even while a job holds the lock")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("diff", help="config and per-tensor differences of two steps")
+    p.add_argument("root")
+    p.add_argument("a", type=int, help="step A")
+    p.add_argument("b", type=int, help="step B")
+    p.add_argument("--top", type=int, default=20, help="rows to show (largest first)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (all rows)")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("plan", help="save interval, loss per failure, RTO, storage, memory")
+    p.add_argument("root", nargs="?", help="take size and timings from this root's manifest")
+    p.add_argument("--step", type=int, help="that step (default: the newest)")
+    p.add_argument("--bytes", type=int, help="checkpoint size in bytes")
+    p.add_argument("--write-gbps", type=float, help="write bandwidth, GB/s")
+    p.add_argument("--read-gbps", type=float, help="read bandwidth, GB/s (default: write)")
+    p.add_argument("--stall-s", type=float, help="what one save costs the training loop")
+    p.add_argument("--restart-s", type=float, default=60.0, help="scheduler + startup time")
+    p.add_argument("--mtbf-hours", type=float, default=5000.0, help="MTBF of one node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--milestones", type=int, default=0, help="milestones kept forever")
+    p.add_argument("--host-mem-gb", type=float, help="host memory per node (default: this one)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("export", help="the model alone, in one safetensors or torch file")
+    p.add_argument("root")
+    p.add_argument("--step", type=int, help="this step (default: the newest committed)")
+    p.add_argument("--out", required=True, help="FILE.safetensors, or any other name for torch")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+    p.set_defaults(func=cmd_export)
 
     for name, func, what in (
         ("pin", cmd_pin, "keep a step through retention"),

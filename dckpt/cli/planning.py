@@ -1,0 +1,93 @@
+"""``dckpt plan``: recovery planning from a checkpoint's measured timings, or from flags.
+
+With ROOT, the checkpoint's size, its write time (``timings.write_s``), its stall and its time
+to commit come from the newest (or ``--step``) manifest; flags override any of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import psutil
+
+from ..errors import IntegrityError, ManifestError
+from ..manifest import read_manifest
+from ..plan import PlanInputs, plan
+from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, committed_dir, fail, human, out, root_arg
+
+__all__ = ["cmd_plan"]
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    measured: dict[str, float] = {}
+    if args.root is not None:
+        step_dir = committed_dir(root_arg(args.root), args.step)
+        try:
+            manifest = read_manifest(step_dir)
+        except (ManifestError, IntegrityError) as exc:
+            fail(EXIT_INTEGRITY, str(exc))
+        t = manifest.timings
+        measured["bytes"] = manifest.total_bytes
+        if t.get("write_s"):
+            measured["write_gbps"] = manifest.total_bytes / t["write_s"] / 1e9
+        measured["stall_s"] = t.get("stall_s", t.get("to_commit_s", 0.0))
+        measured["commit_s"] = t.get("to_commit_s", 0.0)
+    size = args.bytes if args.bytes is not None else measured.get("bytes")
+    write = args.write_gbps or measured.get("write_gbps")
+    if size is None or write is None:
+        fail(EXIT_USAGE, "give a checkpoint ROOT, or --bytes and --write-gbps")
+    read = args.read_gbps or write
+    write_time = size / (write * 1e9)
+    stall = args.stall_s if args.stall_s is not None else measured.get("stall_s", write_time)
+    commit = measured.get("commit_s", write_time)
+    try:
+        inputs = PlanInputs(
+            checkpoint_bytes=int(size),
+            write_gbps=write,
+            read_gbps=read,
+            restart_s=args.restart_s,
+            mtbf_node_hours=args.mtbf_hours,
+            nodes=args.nodes,
+            stall_s=stall,
+            commit_s=commit,
+            keep_last=args.keep_last,
+            milestones=args.milestones,
+            host_memory_bytes=int(args.host_mem_gb * 1e9)
+            if args.host_mem_gb
+            else psutil.virtual_memory().total,
+        )
+    except ValueError as exc:
+        fail(EXIT_USAGE, str(exc))
+    result = plan(inputs)
+    if args.json:
+        print(json.dumps({"inputs": inputs.__dict__, "plan": result.as_dict()}, indent=1))
+        return EXIT_OK
+    rows = [
+        ("checkpoint", f"{human(inputs.checkpoint_bytes)}, stall {inputs.stall_s:.3f} s, "
+         f"commit {inputs.commit_s:.2f} s, write {inputs.write_gbps:.2f} GB/s, "
+         f"read {inputs.read_gbps:.2f} GB/s" + ("" if args.read_gbps else " (assumed = write)")),
+        ("job MTBF", f"{_duration(result.job_mtbf_s)} ({inputs.nodes} nodes x "
+         f"{inputs.mtbf_node_hours:g} h each)"),
+        ("save every", f"{_duration(result.interval_s)} (Young-Daly: sqrt(2 x stall x MTBF))"),
+        ("lost per failure", f"{_duration(result.expected_work_lost_s)} of work "
+         "(half an interval + time to commit)"),
+        ("RTO", f"{_duration(result.rto_s)} (size / read bandwidth + "
+         f"{inputs.restart_s:g} s restart)"),
+        ("overhead", f"{100 * result.overhead_fraction:.2f} % of the job's time"),
+        ("storage", f"{human(result.storage_bytes)} (keep {inputs.keep_last} + "
+         f"{inputs.milestones} milestones + 1 in flight)"),
+        ("staging", f"{human(result.staging_bytes_per_node)} per node, "
+         + ("fits" if result.staging_fits else "DOES NOT fit")
+         + f" in half of {human(inputs.host_memory_bytes)} host memory"),
+    ]  # fmt: skip
+    for key, value in rows:
+        out.print(f"  {key:<17} {value}")
+    return EXIT_OK
