@@ -10,6 +10,10 @@ Categories (top-level keys of the DCP state dict, listed in the manifest):
 - ``extra``: any user object with ``state_dict`` / ``load_state_dict``;
 - ``rng``: added by the manager, one entry per rank (see dckpt.rng).
 
+Every category but ``rng`` must hold the same values on every rank (or sharded tensors): DCP
+de-duplicates replicated keys, so a per-rank value (a per-rank data cursor, say) would come
+back as one rank's value on all ranks. Keep such state global, as ``GlobalBatchSampler`` is.
+
 Loading is two-phase, as DCP requires: ``state_dict()`` gives the structure with tensors to
 fill in place, DCP fills it, then ``load_state_dict()`` hands the values back, in the order of
 the resume checklist: model, optimizer, scheduler, scaler, data position, counters (RNG last,
