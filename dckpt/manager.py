@@ -83,6 +83,19 @@ log = logging.getLogger("dckpt")
 
 
 @dataclass(frozen=True, kw_only=True)
+class _Job:
+    """What the foreground hands the writer thread for one save."""
+
+    save_id: str
+    snapshot: dict[str, Any] | None
+    deferred: dict[int, int]
+    error: str | None
+    epoch: int
+    milestone: bool
+    extra: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoadResult:
     """A verified load: which step, from where, how much was checked and how long it took."""
 
@@ -286,10 +299,16 @@ class CheckpointManager:
         except Exception as exc:
             error = f"taking the state dict failed: {exc!r}"
 
-        def job(h: SaveHandle) -> SaveResult:
-            return self._write(h, save_id, snapshot, deferred, error, epoch, milestone, extra)
-
-        self._writer.submit(handle, job)
+        job = _Job(
+            save_id=save_id,
+            snapshot=snapshot,
+            deferred=deferred,
+            error=error,
+            epoch=epoch,
+            milestone=milestone,
+            extra=extra,
+        )
+        self._writer.submit(handle, lambda h: self._write(h, job))
         if not self.config.async_save:
             try:
                 handle.result()
@@ -346,13 +365,7 @@ class CheckpointManager:
     def _write(
         self,
         handle: SaveHandle,
-        save_id: str,
-        snapshot: dict[str, Any] | None,
-        deferred: dict[int, int],
-        error: str | None,
-        epoch: int,
-        milestone: bool,
-        extra: dict[str, Any],
+        job: _Job,
     ) -> SaveResult:
         """The background half of a save (runs on the writer thread, on the io group).
 
@@ -360,15 +373,13 @@ class CheckpointManager:
         progress markers), so a dead or stuck rank is named on every rank.
         """
         try:
-            result = self._write_steps(
-                handle, save_id, snapshot, deferred, error, epoch, milestone, extra
-            )
+            result = self._write_steps(handle, job)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             if not isinstance(exc, SaveError):  # a collective failed: the group is unusable
                 self._broken = f"{type(exc).__name__}: {str(exc)[:200]}"
-            lag = self._progress.lagging(save_id)
+            lag = self._progress.lagging(job.save_id)
             if isinstance(exc, SaveError) and not lag:
                 raise
             raise SaveError(
@@ -377,26 +388,21 @@ class CheckpointManager:
             ) from exc
         finally:
             handle.staged.set()
-        self._progress.clear(save_id)
+        self._progress.clear(job.save_id)
         return result
 
     def _write_steps(
         self,
         handle: SaveHandle,
-        save_id: str,
-        snapshot: dict[str, Any] | None,
-        deferred: dict[int, int],
-        error: str | None,
-        epoch: int,
-        milestone: bool,
-        extra: dict[str, Any],
+        job: _Job,
     ) -> SaveResult:
         step, t0 = handle.step, handle.started
+        save_id, snapshot, extra = job.save_id, job.snapshot, job.extra
         if self._device is not None:
             torch.cuda.set_device(self._device)  # a new thread starts on device 0
         tmp_dir = new_tmp_dir(self.root, step, save_id)
         self._progress.mark(save_id, "started")
-        self._coordinator.agree(error, f"preparing the save of step {step}")
+        self._coordinator.agree(job.error, f"preparing the save of step {step}")
         assert snapshot is not None
         fault_point("stage", self.rank, step)
         t_staging = time.perf_counter()
@@ -407,8 +413,9 @@ class CheckpointManager:
             thread_count=self.config.io_threads,
             on_written=lambda: self._written(save_id, step),
         )
+        error: str | None = None
         planner = StagingSavePlanner(
-            self._stager, deferred, handle.staged, cancelled=lambda: handle.cancelled
+            self._stager, job.deferred, handle.staged, cancelled=lambda: handle.cancelled
         )
         try:
             with self._io.quiet():
@@ -445,8 +452,8 @@ class CheckpointManager:
             extra["stall_s"] = time.perf_counter() - t0 if sync else handle.stall_s
             return self._manifest(
                 step=step,
-                epoch=epoch,
-                milestone=milestone,
+                epoch=job.epoch,
+                milestone=job.milestone,
                 save_id=save_id,
                 reports=reports,
                 t0=t0,
