@@ -73,7 +73,7 @@ from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport, check_config
 from .stager import Stager, StagingSavePlanner, storage_versions
 from .state import TrainState
 from .storage.hashing_writer import HashingWriter
-from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader, read_spans_verified
+from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader, open_verified
 from .world import warmup_collective
 from .writer import BackgroundWriter, SaveHandle, SaveResult
 
@@ -821,7 +821,7 @@ class CheckpointManager:
         unread = sorted(set(manifest.file_map()) - set(union))
         for name in unread[self.rank :: self.world_size]:
             try:  # hashes the whole file, keeps none of it; no symlink or FIFO is followed
-                read_spans_verified(str(path / name), manifest.file_map()[name], [])
+                open_verified(str(path / name), manifest.file_map()[name]).close()
             except CheckpointError as exc:
                 failure = failure or exc
         self._raise_first(failure)

@@ -1,28 +1,29 @@
 """A DCP StorageReader that verifies every file against its manifest digest before use.
 
-Role: the bottom of the load path. Each file the load plan needs is read once, front to back:
-the byte ranges DCP asked for are kept, the rest is only hashed, and the digest is computed from
-the very bytes that are then handed to DCP; a mismatch raises ``IntegrityError`` naming the file
-and both digests before any tensor is filled from it.
+Role: the bottom of the load path. Each file the load plan needs is first hashed whole, front
+to back, through one reused buffer; only if its digest matches the manifest does DCP read the
+items it needs from it, through the same open descriptor (mostly from the page cache the
+hashing pass just filled). A mismatch raises ``IntegrityError`` naming the file and both
+digests before any tensor is filled from that file.
 
 Invariants:
 - no file is opened unless the manifest lists it (a path in DCP metadata that the manifest does
   not list is an integrity failure), and no symlink is followed (``O_NOFOLLOW``);
-- a file whose size differs from the manifest is rejected before its bytes are allocated;
-- ``.metadata`` is verified, then unpickled with an allow-list (storage.safe_unpickle);
-- non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``).
+- a file whose size differs from the manifest is rejected before anything is read;
+- ``.metadata`` is read into memory and exactly those bytes are hashed and then unpickled,
+  with an allow-list (storage.safe_unpickle);
+- non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``);
+- an I/O error is a ``StorageError`` (retry), never an integrity failure.
 
-Memory: the ranges this rank needs from one file are held while they are loaded, then
-released; peak extra memory is what this rank reads from its largest file. Copies: one read
-into a bytes object (hashed in place), then DCP's own deserialisation and copy into the target,
-the same count as DCP's unverified reader.
+Cost: one extra sequential pass per file, with no allocation beyond an 8 MiB buffer. The
+digest covers the file as it was when hashed; committed directories are never written into,
+so the bytes DCP then reads through the same descriptor are the same.
 """
 
 from __future__ import annotations
 
 import errno
 import io
-import itertools
 import os
 import stat
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from ..errors import IntegrityError, ManifestError, StateMismatchError, StorageError
@@ -41,7 +43,7 @@ from .digest import READ_CHUNK, format_digest, new_hasher, parse_digest
 from .records import FileRecord
 from .safe_unpickle import load_dcp_metadata
 
-__all__ = ["SafeLoadPlanner", "VerifyingReader", "read_spans_verified", "read_verified"]
+__all__ = ["SafeLoadPlanner", "VerifyingReader", "open_verified", "read_verified"]
 
 METADATA_FILE = ".metadata"
 
@@ -75,78 +77,61 @@ def _open_checked(path: str, record: FileRecord) -> tuple[io.FileIO, str]:
     return f, algorithm
 
 
-def _read_exactly(f: io.FileIO, n: int, path: str, record: FileRecord) -> bytes:
-    data = f.read(n) or b""
-    if len(data) < n:  # a regular file returns short reads only at EOF or past ~2 GiB
-        parts = [data]
-        got = len(data)
-        while got < n:
-            more = f.read(n - got)
-            if not more:
-                raise IntegrityError(path, f"{record.bytes} bytes", "fewer bytes", "truncated")
-            parts.append(more)
-            got += len(more)
-        data = b"".join(parts)
-    return data
-
-
-def read_spans_verified(
-    path: str, record: FileRecord, spans: list[tuple[int, int]]
-) -> dict[tuple[int, int], bytes]:
-    """Read the byte ranges ``(offset, length)`` of ``path``, hashing the whole file as it streams.
-
-    Bytes between and after the spans are read and hashed but not kept, so memory holds only
-    what the caller asked for, and the digest covers every byte of the file. Raises
-    IntegrityError (and returns nothing) unless the file matches its record.
-    """
-    wanted = sorted(set(spans))
-    for off, n in wanted:
-        if off < 0 or n < 0 or off + n > record.bytes:
-            raise IntegrityError(
-                path, f"{record.bytes} bytes", f"a range at {off}+{n}", "bad range"
-            )
-    if any(a[0] + a[1] > b[0] for a, b in itertools.pairwise(wanted)):
-        whole = bytes(read_verified(path, record))  # overlapping ranges: keep the whole file
-        return {(off, n): whole[off : off + n] for off, n in wanted}
-    f, algorithm = _open_checked(path, record)
+def _hash_open_file(f: io.FileIO, path: str, record: FileRecord, algorithm: str) -> None:
+    """Hash ``f`` from its start to its end through one reused buffer; raise unless it matches."""
     hasher = new_hasher(algorithm)
-    out: dict[tuple[int, int], bytes] = {}
-    with f:
-        pos = 0
-        for off, n in [*wanted, (record.bytes, 0)]:
-            while pos < off:  # a gap: hash it, keep nothing
-                chunk = _read_exactly(f, min(READ_CHUNK, off - pos), path, record)
-                hasher.update(chunk)
-                pos += len(chunk)
-            if n:
-                data = _read_exactly(f, n, path, record)
-                hasher.update(data)
-                out[(off, n)] = data
-                pos += n
+    buf = bytearray(min(READ_CHUNK, max(record.bytes, 1)))
+    view = memoryview(buf)
+    pos = 0
+    while pos < record.bytes:
+        n = f.readinto(view)
+        if not n:
+            raise IntegrityError(path, f"{record.bytes} bytes", f"{pos} bytes", "truncated")
+        hasher.update(view[:n])
+        pos += n
+    if f.read(1):
+        raise IntegrityError(path, f"{record.bytes} bytes", "more bytes", "size mismatch")
     actual = format_digest(algorithm, hasher)
     if actual != record.digest:
         raise IntegrityError(path, record.digest, actual)
-    return out
 
 
-def read_verified(path: str, record: FileRecord) -> bytearray:
-    """Read ``path`` whole, hashing as it streams in; raise IntegrityError unless it matches."""
+def open_verified(path: str, record: FileRecord) -> io.FileIO:
+    """Open ``path`` (no symlink, a regular file of the recorded size), hash all of it, and
+    return it open and rewound, only if it matches: callers read the verified file through
+    this same descriptor, mostly from the page cache the hashing pass just filled."""
+    f, algorithm = _open_checked(path, record)
+    try:
+        _hash_open_file(f, path, record, algorithm)
+        f.seek(0)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def read_verified(path: str, record: FileRecord) -> bytes:
+    """Read ``path`` whole into memory and hash exactly those bytes (for small files, such as
+    ``.metadata``, whose every byte is then used: nothing can change between check and use)."""
     f, algorithm = _open_checked(path, record)
     with f:
-        buf = bytearray(record.bytes)
-        view = memoryview(buf)
-        hasher = new_hasher(algorithm)
-        pos = 0
-        while pos < record.bytes:
-            n = f.readinto(view[pos : pos + READ_CHUNK])
-            if not n:
-                raise IntegrityError(path, f"{record.bytes} bytes", f"{pos} bytes", "truncated")
-            hasher.update(view[pos : pos + n])
-            pos += n
+        parts: list[bytes] = []
+        got = 0
+        while got <= record.bytes:  # one read past the end proves there is no more
+            chunk = f.read(READ_CHUNK)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+    data = b"".join(parts)
+    if len(data) != record.bytes:
+        raise IntegrityError(path, f"{record.bytes} bytes", f"{len(data)} bytes", "size mismatch")
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
     actual = format_digest(algorithm, hasher)
     if actual != record.digest:
         raise IntegrityError(path, record.digest, actual)
-    return buf
+    return data
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -199,7 +184,7 @@ class VerifyingReader(FileSystemReader):
             )
         return record
 
-    def _read(self, relative_path: str) -> bytearray:
+    def _read(self, relative_path: str) -> bytes:
         record = self._record(relative_path)
         data = read_verified(os.path.join(str(self.path), relative_path), record)
         self.verified[relative_path] = record.digest
@@ -219,13 +204,11 @@ class VerifyingReader(FileSystemReader):
             )
         for relative_path, items in per_file.items():
             record = self._record(relative_path)
-            spans = [self._span(item) for item in items]
-            data = read_spans_verified(os.path.join(str(self.path), relative_path), record, spans)
-            self.verified[relative_path] = record.digest
-            # Only now, with the whole file verified, is any tensor filled from it.
-            for item, span in zip(items, spans, strict=True):
-                self._load_item(data[span], item, planner)
-            del data  # release this file's bytes before reading the next
+            # The whole file is hashed first; only if it matches is any tensor filled from it.
+            with open_verified(os.path.join(str(self.path), relative_path), record) as f:
+                self.verified[relative_path] = record.digest
+                for item in sorted(items, key=lambda i: self._span(i)[0]):
+                    self._load_item(f, item, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -234,11 +217,11 @@ class VerifyingReader(FileSystemReader):
         info = self.storage_data[item.storage_index]
         return (info.offset, info.length)
 
-    def _load_item(self, data: bytes, item: ReadItem, planner: LoadPlanner) -> None:
+    def _load_item(self, f: io.FileIO, item: ReadItem, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
-        # BytesIO over a bytes object shares its buffer: no copy until someone writes to it.
+        view = _create_file_view(f, info.offset, info.length)
         source = self.transforms.transform_load_stream(
-            item, info.transform_descriptors or (), cast(Any, io.BytesIO(data))
+            item, info.transform_descriptors or (), cast(Any, view)
         )
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(source.read(-1)))
