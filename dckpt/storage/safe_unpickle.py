@@ -1,8 +1,8 @@
 """Load DCP's ``.metadata`` pickle with an allow-list, so a hostile file cannot run code.
 
-DCP stores its metadata as a plain pickle and reads it with ``pickle.load``; anyone who can
-write a checkpoint directory could otherwise execute code in every rank that loads it. This
-unpickler resolves only the classes DCP's metadata is made of; anything else raises
+DCP stores its metadata as a plain pickle and reads it with an unrestricted unpickler: anyone
+who can write a checkpoint directory could otherwise execute code in every rank that loads it.
+This unpickler resolves only the classes DCP's metadata is made of; anything else raises
 ``ManifestError`` before it is constructed.
 """
 
