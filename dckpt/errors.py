@@ -19,6 +19,7 @@ __all__ = [
     "StateMismatchError",
     "StorageError",
     "WorldError",
+    "unwrap_dcp_error",
 ]
 
 
@@ -82,3 +83,15 @@ class StorageError(CheckpointError):
 
 class IncompatibleCheckpointError(ManifestError):
     """The checkpoint was written by a newer dckpt (unknown schema): upgrade dckpt to read it."""
+
+
+def unwrap_dcp_error(exc: BaseException) -> BaseException:
+    """The first dckpt error inside DCP's CheckpointException (which wraps every rank's), if
+    any; otherwise ``exc`` itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        for _rank, (inner, _trace) in sorted(exc.failures.items()):
+            if isinstance(inner, CheckpointError):
+                return inner
+    return exc

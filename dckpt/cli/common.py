@@ -13,6 +13,7 @@ from typing import NoReturn
 from rich.console import Console
 
 from ..layout import is_dckpt_root, list_checkpoints
+from ..units import human_bytes
 
 __all__ = [
     "EXIT_INTEGRITY",
@@ -60,11 +61,7 @@ def root_arg(path: str) -> Path:
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+    return human_bytes(n, digits=1)
 
 
 def dir_bytes(path: Path) -> int:

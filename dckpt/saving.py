@@ -1,0 +1,250 @@
+"""The background half of CheckpointManager's save: runs on the writer thread.
+
+``SavingMixin._write`` is the job a ``BackgroundWriter`` runs for one save: agreement, DCP's
+save through the staging planner and the hashing writer, the coordinator's commit, the log
+line and retention. Everything here uses dckpt's *io* group; nothing touches the training
+group. See the module docstring of dckpt.manager for the whole protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from . import __version__
+from .comm import Comm, Progress
+from .commit import new_tmp_dir
+from .config import CheckpointConfig
+from .coordinator import Coordinator, RankReport
+from .errors import SaveError, unwrap_dcp_error
+from .faults import fault_point
+from .housekeeping import apply_retention
+from .manifest import Manifest
+from .precision import PrecisionPolicy
+from .stager import Stager, StagingSavePlanner
+from .state import TrainState
+from .storage.hashing_writer import HashingWriter
+from .units import human_bytes
+from .writer import SaveHandle, SaveResult
+
+__all__ = ["SaveJob", "SavingMixin"]
+
+log = logging.getLogger("dckpt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveJob:
+    """What the foreground hands the writer thread for one save."""
+
+    save_id: str
+    snapshot: dict[str, Any] | None
+    deferred: dict[int, int]
+    error: str | None
+    epoch: int
+    milestone: bool
+    extra: dict[str, Any]
+
+
+class SavingMixin:
+    """The writer-thread half of a save; mixed into CheckpointManager (see its attributes)."""
+
+    root: Path
+    config: CheckpointConfig
+    state: TrainState
+    rank: int
+    world_size: int
+    run_id: str
+    precision: PrecisionPolicy | None
+    run_config: dict[str, Any]
+    _io: Comm
+    _progress: Progress
+    _coordinator: Coordinator
+    _stager: Stager
+    _device: int | None
+    _broken: str | None
+
+    def _write(
+        self,
+        handle: SaveHandle,
+        job: SaveJob,
+    ) -> SaveResult:
+        """The background half of a save (runs on the writer thread, on the io group).
+
+        Any failure becomes a SaveError that names the ranks that were behind (from the
+        progress markers), so a dead or stuck rank is named on every rank.
+        """
+        try:
+            result = self._write_steps(handle, job)
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            if not isinstance(exc, SaveError):  # a collective failed: the group is unusable
+                self._broken = f"{type(exc).__name__}: {str(exc)[:200]}"
+            lag = self._progress.lagging(job.save_id)
+            if isinstance(exc, SaveError) and not lag:
+                raise
+            raise SaveError(
+                f"save of step {handle.step} failed (seen from rank {self.rank}), nothing was "
+                "committed" + (f": {lag}" if lag else "") + f" ({exc})"
+            ) from exc
+        finally:
+            handle.staged.set()
+        self._progress.clear(job.save_id)
+        return result
+
+    def _write_steps(
+        self,
+        handle: SaveHandle,
+        job: SaveJob,
+    ) -> SaveResult:
+        step, t0 = handle.step, handle.started
+        save_id, snapshot, extra = job.save_id, job.snapshot, job.extra
+        if self._device is not None:
+            torch.cuda.set_device(self._device)  # a new thread starts on device 0
+        tmp_dir = new_tmp_dir(self.root, step, save_id)
+        self._progress.mark(save_id, "started")
+        self._coordinator.agree(job.error, f"preparing the save of step {step}")
+        assert snapshot is not None
+        fault_point("stage", self.rank, step)
+        t_staging = time.perf_counter()
+        writer = HashingWriter(
+            tmp_dir,
+            algorithm=self.config.digest,
+            rank=self.rank,
+            thread_count=self.config.io_threads,
+            on_written=lambda: self._written(save_id, step),
+        )
+        error: str | None = None
+        planner = StagingSavePlanner(
+            self._stager, job.deferred, handle.staged, cancelled=lambda: handle.cancelled
+        )
+        try:
+            with self._io.quiet():
+                dcp_save(
+                    snapshot,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self._io.group,
+                    no_dist=not self._io.distributed,
+                )
+            fault_point("dcp_finish", self.rank, step)
+            self._progress.mark(save_id, "dcp_done")
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = f"writing shards failed: {unwrap_dcp_error(exc)!r}"
+        finally:
+            handle.staged.set()
+        t_written = time.perf_counter()
+        report = RankReport(
+            rank=self.rank,
+            records=tuple(writer.records()),
+            error=error,
+            timings={
+                "prepare_s": t_staging - t0,
+                "write_s": t_written - t_staging,
+                "staged_bytes": float(planner.staged_bytes),
+            },
+        )
+
+        def build(reports: list[RankReport]) -> Manifest:
+            # rank 0's stall as known at commit time
+            sync = not self.config.async_save
+            extra["stall_s"] = time.perf_counter() - t0 if sync else handle.stall_s
+            return self._manifest(
+                step=step,
+                epoch=job.epoch,
+                milestone=job.milestone,
+                save_id=save_id,
+                reports=reports,
+                t0=t0,
+                extra=extra,
+            )
+
+        self._progress.mark(save_id, "reported")
+        outcome = self._coordinator.finish_save(tmp_dir, step, report, build)
+        assert outcome.path is not None
+        commit_s = time.perf_counter() - t0
+        stall_s = commit_s if not self.config.async_save else handle.stall_s
+        result = SaveResult(
+            step=step,
+            path=Path(outcome.path),
+            bytes=outcome.total_bytes,
+            files=outcome.files,
+            stall_s=stall_s,
+            commit_s=commit_s,
+        )
+        if self.rank == 0:
+            log.info(
+                "dckpt: saved step %d | %s in %d files | stall %.3f s | committed in %.3f s | "
+                "%s/s | %s digests | %s",
+                step,
+                human_bytes(result.bytes),
+                result.files,
+                result.stall_s,
+                result.commit_s,
+                human_bytes(result.bytes / max(result.commit_s, 1e-9)),
+                self.config.digest,
+                result.path,
+            )
+            if self.config.retention.enabled:
+                try:
+                    apply_retention(self.root, self.config.retention)
+                except Exception as exc:  # the save itself is committed; never fail it here
+                    log.error("dckpt retention failed, nothing more was deleted: %r", exc)
+        return result
+
+    def _written(self, save_id: str, step: int) -> None:
+        fault_point("write_shards", self.rank, step)
+        self._progress.mark(save_id, "written")
+
+    def _manifest(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        milestone: bool,
+        save_id: str,
+        reports: list[RankReport],
+        t0: float,
+        extra: dict[str, Any],
+    ) -> Manifest:
+        records = tuple(sorted(rec for r in reports for rec in r.records))
+        return Manifest(
+            step=step,
+            epoch=epoch,
+            world_size=self.world_size,
+            files=records,
+            run_id=self.run_id,
+            save_id=save_id,
+            created_at=time.time(),
+            digest_algorithm=self.config.digest,
+            state=(*self.state.categories(), "rng"),
+            versions={
+                "dckpt": __version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            mesh={"world_size": self.world_size},
+            config=self.run_config,
+            precision=self.precision.describe() if self.precision is not None else {},
+            loss=extra["loss"],
+            metric=extra["metric"],
+            timings={
+                "stall_s": extra.get("stall_s", 0.0),
+                "prepare_s": max(r.timings.get("prepare_s", 0.0) for r in reports),
+                "write_s": max(r.timings.get("write_s", 0.0) for r in reports),
+                "to_commit_s": time.perf_counter() - t0,
+            },
+            bytes_per_rank=tuple(
+                sum(rec.bytes for rec in r.records) for r in sorted(reports, key=lambda r: r.rank)
+            ),
+            milestone=milestone,
+        )
