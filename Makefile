@@ -33,7 +33,12 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 bench: $(STAMP)
-	$(BIN)/python bench/digest_overhead.py --gb 1.0 --repeats 3
+	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/python bench/compare.py --sizes 0.25 1 2 --world-sizes 1 2 --repeats 4 --name compare
+
+bench-quick: $(STAMP)
+	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/python bench/compare.py --sizes 0.25 --world-sizes 2 --repeats 4 --name compare_quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
