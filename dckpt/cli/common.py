@@ -7,6 +7,7 @@ integrity failure (a digest or size mismatch, a damaged or hostile manifest).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -31,7 +32,8 @@ __all__ = [
 
 EXIT_OK, EXIT_USAGE, EXIT_INTEGRITY = 0, 2, 3
 
-out = Console(highlight=False, soft_wrap=True)
+# Piped output (logs, CI, `make demo`) gets a wide table instead of rich's 80 columns.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
