@@ -42,11 +42,10 @@ class IntegrityError(CheckpointError):
         self.path = path
         self.expected = expected
         self.actual = actual
-        self.detail = detail
-        what = detail or "digest mismatch"
+        self.detail = detail or "digest mismatch"
         super().__init__(
-            f"{what} in {path}: expected {expected}, got {actual}. The file is damaged or was "
-            "changed after commit; do not load it. Resume from an older checkpoint "
+            f"{self.detail} in {path}: expected {expected}, got {actual}. The file is damaged or "
+            "was changed after commit; do not load it. Resume from an older checkpoint "
             "(dckpt ls) or re-save, and check the storage for bit rot."
         )
 

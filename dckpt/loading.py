@@ -40,7 +40,8 @@ from .manifest import Manifest, check_layout, read_manifest
 from .precision import PrecisionPolicy
 from .resume import LossWatch, ResumeReport, check_config
 from .state import TrainState
-from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader, open_verified
+from .storage.verified_files import open_verified
+from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
 from .units import human_bytes
 from .world import warmup_collective
 from .writer import SaveResult

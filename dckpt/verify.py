@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import IntegrityError, ManifestError
+from .errors import IntegrityError, ManifestError, StorageError
 from .manifest import check_layout, read_manifest
-from .storage.digest import hash_file, parse_digest
 from .storage.records import FileRecord
+from .storage.verified_files import open_verified
 
 __all__ = [
     "FileProblem",
@@ -55,19 +55,15 @@ class VerifyResult:
 def _check_file(
     path: Path, record: FileRecord, progress: Callable[[int], None]
 ) -> FileProblem | None:
-    algorithm, _ = parse_digest(record.digest)
+    # The same check a load makes: no symlink followed, no FIFO waited on, every byte hashed.
     try:
-        actual, size = hash_file(path, algorithm, progress)
-    except OSError as exc:
+        open_verified(str(path), record, progress).close()
+    except IntegrityError as exc:
+        return FileProblem(
+            path=str(path), error=exc.detail, expected=exc.expected, actual=exc.actual
+        )
+    except StorageError as exc:
         return FileProblem(path=str(path), error=f"cannot read: {exc}")
-    if size != record.bytes:
-        return FileProblem(
-            path=str(path), error="size mismatch", expected=str(record.bytes), actual=str(size)
-        )
-    if actual != record.digest:
-        return FileProblem(
-            path=str(path), error="digest mismatch", expected=record.digest, actual=actual
-        )
     return None
 
 

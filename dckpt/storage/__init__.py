@@ -20,7 +20,8 @@ _EXPORTS = {
     "HashingWriter": "hashing_writer",
     "SafeLoadPlanner": "verifying_reader",
     "VerifyingReader": "verifying_reader",
-    "read_verified": "verifying_reader",
+    "open_verified": "verified_files",
+    "read_verified": "verified_files",
 }
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "digest_of_digests",
     "hash_file",
     "new_hasher",
+    "open_verified",
     "parse_digest",
     "read_verified",
 ]

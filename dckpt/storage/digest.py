@@ -21,6 +21,7 @@ __all__ = [
     "digest_of_digests",
     "format_digest",
     "hash_file",
+    "hash_stream",
     "new_hasher",
     "parse_digest",
 ]
@@ -63,7 +64,19 @@ def hash_file(
     algorithm: str,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[str, int]:
-    """Stream a file through ``algorithm``; returns (digest, bytes read).
+    """Stream a file through ``algorithm``; returns (digest, bytes read)."""
+    with open(path, "rb", buffering=0) as f:
+        return hash_stream(f, algorithm, progress)
+
+
+class Readable(Protocol):
+    def readinto(self, buffer: bytearray, /) -> int | None: ...
+
+
+def hash_stream(
+    f: Readable, algorithm: str, progress: Callable[[int], None] | None = None
+) -> tuple[str, int]:
+    """Hash ``f`` from where it is to its end through one reused buffer; (digest, bytes).
 
     ``progress`` receives the size of each chunk as it is hashed (for progress bars).
     """
@@ -71,15 +84,11 @@ def hash_file(
     size = 0
     buf = bytearray(READ_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            hasher.update(view[:n])
-            size += n
-            if progress is not None:
-                progress(n)
+    while n := f.readinto(buf):
+        hasher.update(view[:n])
+        size += n
+        if progress is not None:
+            progress(n)
     return format_digest(algorithm, hasher), size
 
 

@@ -22,10 +22,8 @@ so the bytes DCP then reads through the same descriptor are the same.
 
 from __future__ import annotations
 
-import errno
 import io
 import os
-import stat
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -38,100 +36,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from ..errors import IntegrityError, ManifestError, StateMismatchError, StorageError
-from .digest import READ_CHUNK, format_digest, new_hasher, parse_digest
+from ..errors import IntegrityError, ManifestError, StateMismatchError
 from .records import FileRecord
 from .safe_unpickle import load_dcp_metadata
+from .verified_files import open_verified, read_verified
 
 __all__ = ["SafeLoadPlanner", "VerifyingReader", "open_verified", "read_verified"]
 
 METADATA_FILE = ".metadata"
-
-
-def _open_checked(path: str, record: FileRecord) -> tuple[io.FileIO, str]:
-    """Open ``path`` for reading without following a symlink; require a regular file of the
-    recorded size (checked before anything is allocated). Returns the file and the algorithm."""
-    try:
-        algorithm, _ = parse_digest(record.digest)
-    except ValueError as exc:
-        raise IntegrityError(path, record.digest, "unusable digest", str(exc)) from None
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise IntegrityError(path, record.digest, "missing file", detail="file missing") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: the layout was tampered with
-            raise IntegrityError(path, "a regular file", "a symlink", "wrong file type") from exc
-        raise StorageError(f"cannot open {path}: {exc}; the storage failed, retry") from exc
-    f = io.FileIO(fd, "rb", closefd=True)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        f.close()
-        raise IntegrityError(path, "a regular file", "not a regular file", "wrong file type")
-    if st.st_size != record.bytes:
-        f.close()
-        raise IntegrityError(
-            path, f"{record.bytes} bytes", f"{st.st_size} bytes", detail="size mismatch"
-        )
-    return f, algorithm
-
-
-def _hash_open_file(f: io.FileIO, path: str, record: FileRecord, algorithm: str) -> None:
-    """Hash ``f`` from its start to its end through one reused buffer; raise unless it matches."""
-    hasher = new_hasher(algorithm)
-    buf = bytearray(min(READ_CHUNK, max(record.bytes, 1)))
-    view = memoryview(buf)
-    pos = 0
-    while pos < record.bytes:
-        n = f.readinto(view)
-        if not n:
-            raise IntegrityError(path, f"{record.bytes} bytes", f"{pos} bytes", "truncated")
-        hasher.update(view[:n])
-        pos += n
-    if f.read(1):
-        raise IntegrityError(path, f"{record.bytes} bytes", "more bytes", "size mismatch")
-    actual = format_digest(algorithm, hasher)
-    if actual != record.digest:
-        raise IntegrityError(path, record.digest, actual)
-
-
-def open_verified(path: str, record: FileRecord) -> io.FileIO:
-    """Open ``path`` (no symlink, a regular file of the recorded size), hash all of it, and
-    return it open and rewound, only if it matches: callers read the verified file through
-    this same descriptor, mostly from the page cache the hashing pass just filled."""
-    f, algorithm = _open_checked(path, record)
-    try:
-        _hash_open_file(f, path, record, algorithm)
-        f.seek(0)
-    except BaseException:
-        f.close()
-        raise
-    return f
-
-
-def read_verified(path: str, record: FileRecord) -> bytes:
-    """Read ``path`` whole into memory and hash exactly those bytes (for small files, such as
-    ``.metadata``, whose every byte is then used: nothing can change between check and use)."""
-    f, algorithm = _open_checked(path, record)
-    with f:
-        parts: list[bytes] = []
-        got = 0
-        while got <= record.bytes:  # one read past the end proves there is no more
-            chunk = f.read(READ_CHUNK)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-    data = b"".join(parts)
-    if len(data) != record.bytes:
-        raise IntegrityError(path, f"{record.bytes} bytes", f"{len(data)} bytes", "size mismatch")
-    hasher = new_hasher(algorithm)
-    hasher.update(data)
-    actual = format_digest(algorithm, hasher)
-    if actual != record.digest:
-        raise IntegrityError(path, record.digest, actual)
-    return data
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

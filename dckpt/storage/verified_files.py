@@ -1,0 +1,98 @@
+"""Opening checkpoint files safely and proving their bytes match the manifest (no torch).
+
+``open_verified`` is the one check every reader uses (a load, ``dckpt verify``, the coverage
+pass of a resume): no symlink is followed (``O_NOFOLLOW``), no FIFO is waited on
+(``O_NONBLOCK``, then a regular-file check), the size must match before anything is read,
+and every byte is hashed through one reused buffer. ``read_verified`` is for small files
+whose every byte is then used (``.metadata``): it hashes exactly the bytes it returns.
+An I/O failure is a ``StorageError`` (retry), never an integrity failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+from collections.abc import Callable
+
+from ..errors import IntegrityError, StorageError
+from .digest import READ_CHUNK, format_digest, hash_stream, new_hasher, parse_digest
+from .records import FileRecord
+
+__all__ = ["open_verified", "read_verified"]
+
+
+def _open_checked(path: str, record: FileRecord) -> tuple[io.FileIO, str]:
+    """Open ``path`` for reading without following a symlink; require a regular file of the
+    recorded size (checked before anything is allocated). Returns the file and the algorithm."""
+    try:
+        algorithm, _ = parse_digest(record.digest)
+    except ValueError as exc:
+        raise IntegrityError(path, record.digest, "unusable digest", str(exc)) from None
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise IntegrityError(path, record.digest, "missing file", detail="file missing") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: the layout was tampered with
+            raise IntegrityError(path, "a regular file", "a symlink", "wrong file type") from exc
+        raise StorageError(f"cannot open {path}: {exc}; the storage failed, retry") from exc
+    f = io.FileIO(fd, "rb", closefd=True)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        raise IntegrityError(path, "a regular file", "not a regular file", "wrong file type")
+    if st.st_size != record.bytes:
+        f.close()
+        raise IntegrityError(
+            path, f"{record.bytes} bytes", f"{st.st_size} bytes", detail="size mismatch"
+        )
+    return f, algorithm
+
+
+def open_verified(
+    path: str, record: FileRecord, progress: Callable[[int], None] | None = None
+) -> io.FileIO:
+    """Open ``path`` (no symlink, a regular file of the recorded size), hash all of it, and
+    return it open and rewound, only if it matches: callers read the verified file through
+    this same descriptor, mostly from the page cache the hashing pass just filled."""
+    f, algorithm = _open_checked(path, record)
+    try:
+        actual, size = hash_stream(f, algorithm, progress)
+        if size != record.bytes:  # it changed size since the fstat check
+            raise IntegrityError(
+                path, f"{record.bytes} bytes", f"{size} bytes", detail="size mismatch"
+            )
+        if actual != record.digest:
+            raise IntegrityError(path, record.digest, actual)
+        f.seek(0)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def read_verified(path: str, record: FileRecord) -> bytes:
+    """Read ``path`` whole into memory and hash exactly those bytes (for small files, such as
+    ``.metadata``, whose every byte is then used: nothing can change between check and use)."""
+    f, algorithm = _open_checked(path, record)
+    with f:
+        parts: list[bytes] = []
+        got = 0
+        while got <= record.bytes:  # one read past the end proves there is no more
+            chunk = f.read(READ_CHUNK)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+    data = b"".join(parts)
+    if len(data) != record.bytes:
+        raise IntegrityError(path, f"{record.bytes} bytes", f"{len(data)} bytes", "size mismatch")
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    actual = format_digest(algorithm, hasher)
+    if actual != record.digest:
+        raise IntegrityError(path, record.digest, actual)
+    return data
