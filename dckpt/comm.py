@@ -76,6 +76,8 @@ PHASES = {
     "dcp_done": "DCP's save",
     "reported": "reporting files to the coordinator",
 }
+DECIDED = "decided"
+"""Marked by rank 0 alone, once it committed or refused the save, before telling the others."""
 
 
 class Progress:
@@ -119,12 +121,25 @@ class Progress:
                 if late:
                     who = ", ".join(str(r) for r in late)
                     return f"rank(s) {who} did not complete {what} (seen from rank {self._rank})"
+            if not self._store.check([self._key(save_id, DECIDED, 0)]):
+                return f"rank 0 did not complete the commit (seen from rank {self._rank})"
         except Exception:
             return ""
         return ""
 
+    def all_reported(self, save_id: str) -> bool:
+        """Whether every rank reported its files, so rank 0 may have gone on to commit."""
+        if self._store is None:
+            return False
+        try:
+            return all(
+                self._store.check([self._key(save_id, "reported", r)]) for r in range(self._world)
+            )
+        except Exception:
+            return False
+
     def clear(self, save_id: str) -> None:
         if self._store is not None:
-            for phase in PHASES:
+            for phase in (*PHASES, DECIDED):
                 with contextlib.suppress(Exception):
                     self._store.delete_key(self._key(save_id, phase, self._rank))

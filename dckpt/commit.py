@@ -85,6 +85,7 @@ class RenameCommit:
             raise ValueError(f"{tmp_dir} is not a dckpt tmp dir under {base}")
         if not (tmp_dir / MANIFEST_FILE).is_file():
             raise ValueError(f"{tmp_dir} has no {MANIFEST_FILE}: refusing to commit it")
+        fault_point("fsync_shards", 0, step)
         for child in tmp_dir.iterdir():
             if child.is_file() and not child.is_symlink():
                 _fsync_file(child)
@@ -105,6 +106,7 @@ class RenameCommit:
         # Committed. What follows only tidies up: a failure here is logged, not raised, so a
         # committed save is never reported as lost; `recover` finishes the job at next start.
         try:
+            fault_point("fsync_parent", 0, step)
             fsync_dir(base)
             self._supersede(base, step)
             fault_point("publish_latest", 0, step)

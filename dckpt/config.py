@@ -24,6 +24,9 @@ class CheckpointConfig:
         root: directory that holds the checkpoints of one run (created if missing).
         digest: ``xxh3_128`` (fast, default) or ``sha256`` (cryptographic) for every file.
         timeout_s: the longest any rank waits for the others in a save or load collective.
+        save_timeout_s: the longest one save may take from ``save()`` to its commit before
+            the watchdog declares it stuck (a hung write, a dead rank): it logs which rank and
+            phase, and the next ``save()`` raises. None: ``4 * timeout_s + 30``.
         io_threads: writer threads per rank (DCP's ``thread_count``); one file per thread.
         async_save: write in the background; ``save()`` returns once the state is staged.
         overlap_staging: let ``save()`` return before parameters and optimizer state are
@@ -46,6 +49,7 @@ class CheckpointConfig:
     root: Path
     digest: str = "xxh3_128"
     timeout_s: float = 600.0
+    save_timeout_s: float | None = None
     io_threads: int = 1
     async_save: bool = True
     overlap_staging: bool = True
@@ -60,6 +64,11 @@ class CheckpointConfig:
     best_mode: str = "min"
     lock: bool = True
     lock_lease_s: float = 300.0
+
+    @property
+    def watchdog_s(self) -> float:
+        """Seconds after which a save in flight counts as stuck."""
+        return self.save_timeout_s or 4 * self.timeout_s + 30
 
     @property
     def retention(self) -> RetentionPolicy:
@@ -77,6 +86,11 @@ class CheckpointConfig:
             raise ValueError(
                 f"timeout_s must be > 0, got {self.timeout_s}: a wait without a bound turns a "
                 "dead rank into a hang"
+            )
+        if self.save_timeout_s is not None and not self.save_timeout_s >= self.timeout_s:
+            raise ValueError(
+                f"save_timeout_s ({self.save_timeout_s}) must be >= timeout_s ({self.timeout_s})"
+                ": a save waits for the others at least once"
             )
         self.retention  # noqa: B018 - builds the policy, which validates its settings
         if self.milestone_every is not None and self.milestone_every < 1:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .comm import Comm
 from .commit import RenameCommit
-from .errors import SaveError
+from .errors import SaveError, describe_os_error
 from .faults import fault_point
 from .manifest import Manifest, write_manifest
 from .storage.records import FileRecord
@@ -76,11 +76,14 @@ class Coordinator:
         step: int,
         report: RankReport,
         build_manifest: Callable[[list[RankReport]], Manifest],
+        on_decided: Callable[[], None] | None = None,
     ) -> SaveOutcome:
         reports = self.comm.all_gather(report)
         outcome = SaveOutcome(path=None, error="rank 0 did not decide")
         if self.comm.rank == 0:
             outcome = self._decide(tmp_dir, step, reports, build_manifest)
+            if on_decided is not None:
+                on_decided()
         outcome = self.comm.broadcast(outcome)
         if outcome.error is not None:
             raise SaveError(
@@ -107,7 +110,9 @@ class Coordinator:
             final = self.strategy.commit(self.root, tmp_dir, step)
         except Exception as exc:  # any failure here must leave nothing committed
             shutil.rmtree(tmp_dir, ignore_errors=True)
-            return SaveOutcome(path=None, error=f"rank 0 could not commit: {exc!r}")
+            return SaveOutcome(
+                path=None, error=f"rank 0 could not commit: {describe_os_error(exc, self.root)}"
+            )
         return SaveOutcome(
             path=str(final), error=None, total_bytes=manifest.total_bytes, files=len(manifest.files)
         )

@@ -7,6 +7,12 @@ exit code 3. `CheckpointNotFoundError` maps to exit code 2.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+
+from .units import human_bytes
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -19,6 +25,7 @@ __all__ = [
     "StateMismatchError",
     "StorageError",
     "WorldError",
+    "describe_os_error",
     "unwrap_dcp_error",
 ]
 
@@ -90,7 +97,28 @@ def unwrap_dcp_error(exc: BaseException) -> BaseException:
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(exc, CheckpointException):
-        for _rank, (inner, _trace) in sorted(exc.failures.items()):
-            if isinstance(inner, CheckpointError):
-                return inner
+        inner_errors = [inner for _rank, (inner, _trace) in sorted(exc.failures.items())]
+        for kind in (CheckpointError, OSError):
+            for inner in inner_errors:
+                if isinstance(inner, kind):
+                    return inner
     return exc
+
+
+def describe_os_error(exc: BaseException, root: str | os.PathLike[str]) -> str:
+    """``exc`` in words a user can act on: a full disk or a read-only root says so, with the
+    free space left on ``root``'s file system."""
+    if not isinstance(exc, OSError):
+        return repr(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = human_bytes(shutil.disk_usage(root).free)
+        except OSError:
+            free = "unknown"
+        return (
+            f"no space left on the device of {root} ({free} free now; {exc.strerror}): free "
+            "space, lower keep_last, or save to a larger volume"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{root} is not writable ({exc.strerror}: {exc.filename or root})"
+    return repr(exc)

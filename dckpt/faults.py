@@ -8,12 +8,17 @@ process of that rank fire the action when it reaches that phase (of that step, i
 - ``enospc``: raises ``OSError(ENOSPC)`` (a full disk);
 - ``sleep``: sleeps ``seconds`` (a stuck write).
 
-Unset, it costs one cached lookup per phase. Phases, in save order: ``prepare`` (state dict
-taken), ``stage`` (background, before the deferred copies are taken), ``write_shards`` (this
-rank's shard files written, before DCP's metadata), ``dcp_finish`` (DCP returned on this rank),
-``write_manifest``, ``rename`` (before the commit rename), ``publish_latest`` (after the
-rename, before ``latest``), ``retention`` (after the victims were renamed to trash, before
-they are removed); and in a resume, ``warmup`` (before this rank joins the warmup collective).
+Unset, it costs one cached lookup per phase. Phases, in save order (``PHASES``):
+
+- on every rank: ``prepare`` (state dict taken, in ``save()``), ``make_tmp`` (background, before
+  the tmp dir is made), ``stage`` (before the deferred copies are taken), ``write_shards`` (this
+  rank's shard files written and fsynced, before DCP's metadata), ``dcp_finish`` (DCP returned
+  on this rank);
+- on rank 0, the coordinator: ``write_manifest``, ``fsync_shards`` (manifest written, before
+  the files and the tmp dir are fsynced), ``rename`` (before the commit rename),
+  ``fsync_parent`` (renamed, before the root is fsynced), ``publish_latest`` (before
+  ``latest`` is replaced), ``retention`` (victims renamed to trash, not yet removed);
+- in a resume, on every rank: ``warmup`` (before this rank joins the warmup collective).
 """
 
 from __future__ import annotations
@@ -25,18 +30,31 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "InjectedFaultError", "fault_point"]
+__all__ = ["COORDINATOR_PHASES", "PHASES", "RANK_PHASES", "InjectedFaultError", "fault_point"]
 
 PHASES = (
     "prepare",
+    "make_tmp",
     "stage",
     "write_shards",
     "dcp_finish",
     "write_manifest",
+    "fsync_shards",
     "rename",
+    "fsync_parent",
     "publish_latest",
     "retention",
     "warmup",
+)
+RANK_PHASES = ("prepare", "make_tmp", "stage", "write_shards", "dcp_finish")
+"""Phases every rank passes in a save; the others of a save run on rank 0 only."""
+COORDINATOR_PHASES = (
+    "write_manifest",
+    "fsync_shards",
+    "rename",
+    "fsync_parent",
+    "publish_latest",
+    "retention",
 )
 ACTIONS = ("sigkill", "raise", "enospc", "sleep")
 

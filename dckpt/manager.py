@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -38,16 +39,14 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.distributed.tensor import DTensor
 
 from . import rng
 from .comm import Comm, Progress
 from .commit import recover
 from .config import CheckpointConfig
 from .coordinator import Coordinator
-from .errors import (
-    CheckpointError,
-    WorldError,
-)
+from .errors import CheckpointError, SaveError, WorldError
 from .faults import fault_point
 from .loading import LoadingMixin, LoadResult
 from .lock import LockError, RunLock
@@ -56,6 +55,7 @@ from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport
 from .saving import SaveJob, SavingMixin
 from .stager import Stager, storage_versions
 from .state import TrainState
+from .units import human_bytes
 from .writer import BackgroundWriter, SaveHandle, SaveResult
 
 __all__ = ["CheckpointManager", "LoadResult", "ResumeReport", "SaveHandle", "SaveResult"]
@@ -129,10 +129,11 @@ class CheckpointManager(SavingMixin, LoadingMixin):
         self._saves = 0
         self._closed = False
         self._broken: str | None = None
+        self._last_save_bytes = 0
         self._device: int | None = None
         # The background save bounds each of its own waits by timeout_s and names a late rank
         # when one expires; joining it waits for that to happen, with a margin, never forever.
-        self._join_timeout = 4 * config.timeout_s + 30
+        self._join_timeout = config.watchdog_s
         self.run_id = str(
             self._ctl.broadcast(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex)
         )
@@ -183,6 +184,7 @@ class CheckpointManager(SavingMixin, LoadingMixin):
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._raise_if_stuck()
         if self._broken is not None:
             raise WorldError(
                 f"an earlier save failed inside a collective ({self._broken}); dckpt's process "
@@ -227,6 +229,8 @@ class CheckpointManager(SavingMixin, LoadingMixin):
             state_dict = self.state.state_dict()
             # Taken now, at the point the training loop will continue from after a resume.
             state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
+            if self.rank == 0:
+                self._check_free_space(step, state_dict)
             if self.config.async_save:
                 # Parameters and optimizer state are staged by the planner, once DCP's
                 # de-duplicated plan is known: each rank copies only what it writes.
@@ -247,7 +251,12 @@ class CheckpointManager(SavingMixin, LoadingMixin):
             milestone=milestone,
             extra=extra,
         )
-        self._writer.submit(handle, lambda h: self._write(h, job))
+        self._writer.submit(
+            handle,
+            lambda h: self._write(h, job),
+            deadline_s=self.config.watchdog_s,
+            describe_stuck=lambda: self._progress.lagging(save_id),
+        )
         if not self.config.async_save:
             try:
                 handle.result()
@@ -258,6 +267,28 @@ class CheckpointManager(SavingMixin, LoadingMixin):
             handle.wait_staged(self._join_timeout)
         handle.stall_s = time.perf_counter() - t0
         return handle
+
+    def _check_free_space(self, step: int, state_dict: dict[str, Any]) -> None:
+        """Warn before staging when the root's file system cannot hold this save.
+
+        The estimate is the previous save's size, or (first save) the bytes of the tensors in
+        this state dict, with each sharded tensor counted for the whole world.
+        """
+        need = self._last_save_bytes or _tensor_bytes(state_dict, self.world_size)
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        if need > free:
+            log.warning(
+                "dckpt: step %d needs about %s but only %s is free on %s: the save will "
+                "likely fail with 'no space left on device' (older checkpoints stay intact). "
+                "Free space or lower keep_last.",
+                step,
+                human_bytes(need),
+                human_bytes(free),
+                self.root,
+            )
 
     def before_optimizer_step(self) -> None:
         """Block until the save in flight has its copy of the state (called by a step pre-hook).
@@ -271,10 +302,21 @@ class CheckpointManager(SavingMixin, LoadingMixin):
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight is committed; raise if any earlier save failed."""
+        self._raise_if_stuck()
+        if self._broken is not None:
+            raise SaveError(f"{self._broken}; restart the job")
         handle = self._writer.current
         self._writer.join(self._join_timeout)
         self._writer.raise_if_failed()
         return handle.result() if handle is not None else None
+
+    def _raise_if_stuck(self) -> None:
+        """After the watchdog gave up on a save: raise its error once, then refuse to save
+        (the stuck thread may still hold dckpt's group and its files)."""
+        stuck = self._writer.stuck
+        if stuck is not None and self._broken is None:
+            self._broken = f"the save of step {stuck.step} got stuck and never finished"
+            self._writer.raise_if_failed()
 
     def _skip(self, step: int, busy: list[bool]) -> SaveHandle:
         handle = SaveHandle(step, time.perf_counter())
@@ -312,7 +354,14 @@ class CheckpointManager(SavingMixin, LoadingMixin):
             return
         self._closed = True
         try:
-            self._writer.join(self._join_timeout)
+            if self._writer.stuck is not None:
+                log.error(
+                    "dckpt: closing with the save of step %d still stuck in the background; "
+                    "this process may not exit until its storage answers",
+                    self._writer.stuck.step,
+                )
+            else:
+                self._writer.join(self._join_timeout)
         finally:
             if self._hook is not None:
                 self._hook.remove()
@@ -344,3 +393,16 @@ class CheckpointManager(SavingMixin, LoadingMixin):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
+
+
+def _tensor_bytes(obj: Any, world_size: int) -> int:
+    """Bytes of the tensors in a nested state dict; a DTensor's local shard counts world-wide."""
+    if isinstance(obj, DTensor):
+        return int(obj.to_local().nbytes) * world_size
+    if isinstance(obj, torch.Tensor):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, world_size) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, world_size) for v in obj)
+    return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,11 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from . import __version__
-from .comm import Comm, Progress
+from .comm import DECIDED, Comm, Progress
 from .commit import new_tmp_dir
 from .config import CheckpointConfig
 from .coordinator import Coordinator, RankReport
-from .errors import SaveError, unwrap_dcp_error
+from .errors import SaveError, describe_os_error, unwrap_dcp_error
 from .faults import fault_point
 from .housekeeping import apply_retention
 from .manifest import Manifest
@@ -69,6 +70,7 @@ class SavingMixin:
     _stager: Stager
     _device: int | None
     _broken: str | None
+    _last_save_bytes: int
 
     def _write(
         self,
@@ -87,12 +89,21 @@ class SavingMixin:
                 raise
             if not isinstance(exc, SaveError):  # a collective failed: the group is unusable
                 self._broken = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if self.rank == 0:  # whatever failed, no half-written tmp dir outlives the save
+                shutil.rmtree(new_tmp_dir(self.root, handle.step, job.save_id), ignore_errors=True)
             lag = self._progress.lagging(job.save_id)
             if isinstance(exc, SaveError) and not lag:
                 raise
+            if lag and self._progress.all_reported(job.save_id):
+                # Rank 0 had every report: it may have committed before it stopped answering.
+                outcome = (
+                    "rank 0 stopped answering while it committed, so this rank cannot tell "
+                    "whether the checkpoint was committed; the next resume verifies and finds out"
+                )
+            else:
+                outcome = "nothing was committed" + (f": {lag}" if lag else "")
             raise SaveError(
-                f"save of step {handle.step} failed (seen from rank {self.rank}), nothing was "
-                "committed" + (f": {lag}" if lag else "") + f" ({exc})"
+                f"save of step {handle.step} failed (seen from rank {self.rank}), {outcome} ({exc})"
             ) from exc
         finally:
             handle.staged.set()
@@ -110,9 +121,15 @@ class SavingMixin:
             torch.cuda.set_device(self._device)  # a new thread starts on device 0
         tmp_dir = new_tmp_dir(self.root, step, save_id)
         self._progress.mark(save_id, "started")
-        self._coordinator.agree(job.error, f"preparing the save of step {step}")
+        error = job.error
+        if error is None:
+            try:
+                fault_point("make_tmp", self.rank, step)
+                tmp_dir.mkdir(exist_ok=True)  # every rank (shared or not); DCP's mkdir finds it
+            except OSError as exc:
+                error = f"cannot make {tmp_dir}: {describe_os_error(exc, self.root)}"
+        self._coordinator.agree(error, f"preparing the save of step {step}")
         assert snapshot is not None
-        fault_point("stage", self.rank, step)
         t_staging = time.perf_counter()
         writer = HashingWriter(
             tmp_dir,
@@ -121,9 +138,13 @@ class SavingMixin:
             thread_count=self.config.io_threads,
             on_written=lambda: self._written(save_id, step),
         )
-        error: str | None = None
+        error = None
         planner = StagingSavePlanner(
-            self._stager, job.deferred, handle.staged, cancelled=lambda: handle.cancelled
+            self._stager,
+            job.deferred,
+            handle.staged,
+            cancelled=lambda: handle.cancelled,
+            on_stage=lambda: fault_point("stage", self.rank, step),
         )
         try:
             with self._io.quiet():
@@ -139,7 +160,7 @@ class SavingMixin:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            error = f"writing shards failed: {unwrap_dcp_error(exc)!r}"
+            error = f"writing shards failed: {describe_os_error(unwrap_dcp_error(exc), self.root)}"
         finally:
             handle.staged.set()
         t_written = time.perf_counter()
@@ -169,7 +190,9 @@ class SavingMixin:
             )
 
         self._progress.mark(save_id, "reported")
-        outcome = self._coordinator.finish_save(tmp_dir, step, report, build)
+        outcome = self._coordinator.finish_save(
+            tmp_dir, step, report, build, on_decided=lambda: self._progress.mark(save_id, DECIDED)
+        )
         assert outcome.path is not None
         commit_s = time.perf_counter() - t0
         stall_s = commit_s if not self.config.async_save else handle.stall_s
@@ -181,6 +204,7 @@ class SavingMixin:
             stall_s=stall_s,
             commit_s=commit_s,
         )
+        self._last_save_bytes = result.bytes
         if self.rank == 0:
             log.info(
                 "dckpt: saved step %d | %s in %d files | stall %.3f s | committed in %.3f s | "

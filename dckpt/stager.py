@@ -143,6 +143,7 @@ class StagingSavePlanner(DefaultSavePlanner):
         deferred: Mapping[int, int],
         staged: threading.Event,
         cancelled: Callable[[], bool],
+        on_stage: Callable[[], None] | None = None,
     ) -> None:
         # No plan caching: DCP's cache compares plans without dtypes, so a model cast between
         # two saves would commit metadata with the old dtype. Planning is cheap next to I/O.
@@ -151,6 +152,7 @@ class StagingSavePlanner(DefaultSavePlanner):
         self._deferred = deferred
         self._staged = staged
         self._cancelled = cancelled
+        self._on_stage = on_stage
         self._copies: dict[MetadataIndex, torch.Tensor] = {}
         self.staged_bytes = 0
 
@@ -159,6 +161,8 @@ class StagingSavePlanner(DefaultSavePlanner):
         try:
             if self._cancelled():
                 raise SaveError("the save was cancelled: its staging took longer than allowed")
+            if self._on_stage is not None:
+                self._on_stage()  # inside DCP's plan step, so an error fails every rank at once
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     continue

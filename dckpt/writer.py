@@ -11,11 +11,16 @@ Invariants:
 - a job's exception is kept and raised, once, by the next ``raise_if_failed`` (the manager calls
   it at the next ``save()``, ``wait()`` or ``close()``); it is never lost and never raised twice;
 - the thread is started and joined by the manager's public methods, never by a finalizer; it is
-  not a daemon, so an interpreter that exits after ``save()`` still finishes the write.
+  not a daemon, so an interpreter that exits after ``save()`` still finishes the write;
+- a watchdog (a timer per job) declares a job stuck once it outlives its deadline: it latches a
+  ``SaveError`` that says where the job was, so the next ``save()`` raises at once instead of
+  waiting on a write that may never return. A stuck thread cannot be stopped from Python; the
+  manager refuses further saves and asks for a restart.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +30,8 @@ from pathlib import Path
 from .errors import CheckpointError, SaveError
 
 __all__ = ["BackgroundWriter", "SaveHandle", "SaveResult"]
+
+log = logging.getLogger("dckpt")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +109,8 @@ class BackgroundWriter:
         self._current: SaveHandle | None = None
         self._failed: BaseException | None = None
         self._lock = threading.Lock()
+        self.stuck: SaveHandle | None = None
+        """The save the watchdog gave up on; its thread may still be blocked."""
 
     @property
     def current(self) -> SaveHandle | None:
@@ -109,7 +118,16 @@ class BackgroundWriter:
         handle = self._current
         return handle if handle is not None and not handle.done() else None
 
-    def submit(self, handle: SaveHandle, job: Callable[[SaveHandle], SaveResult]) -> None:
+    def submit(
+        self,
+        handle: SaveHandle,
+        job: Callable[[SaveHandle], SaveResult],
+        *,
+        deadline_s: float | None = None,
+        describe_stuck: Callable[[], str] = lambda: "",
+    ) -> None:
+        """Run ``job`` on a new thread; after ``deadline_s`` the watchdog declares it stuck
+        and latches an error naming ``describe_stuck()`` (which ranks are behind, and where)."""
         if self.current is not None:
             raise CheckpointError("a save is already in flight; wait for it first")
 
@@ -118,14 +136,40 @@ class BackgroundWriter:
                 result = job(handle)
             except BaseException as exc:
                 with self._lock:
-                    self._failed = exc
+                    if self.stuck is not handle:  # the watchdog already reported this save
+                        self._failed = exc
                 handle._finish(None, exc)
             else:
                 handle._finish(result, None)
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
 
+        def fire() -> None:
+            if handle.done():
+                return
+            where = describe_stuck()
+            error = SaveError(
+                f"the save of step {handle.step} is stuck: not committed after {deadline_s:.0f} "
+                f"s (save_timeout_s){f'; {where}' if where else ''}. Storage may be hung or a "
+                "rank may have died. Nothing of it is committed; restart the job, it resumes "
+                "from the last committed checkpoint."
+            )
+            with self._lock:
+                self.stuck = handle
+                self._failed = error
+            log.error("dckpt: %s", error)
+
+        watchdog: threading.Timer | None = None
+        if deadline_s is not None:
+            watchdog = threading.Timer(deadline_s, fire)
+            watchdog.daemon = True  # only ever reports; must not keep the process alive
+            watchdog.name = f"dckpt-watchdog-{handle.step}"
         self._current = handle
         self._thread = threading.Thread(target=run, name=f"dckpt-save-{handle.step}")
         self._thread.start()
+        if watchdog is not None:
+            watchdog.start()
 
     def join(self, timeout: float) -> None:
         """Wait for the save in flight to end (committed or failed)."""
