@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test lint typecheck unit bench bench-quick clean
+.PHONY: install demo test lint typecheck unit faults bench bench-quick clean
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The fault-injection suite alone (it also runs in `make test`), with its table; the trials
+# are kept in build/faults.json for the notes.
+faults: $(STAMP)
+	DCKPT_FAULTS_JSON=build/faults.json $(BIN)/python -m pytest -q -m faults tests
+
 bench: $(STAMP)
 	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/compare.py --sizes 0.25 1 2 --world-sizes 1 2 --repeats 4 --name compare
@@ -41,4 +46,4 @@ bench-quick: $(STAMP)
 	$(BIN)/python bench/compare.py --sizes 0.25 --world-sizes 2 --repeats 4 --name compare_quick
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build

@@ -72,6 +72,7 @@ class Comm:
 
 PHASES = {
     "started": "the start of the save",
+    "ready": "preparing the save (its state and tmp dir)",
     "written": "writing shards",
     "dcp_done": "DCP's save",
     "reported": "reporting files to the coordinator",

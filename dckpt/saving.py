@@ -128,6 +128,8 @@ class SavingMixin:
                 tmp_dir.mkdir(exist_ok=True)  # every rank (shared or not); DCP's mkdir finds it
             except OSError as exc:
                 error = f"cannot make {tmp_dir}: {describe_os_error(exc, self.root)}"
+        if error is None:
+            self._progress.mark(save_id, "ready")
         self._coordinator.agree(error, f"preparing the save of step {step}")
         assert snapshot is not None
         t_staging = time.perf_counter()

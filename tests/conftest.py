@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +52,43 @@ def trained_copy(trained_root: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "ckpt"
     shutil.copytree(trained_root, dst)
     return dst
+
+
+# --- the fault-injection suite's table (make faults) ------------------------------------------
+
+_FAULT_TRIALS = pytest.StashKey[list[Any]]()
+
+
+@pytest.fixture
+def fault_trials(request: pytest.FixtureRequest) -> Any:
+    """Record each trial of a fault for the table printed at the end of the run."""
+    from fault_kit import Trials
+
+    return Trials(request.config.stash.setdefault(_FAULT_TRIALS, []))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    trials = config.stash.get(_FAULT_TRIALS, [])
+    if not trials:
+        return
+    rows: dict[str, list[int]] = {}
+    for t in trials:
+        row = rows.setdefault(t.fault, [0, 0, 0])
+        row[0] += 1
+        row[1] += int(t.survived)
+        row[2] += t.lost
+    width = max(len(f) for f in rows)
+    tr = terminalreporter
+    tr.section("dckpt fault injection")
+    tr.write_line(f"{'fault':<{width}}  {'trials':>6}  {'survived':>8}  {'data lost':>9}")
+    for fault, (n, ok, lost) in rows.items():
+        tr.write_line(f"{fault:<{width}}  {n:>6}  {ok:>8}  {lost:>9}")
+    total = [sum(r[i] for r in rows.values()) for i in range(3)]
+    tr.write_line(f"{'total':<{width}}  {total[0]:>6}  {total[1]:>8}  {total[2]:>9}")
+    for t in trials:
+        if not t.survived or t.lost:
+            tr.write_line(f"FAILED TRIAL {t.fault} / {t.case}: {t.detail}")
+    out = os.environ.get("DCKPT_FAULTS_JSON")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps([t.__dict__ for t in trials], indent=1, default=str) + "\n")
