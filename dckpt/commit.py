@@ -4,12 +4,14 @@ Protocol (``RenameCommit.commit``), run by the coordinator (rank 0) after every 
 the manifest are written into ``step-XXXXXXXX.tmp-<hex>/``:
 
 1. fsync every file in the tmp dir, then the tmp dir itself;
-2. if the final name is taken (the same step saved again), rename the old one aside to
-   ``step-XXXXXXXX.replaced-<hex>``: a committed directory is never written into;
-3. rename tmp → ``step-XXXXXXXX/`` and fsync the root: this rename is the commit point;
-4. replace ``latest`` atomically (write tmp file, fsync, rename, fsync root), only ever to a
+2. rename tmp → ``step-XXXXXXXX/`` and fsync the root: this rename is the commit point. If
+   the final name is taken (the same step saved again), the two are swapped in one atomic
+   ``renameat2(RENAME_EXCHANGE)`` instead, so the step is never missing; where the file system
+   cannot swap, the old copy is first renamed aside to ``step-XXXXXXXX.replaced-<hex>`` (a
+   committed directory is never written into);
+3. replace ``latest`` atomically (write tmp file, fsync, rename, fsync root), only ever to a
    committed name, so ``latest`` never points ahead of a commit;
-5. delete the replaced copy.
+4. delete the replaced copy (after a swap it has the tmp dir's name).
 
 ``recover`` undoes what a crash can leave: abandoned tmp dirs are removed, a replaced copy whose
 successor never landed is renamed back, and a dangling ``latest`` is repointed. This layer
@@ -18,9 +20,12 @@ knows directories and files only, never tensors.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -69,6 +74,39 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically (Linux renameat2 RENAME_EXCHANGE); False where
+    the platform or file system cannot, so the caller falls back to rename-aside."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def _replace(base: Path, tmp_dir: Path, final: Path) -> Path:
+    """Commit ``tmp_dir`` over an existing ``final``; returns where the old copy now is."""
+    if exchange(tmp_dir, final):  # the commit point: the old copy now has the tmp name
+        return tmp_dir
+    replaced = base / f"{final.name}.replaced-{uuid.uuid4().hex}"
+    os.rename(final, replaced)
+    try:
+        os.rename(tmp_dir, final)  # the commit point
+    except BaseException:
+        os.rename(replaced, final)  # put the old copy back: nothing changed
+        raise
+    return replaced
+
+
 def new_tmp_dir(root: str | os.PathLike[str], step: int, save_id: str) -> Path:
     """The path (not yet created) of the tmp dir for one save of ``step``."""
     return Path(root) / f"{step_dir_name(step)}.tmp-{save_id}"
@@ -92,17 +130,12 @@ class RenameCommit:
         fsync_dir(tmp_dir)
 
         final = base / step_dir_name(step)
+        fault_point("rename", 0, step)
         replaced: Path | None = None
         if final.exists():
-            replaced = base / f"{final.name}.replaced-{uuid.uuid4().hex}"
-            os.rename(final, replaced)
-        try:
-            fault_point("rename", 0, step)
+            replaced = _replace(base, tmp_dir, final)
+        else:
             os.rename(tmp_dir, final)  # the commit point
-        except BaseException:
-            if replaced is not None:  # put the old copy back: nothing changed
-                os.rename(replaced, final)
-            raise
         # Committed. What follows only tidies up: a failure here is logged, not raised, so a
         # committed save is never reported as lost; `recover` finishes the job at next start.
         try:

@@ -121,7 +121,20 @@ def test_a_rollback_moves_the_abandoned_newer_branch_to_quarantine(tmp_path: Pat
     assert not [n for n in names(tmp_path) if n.startswith(f"{LATEST_FILE}.tmp")]
 
 
-def test_commit_same_step_twice_replaces_whole(tmp_path: Path) -> None:
+@pytest.mark.parametrize("swap", ["exchange", "rename-aside"])
+def test_commit_same_step_twice_replaces_whole(
+    tmp_path: Path, swap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dckpt.commit
+
+    swapped: list[bool] = []
+    real_exchange = dckpt.commit.exchange
+
+    def spy(a: Path, b: Path) -> bool:
+        swapped.append(real_exchange(a, b) if swap == "exchange" else False)
+        return swapped[-1]
+
+    monkeypatch.setattr(dckpt.commit, "exchange", spy)
     first = commit(tmp_path, 5, b"first")
     (first / "only-in-first.bin").write_bytes(b"x")  # stands for a file the re-save lacks
     old_save_id = read_manifest(first).save_id
@@ -137,6 +150,20 @@ def test_commit_same_step_twice_replaces_whole(tmp_path: Path) -> None:
     assert names(tmp_path) == {"step-00000005", LATEST_FILE}  # no .replaced- or tmp dir
     assert read_latest(tmp_path) == "step-00000005"
     assert committed_steps(tmp_path) == [5]
+    assert swapped == [swap == "exchange"]  # this file system can swap (Linux, renameat2)
+
+
+def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
+    from dckpt.commit import exchange
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    assert exchange(a, b)
+    assert (b / "x").read_text() == "from a" and not (a / "x").exists()
+    with pytest.raises(OSError, match="cannot swap"):
+        exchange(a, tmp_path / "missing")
 
 
 def test_commit_refuses_tmp_dir_without_manifest(tmp_path: Path) -> None:
