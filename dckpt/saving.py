@@ -126,7 +126,7 @@ class SavingMixin:
             try:
                 fault_point("make_tmp", self.rank, step)
                 tmp_dir.mkdir(exist_ok=True)  # every rank (shared or not); DCP's mkdir finds it
-            except OSError as exc:
+            except Exception as exc:  # reported to every rank by the agreement below
                 error = f"cannot make {tmp_dir}: {describe_os_error(exc, self.root)}"
         if error is None:
             self._progress.mark(save_id, "ready")

@@ -51,7 +51,7 @@ def train_step(model: Any, opt: Any, sched: Any, step: int, rank: int) -> float:
     loss.backward()
     opt.step()
     sched.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def manager(root: str, model: Any, opt: Any, sched: Any, **config: Any) -> Any:
