@@ -91,9 +91,9 @@ class SavingMixin:
                 self._broken = f"{type(exc).__name__}: {str(exc)[:200]}"
             if self.rank == 0:  # whatever failed, no half-written tmp dir outlives the save
                 shutil.rmtree(new_tmp_dir(self.root, handle.step, job.save_id), ignore_errors=True)
-            lag = self._progress.lagging(job.save_id)
-            if isinstance(exc, SaveError) and not lag:
+            if isinstance(exc, SaveError):  # an outcome every rank agreed on: it says it all
                 raise
+            lag = self._progress.lagging(job.save_id)
             if lag and self._progress.all_reported(job.save_id):
                 # Rank 0 had every report: it may have committed before it stopped answering.
                 outcome = (

@@ -94,13 +94,15 @@ def saving_world(
     return "ok"
 
 
-def resume_world(rank: int, world: int, roots: list[str]) -> list[dict[str, Any]]:
+def resume_world(
+    rank: int, world: int, roots: list[str], width: int = WIDTH
+) -> list[dict[str, Any]]:
     """A restart of each root in turn: resume, compare with the checkpoint, save one more."""
     from dckpt.offline import load_flat
 
     out: list[dict[str, Any]] = []
     for root in roots:
-        model, opt, sched = build(rank)
+        model, opt, sched = build(rank, width)
         try:
             mgr = manager(root, model, opt, sched)
         except Exception as exc:
