@@ -1,0 +1,93 @@
+"""A stuck write (fault 6): rank 1's shard write hangs (``action=sleep``) during a save.
+
+Expected: rank 0 gives up after ``timeout_s`` with an error naming rank 1; on rank 1 itself
+the watchdog fires after ``save_timeout_s`` and names the stuck rank and phase, the next
+``save()`` raises at once (it does not wait on the hung write), and the save after that is
+refused (WorldError: restart). Nothing of the stuck step is committed, the earlier checkpoint
+is intact, and a restart resumes from it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dist_harness import run_world
+from fault_kit import Trials, build, capture, check, manager, resume_world, train_step
+
+pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
+
+TIMEOUT_S, WATCHDOG_S, HANG_S = 4.0, 6.0, 10.0
+
+
+def stuck_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    import dckpt
+
+    model, opt, sched = build(rank)
+    mgr = manager(root, model, opt, sched, timeout_s=TIMEOUT_S, save_timeout_s=WATCHDOG_S)
+    train_step(model, opt, sched, 1, rank)
+    mgr.save(1)
+    mgr.wait()
+    os.environ["DCKPT_FAULT"] = f"phase=write_shards,rank=1,action=sleep,seconds={HANG_S},step=2"
+    train_step(model, opt, sched, 2, rank)
+    t0 = time.monotonic()
+    mgr.save(2)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            mgr.wait()
+            out["wait"] = "ok"
+        except dckpt.SaveError as exc:
+            out["wait"] = str(exc)
+        out["wait_s"] = time.monotonic() - t0
+        mgr.close()
+        return out
+    # No training step here: rank 0 has given up and left, so DDP's all-reduce would fail.
+    time.sleep(WATCHDOG_S + 2 - (time.monotonic() - t0))
+    t1 = time.monotonic()
+    for key, step in (("next_save", 3), ("after", 4)):
+        try:
+            mgr.save(step)
+            out[key] = "ok"
+        except dckpt.CheckpointError as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+        if key == "next_save":
+            out["next_save_s"] = time.monotonic() - t1
+    mgr.close()
+    return out
+
+
+def test_a_stuck_write_is_named_by_the_watchdog_and_the_next_save_raises(
+    tmp_path: Path, fault_trials: Trials
+) -> None:
+    root = tmp_path / "root"
+    out = run_world(stuck_world, 2, str(root), timeout=120)
+    why: list[str] = []
+    r0, r1 = out
+    if "rank(s) 1 did not complete writing shards" not in r0["wait"]:
+        why.append(f"rank 0 does not name rank 1: {r0['wait']!r}")
+    if r0["wait_s"] > TIMEOUT_S * 3 + 5:
+        why.append(f"rank 0 waited {r0['wait_s']:.1f} s (timeout_s={TIMEOUT_S})")
+    if not ("is stuck" in r1["next_save"] and "rank(s) 1" in r1["next_save"]):
+        why.append(f"rank 1's next save did not report the stuck write: {r1['next_save']!r}")
+    if r1["next_save_s"] > 1.0:
+        why.append(f"rank 1's next save took {r1['next_save_s']:.1f} s to raise")
+    if not r1["after"].startswith("WorldError"):
+        why.append(f"rank 1's save after that was not refused: {r1['after']!r}")
+    from dckpt.layout import committed_steps
+
+    if committed_steps(root) != [1]:
+        why.append(f"committed: {committed_steps(root)}, expected [1]")
+    baseline = capture(root)
+    outcome = check(root, baseline)
+    resumed = run_world(resume_world, 2, [str(root)], timeout=120)
+    for r in (0, 1):
+        if resumed[r][0].get("step") != 1 or not resumed[r][0].get("exact"):
+            why.append(f"restart on rank {r}: {resumed[r][0]}")
+    fault_trials.record_check(
+        "stuck write (watchdog)", "sleep at write_shards on rank 1", outcome, detail="; ".join(why)
+    )
+    assert not why and outcome.ok, why + outcome.problems
