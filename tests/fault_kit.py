@@ -221,14 +221,21 @@ class Trials:
         self._sink.append(Trial(fault, case, survived, lost, detail))
 
     def record_check(
-        self, fault: str, case: str, outcome: Check, *, survived: bool = True, detail: str = ""
+        self,
+        fault: str,
+        case: str,
+        outcome: Check,
+        *,
+        survived: bool | None = None,
+        detail: str = "",
     ) -> None:
-        """Record a trial whose invariant check ran: it survived only if the check is clean."""
+        """Record a trial whose invariant check ran: it survived only if the check is clean
+        and (unless ``survived`` says otherwise) nothing went wrong (``detail`` is empty)."""
         problems = "; ".join(outcome.problems)
         self.record(
             fault,
             case,
-            survived=survived and outcome.ok,
+            survived=(not detail if survived is None else survived) and outcome.ok,
             lost=outcome.lost,
             detail="; ".join(x for x in (detail, problems) if x),
         )

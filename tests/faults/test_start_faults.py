@@ -1,0 +1,178 @@
+"""Faults around the life of a root (faults 8, 9 and 10).
+
+- Stale state at start: a job SIGKILLed mid-save leaves its lock (held by a dead pid) and its
+  tmp dir; on top of that a ``latest.tmp-*`` file, a trash dir and a replaced copy without a
+  manifest. The next start takes the lock over, removes the debris and resumes exactly.
+- Two jobs on one root: a second torchrun job started while the first runs is refused at once,
+  naming the owner, and the first one finishes untouched.
+- The same step saved twice, with a crash in the second save at each phase: before its commit
+  the first copy stays whole (bit-exact); after it, the new copy is committed whole.
+- A crash during retention (victims renamed to trash, not yet removed): the newest
+  checkpoints and the milestones are whole, the next start finishes the deletion.
+
+Every trial ends with the invariant check; the restarts of all trials run in one spawn.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import REPO, torchrun_train
+from dist_harness import run_world
+from fault_kit import (
+    Baseline,
+    Trials,
+    capture,
+    check,
+    fresh_root,
+    resume_world,
+    saving_world,
+)
+
+from dckpt.layout import committed_steps, read_latest, step_dir_name
+
+pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
+
+DEBRIS = re.compile(r"\.(tmp|trash|replaced)-")
+
+
+@dataclass
+class Case:
+    """One trial: its root, the step a restart must land on, what must still be whole."""
+
+    fault: str
+    case: str
+    root: Path
+    expect: int
+    baseline: Baseline
+    why: list[str]
+    may_drop: frozenset[int] = frozenset()
+
+
+RESAVE_PHASES = [("write_shards", 1), ("write_manifest", 0), ("rename", 0), ("publish_latest", 0)]
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("start") / "root"
+    assert run_world(saving_world, 2, str(root), [1, 2]) == ["ok", "ok"]
+    return root
+
+
+def test_stale_state_resaves_and_retention_crashes_leave_every_checkpoint_whole(
+    template: Path, tmp_path: Path, fault_trials: Trials
+) -> None:
+    baseline = capture(template)
+    trials: list[Case] = []
+
+    # 8. A job killed mid-save (its lock and tmp dir stay behind), plus more debris.
+    root = fresh_root(template, tmp_path / "stale")
+    kill = "phase=write_shards,rank=0,action=sigkill"
+    run_world(saving_world, 2, str(root), [3], kill, 3, expect_failure=True, timeout=120)
+    why = [] if (root / ".dckpt-lock").exists() else ["the killed job left no lock to take over"]
+    if not list(root.glob("*.tmp-*")):
+        why.append("the killed job left no tmp dir")
+    (root / f"latest.tmp-{uuid.uuid4().hex}").write_text("step-00000009\n")
+    (root / f"step-00000001.trash-{uuid.uuid4().hex}").mkdir()
+    replaced = root / f"step-00000004.replaced-{uuid.uuid4().hex}"
+    replaced.mkdir()
+    (replaced / "__0_0.distcp").write_bytes(b"half a file")
+    trials.append(Case("stale tmp dirs and lock", "killed job + debris", root, 2, baseline, why))
+
+    # 9. The same step saved again by a later job, killed at each phase of that save.
+    for phase, rank in RESAVE_PHASES:
+        root = fresh_root(template, tmp_path / f"resave-{phase}")
+        fault = f"phase={phase},rank={rank},action=sigkill"
+        run_world(saving_world, 2, str(root), [2], fault, 2, expect_failure=True, timeout=120)
+        why = []
+        swapped = phase == "publish_latest"  # killed after the atomic swap: the new copy won
+        if committed_steps(root) != [1, 2]:
+            why.append(f"committed {committed_steps(root)} right after the crash, expected [1, 2]")
+        may_drop = frozenset({2}) if swapped else frozenset()
+        name = "same step saved twice, crash in the 2nd"
+        trials.append(Case(name, f"{phase} rank {rank}", root, 2, baseline, why, may_drop))
+
+    # 10. A crash during retention: steps 1-4 (2 and 4 milestones), then keep_last=2 at step 5.
+    root = tmp_path / "retention"
+    run_world(saving_world, 2, str(root), [1, 2, 3, 4], None, None, {"milestone_every": 2})
+    before = capture(root)
+    config = {"milestone_every": 2, "keep_last": 2}
+    fault = "phase=retention,rank=0,action=sigkill"
+    run_world(saving_world, 2, str(root), [5], fault, 5, config, expect_failure=True, timeout=120)
+    why = []
+    if committed_steps(root) != [2, 4, 5]:
+        why.append(f"after the crash committed {committed_steps(root)}, expected [2, 4, 5]")
+    if read_latest(root) != step_dir_name(5):
+        why.append(f"latest is {read_latest(root)}")
+    case = "sigkill after rename to trash"
+    trials.append(Case("crash during retention", case, root, 5, before, why, frozenset({1, 3})))
+
+    checks = [check(t.root, t.baseline, may_drop=t.may_drop) for t in trials]
+    resumed = run_world(resume_world, 2, [str(t.root) for t in trials], timeout=240)
+    failures = []
+    for i, t in enumerate(trials):
+        for r in (0, 1):
+            got = resumed[r][i]
+            if got.get("error") or got.get("step") != t.expect or not got.get("exact"):
+                t.why.append(f"restart on rank {r}: {got} (expected step {t.expect})")
+        debris = [p.name for p in t.root.iterdir() if DEBRIS.search(p.name)]
+        if debris:
+            t.why.append(f"debris left after the restart: {debris}")
+        t.why.extend(check(t.root, t.baseline, may_drop=t.may_drop).problems)
+        detail = "; ".join(t.why)
+        fault_trials.record_check(t.fault, t.case, checks[i], detail=detail, survived=not t.why)
+        if t.why or not checks[i].ok:
+            failures.append(f"{t.fault} / {t.case}: {t.why + checks[i].problems}")
+    assert not failures, failures
+
+
+def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
+    tmp_path: Path, fault_trials: Trials
+) -> None:
+    root = tmp_path / "ckpt"
+    args = ["--steps", "400", "--save-every", "50"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "launch" / "train.py"), "--ckpt-dir", str(root), *args]  # fmt: skip
+    first = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    why: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (root.exists() and committed_steps(root)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        second = torchrun_train(root, *args, timeout=120)
+        took = time.monotonic() - t0
+        if first.poll() is not None:
+            why.append("the first job ended before the second was refused: make it longer")
+        out = second.stdout + second.stderr
+        if second.returncode == 0:
+            why.append("the second job ran")
+        if "lock" not in out.lower() or "pid" not in out:
+            why.append(f"the second job's error does not name the owner: {out[-600:]}")
+        if took > 60:
+            why.append(f"the second job took {took:.0f} s to be refused")
+        first_out, _ = first.communicate(timeout=240)
+        if first.returncode != 0:
+            why.append(f"the first job failed: {first_out[-800:]}")
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    outcome = check(root, {})
+    if committed_steps(root)[-1:] != [400]:
+        why.append(f"the first job's last checkpoint is missing: {committed_steps(root)}")
+    fault_trials.record_check(
+        "two jobs on one root", "torchrun while another runs", outcome, detail="; ".join(why)
+    )
+    assert not why and outcome.ok, why + outcome.problems
