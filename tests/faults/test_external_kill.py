@@ -1,0 +1,118 @@
+"""SIGKILL from outside, at a moment nobody told dckpt about (faults 1 and 4, as a user sees them).
+
+A real 2-rank torchrun of launch/train.py saves every other step in the background. The test
+waits until a checkpoint is committed and an asynchronous save is in flight (its tmp dir is
+visible), then SIGKILLs one worker chosen at random (seeded) after a random delay. Expected:
+the job ends by itself (torchrun tears the world down; no hang), every committed checkpoint
+verifies, nothing committed before the kill is lost, and a rerun of the same command resumes
+from the newest committed step and continues the loss curve of an uninterrupted run exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO, torchrun_train
+from fault_kit import Trials, capture, check
+
+from dckpt.layout import committed_steps
+
+pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
+
+STEPS = 40
+ARGS = ["--steps", str(STEPS), "--save-every", "2", "--d-model", "96"]
+TRIALS = 2
+
+
+def _losses(log: Path) -> dict[int, float]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, lines)}
+
+
+def _workers(agent: subprocess.Popen[str]) -> dict[int, psutil.Process]:
+    """torchrun's worker processes, by rank (from their environment)."""
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            rank = proc.environ().get("RANK")
+        except (psutil.Error, OSError):
+            continue
+        if rank is not None and "train.py" in " ".join(proc.cmdline()):
+            found[int(rank)] = proc
+    return found
+
+
+def test_sigkill_of_one_rank_during_an_async_save(tmp_path: Path, fault_trials: Trials) -> None:
+    ref = torchrun_train(tmp_path / "ref", *ARGS, "--loss-log", str(tmp_path / "ref.jsonl"))
+    assert ref.returncode == 0, ref.stderr
+    want = _losses(tmp_path / "ref.jsonl")
+    rng = random.Random(20261130)
+    failures: list[str] = []
+    for trial in range(TRIALS):
+        root, log = tmp_path / f"run{trial}", tmp_path / f"run{trial}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(REPO / "launch" / "train.py"),
+               "--ckpt-dir", str(root), "--loss-log", str(log), *ARGS]  # fmt: skip
+        agent = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+        )  # fmt: skip
+        why: list[str] = []
+        victim = rng.randrange(2)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and agent.poll() is None:
+                if root.exists() and committed_steps(root) and list(root.glob("*.tmp-*")):
+                    break  # something committed, and a save in flight right now
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.05))
+            workers = _workers(agent)
+            listed = committed_steps(root) if root.exists() else []
+            if agent.poll() is not None or victim not in workers:
+                why.append("the run ended before the kill: no fault was injected")
+            else:
+                workers[victim].send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            agent.communicate(timeout=120)
+            if time.monotonic() - t0 > 60:
+                why.append(f"the job took {time.monotonic() - t0:.0f} s to end after the kill")
+            if agent.returncode == 0:
+                why.append("the job exited 0 after losing a rank")
+        finally:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        # Committed directories are never written into, and each one's manifest (written
+        # before the kill) holds its digests: verifying them now is checking them bit for bit.
+        outcome = check(root, capture(root))
+        gone = sorted(set(listed) - set(committed_steps(root)))
+        if gone:
+            outcome.lost += len(gone)
+            outcome.problems.append(f"steps {gone}, committed before the kill, are gone")
+        resumed = torchrun_train(root, *ARGS, "--loss-log", str(log))
+        if resumed.returncode != 0:
+            why.append(f"the rerun failed: {resumed.stderr[-800:]}")
+        got = _losses(log)
+        found = re.search(r"dckpt resume: step (\d+) from", resumed.stderr)
+        start = int(found.group(1)) if found else 0
+        if start < max(listed, default=0):
+            why.append(f"resumed from step {start}, but step {max(listed)} was committed before")
+        after = list(range(start + 1, STEPS + 1))
+        if [got.get(s) for s in after] != [want[s] for s in after]:
+            why.append("the resumed run's losses differ from the uninterrupted run's")
+        case = f"kill rank {victim}; {len(listed)} committed before; resumed at {start}"
+        fault_trials.record_check("SIGKILL from outside during an async save", case, outcome,
+                                  detail="; ".join(why))  # fmt: skip
+        if why or not outcome.ok:
+            failures.append(f"trial {trial}: {why + outcome.problems}")
+    assert not failures, failures
