@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["Comm", "Progress"]
@@ -51,6 +52,14 @@ class Comm:
         box: list[Any] = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         return box[0]  # type: ignore[no-any-return]
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (one small all-reduce, no pickling)."""
+        if not self.distributed:
+            return flag
+        box = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(box.item())
 
     def barrier(self) -> None:
         if self.distributed:

@@ -37,7 +37,7 @@ from .errors import (
 )
 from .layout import committed_steps, list_checkpoints, step_dir_name
 from .manifest import Manifest, check_layout, read_manifest
-from .precision import PrecisionPolicy
+from .precision import PrecisionPolicy, check_scaler
 from .resume import LossWatch, ResumeReport, check_config
 from .state import TrainState
 from .storage.verified_files import open_verified
@@ -313,6 +313,14 @@ class LoadingMixin:
             f"{files_verified} of {len(manifest.files)} files hashed and matched "
             f"({manifest.digest_algorithm}); ranks agree on every digest",
         )
+        if state_dict.get("scaler"):
+            try:
+                concern = check_scaler(state_dict["scaler"])
+            except ValueError as exc:
+                raise StateMismatchError(f"{path.name}: {exc}") from None
+            report.check("grad scaler", True, f"scale {float(state_dict['scaler']['scale']):g}")
+            if concern:
+                report.warnings.append(concern)
         self.state.load_state_dict(state_dict)
         report.check("state", True, ", ".join(c for c in manifest.state if c != "rng"))
         if same_world:

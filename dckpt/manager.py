@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -51,10 +52,12 @@ from .faults import fault_point
 from .loading import LoadingMixin, LoadResult
 from .lock import LockError, RunLock
 from .precision import PrecisionPolicy
+from .preemption import Preemption
 from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport
 from .saving import SaveJob, SavingMixin
 from .stager import Stager, storage_versions
 from .state import TrainState
+from .stopping import StoppingMixin
 from .units import human_bytes
 from .writer import BackgroundWriter, SaveHandle, SaveResult
 
@@ -73,7 +76,7 @@ def _ensure_visible_logging() -> None:
         log.setLevel(logging.INFO)
 
 
-class CheckpointManager(SavingMixin, LoadingMixin):
+class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
     """Saves and loads one run's checkpoints under a root; see the module docstring.
 
     Args:
@@ -113,6 +116,13 @@ class CheckpointManager(SavingMixin, LoadingMixin):
                 f"run_config must be JSON-serialisable (finite numbers): {exc}"
             ) from None
         self.precision = precision
+        if precision is not None:
+            precision.check_model(state.model)
+            if precision.needs_scaler and state.scaler is None:
+                raise ValueError(
+                    "precision fp16 needs a GradScaler in the TrainState (its state is part of "
+                    "every checkpoint): TrainState(..., scaler=policy.make_scaler(device_type))"
+                )
         self._allowed_changes = SAFE_CONFIG_KEYS | frozenset(allow_config_changes)
         self._loss_watch = LossWatch()
         _ensure_visible_logging()
@@ -130,6 +140,8 @@ class CheckpointManager(SavingMixin, LoadingMixin):
         self._closed = False
         self._broken: str | None = None
         self._last_save_bytes = 0
+        self._last_committed_step: int | None = None
+        self._preemption: Preemption | None = None
         self._device: int | None = None
         # The background save bounds each of its own waits by timeout_s and names a late rank
         # when one expires; joining it waits for that to happen, with a margin, never forever.
@@ -229,6 +241,12 @@ class CheckpointManager(SavingMixin, LoadingMixin):
             state_dict = self.state.state_dict()
             # Taken now, at the point the training loop will continue from after a resume.
             state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
+            if state_dict.get("scaler"):  # recorded in the manifest: readable without torch
+                scale = float(state_dict["scaler"]["scale"])
+                extra["scaler"] = {
+                    "scale": scale if math.isfinite(scale) else str(scale),  # JSON has no NaN
+                    "growth_tracker": int(state_dict["scaler"].get("_growth_tracker", 0)),
+                }
             if self.rank == 0:
                 self._check_free_space(step, state_dict)
             if self.config.async_save:
@@ -365,6 +383,8 @@ class CheckpointManager(SavingMixin, LoadingMixin):
         finally:
             if self._hook is not None:
                 self._hook.remove()
+            if self._preemption is not None:
+                self._preemption.uninstall()
             if self._lock is not None:
                 self._lock.release()
             self._io.close()

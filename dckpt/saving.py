@@ -71,6 +71,7 @@ class SavingMixin:
     _device: int | None
     _broken: str | None
     _last_save_bytes: int
+    _last_committed_step: int | None
 
     def _write(
         self,
@@ -206,7 +207,7 @@ class SavingMixin:
             stall_s=stall_s,
             commit_s=commit_s,
         )
-        self._last_save_bytes = result.bytes
+        self._last_save_bytes, self._last_committed_step = result.bytes, step
         if self.rank == 0:
             log.info(
                 "dckpt: saved step %d | %s in %d files | stall %.3f s | committed in %.3f s | "
@@ -260,7 +261,10 @@ class SavingMixin:
             },
             mesh={"world_size": self.world_size},
             config=self.run_config,
-            precision=self.precision.describe() if self.precision is not None else {},
+            precision={
+                **(self.precision.describe() if self.precision is not None else {}),
+                **({"scaler": extra["scaler"]} if "scaler" in extra else {}),
+            },
             loss=extra["loss"],
             metric=extra["metric"],
             timings={

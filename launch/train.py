@@ -13,6 +13,10 @@ the manager before it exits, so the last save is committed. Rank 0 appends one J
 optimizer step to ``--loss-log``: ``{"step", "loss", "lr", "time"}``. ``--crash-at-step N``
 kills every rank with SIGKILL right after step N's optimizer update: no graceful save.
 
+Preemption: SIGTERM or SIGUSR1 to any rank (a scheduler's warning) only sets a flag; after the
+step in progress the ranks agree on that step, save it synchronously within
+``--preempt-deadline`` seconds and exit 0, so a requeued job resumes exactly there.
+
 Everything that decides the next step is in the checkpoint: weights, AdamW moments, the
 warmup-cosine LR schedule, the GradScaler (fp16), every rank's RNG (dropout), the data position
 (a global batch sampler over a deterministic synthetic dataset), and the step. So a run that
@@ -119,6 +123,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="save in the background (default) or block until each save is committed",
     )
+    p.add_argument(
+        "--preemption",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on SIGTERM/SIGUSR1 to any rank: agree on a step, save it, exit 0",
+    )
+    p.add_argument(
+        "--preempt-deadline", type=float, default=120.0, help="seconds for the final save"
+    )
     p.add_argument("--keep-last", type=int, default=None, help="keep the N newest checkpoints")
     p.add_argument("--milestone-every", type=int, default=None, help="keep every M-th step forever")
     p.add_argument("--d-model", type=int, default=64)
@@ -144,13 +157,15 @@ NOT_CONFIG = (
     "async_save",
     "keep_last",
     "milestone_every",
+    "preemption",
+    "preempt_deadline",
 )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world, device = dckpt.init_distributed(timeout_s=120)
-    policy = dckpt.PrecisionPolicy(mode=args.precision)
+    policy = dckpt.PrecisionPolicy(mode=args.precision).for_device(device)
     policy.apply()
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -160,9 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        mp = policy.fsdp_mixed_precision()  # params fp32; all-gathered in bf16; fp32 grads
         for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
     else:
         model = nn.parallel.DistributedDataParallel(model)
     torch.manual_seed(args.seed * 7919 + rank + 1)  # each rank its own dropout stream
@@ -191,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     run_config = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
     manager = dckpt.CheckpointManager(config, state, run_config=run_config, precision=policy)
+    if args.preemption:  # SIGTERM/SIGUSR1: agree on a step, save it, exit 0
+        manager.watch_preemption(deadline_s=args.preempt_deadline)
     manager.resume()  # logs the report; a fresh start when there is nothing to resume
     if rank == 0:
         print(
@@ -235,6 +253,10 @@ def main(argv: list[str] | None = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if step % args.save_every == 0 or step == args.steps:
             manager.save(step)
+        if manager.preempted(step):
+            if rank == 0:
+                print(f"train: preempted after step {step}; checkpoint committed", flush=True)
+            break
     manager.close()
     if log_file is not None:
         log_file.close()

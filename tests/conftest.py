@@ -16,19 +16,48 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def torchrun_train(
-    ckpt: Path, *args: str, nproc: int = 2, timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
-    """Run launch/train.py under torchrun on gloo; returns the finished process."""
-    cmd = [
+def _train_cmd(ckpt: Path, args: tuple[str, ...], nproc: int) -> list[str]:
+    return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(nproc), str(REPO / "launch" / "train.py"),
         "--ckpt-dir", str(ckpt), *args,
     ]  # fmt: skip
+
+
+def torchrun_train(
+    ckpt: Path, *args: str, nproc: int = 2, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """Run launch/train.py under torchrun on gloo; returns the finished process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
-    )
+        _train_cmd(ckpt, args, nproc), capture_output=True, text=True, timeout=timeout, env=env,
+        check=False,
+    )  # fmt: skip
+
+
+def torchrun_start(ckpt: Path, *args: str, nproc: int = 2) -> subprocess.Popen[str]:
+    """Start launch/train.py under torchrun in its own session (killpg cleans it up); its
+    stdout and stderr go to one pipe."""
+    return subprocess.Popen(
+        _train_cmd(ckpt, args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+
+
+def torchrun_workers(agent: subprocess.Popen[str]) -> dict[int, Any]:
+    """torchrun's worker processes (psutil.Process), by rank (read from their environment)."""
+    import psutil
+
+    found: dict[int, Any] = {}
+    for proc in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            rank = proc.environ().get("RANK")
+            cmdline = " ".join(proc.cmdline())
+        except (psutil.Error, OSError):
+            continue
+        if rank is not None and "train.py" in cmdline:
+            found[int(rank)] = proc
+    return found
 
 
 def dckpt_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -196,6 +196,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # --- inspect -------------------------------------------------------------------------------
 
 
+def _precision_text(policy: dict[str, Any]) -> str:
+    if not policy:
+        return "not recorded"
+    text = f"{policy.get('mode')} (compute {policy.get('compute_dtype')}, weights "
+    text += f"{policy.get('weights_dtype')}, tf32 {'on' if policy.get('tf32') else 'off'})"
+    if policy.get("requested"):
+        text += f", fallback from {policy['requested']}"
+    scaler = policy.get("scaler")
+    if isinstance(scaler, dict):
+        text += f"; GradScaler scale {scaler.get('scale')}, growth tracker "
+        text += f"{scaler.get('growth_tracker')}"
+    return text
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     root = root_arg(args.root)
     step_dir = committed_dir(root, args.step)
@@ -219,6 +233,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created_at))),
         ("run id", manifest.run_id),
         ("milestone", manifest.milestone),
+        ("precision", _precision_text(manifest.precision)),
         ("versions", ", ".join(f"{k} {v}" for k, v in sorted(manifest.versions.items()))),
         ("timings", ", ".join(f"{k} {v:.3f}" for k, v in sorted(manifest.timings.items()))),
         ("config", json.dumps(manifest.config, sort_keys=True)),

@@ -15,14 +15,11 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import REPO, torchrun_train
+from conftest import torchrun_start, torchrun_train, torchrun_workers
 from fault_kit import Trials, capture, check
 
 from dckpt.layout import committed_steps
@@ -39,19 +36,6 @@ def _losses(log: Path) -> dict[int, float]:
     return {rec["step"]: rec["loss"] for rec in map(json.loads, lines)}
 
 
-def _workers(agent: subprocess.Popen[str]) -> dict[int, psutil.Process]:
-    """torchrun's worker processes, by rank (from their environment)."""
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.Process(agent.pid).children(recursive=True):
-        try:
-            rank = proc.environ().get("RANK")
-        except (psutil.Error, OSError):
-            continue
-        if rank is not None and "train.py" in " ".join(proc.cmdline()):
-            found[int(rank)] = proc
-    return found
-
-
 def test_sigkill_of_one_rank_during_an_async_save(tmp_path: Path, fault_trials: Trials) -> None:
     ref = torchrun_train(tmp_path / "ref", *ARGS, "--loss-log", str(tmp_path / "ref.jsonl"))
     assert ref.returncode == 0, ref.stderr
@@ -60,13 +44,7 @@ def test_sigkill_of_one_rank_during_an_async_save(tmp_path: Path, fault_trials: 
     failures: list[str] = []
     for trial in range(TRIALS):
         root, log = tmp_path / f"run{trial}", tmp_path / f"run{trial}.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(REPO / "launch" / "train.py"),
-               "--ckpt-dir", str(root), "--loss-log", str(log), *ARGS]  # fmt: skip
-        agent = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-        )  # fmt: skip
+        agent = torchrun_start(root, "--loss-log", str(log), *ARGS)
         why: list[str] = []
         victim = rng.randrange(2)
         try:
@@ -76,7 +54,7 @@ def test_sigkill_of_one_rank_during_an_async_save(tmp_path: Path, fault_trials: 
                     break  # something committed, and a save in flight right now
                 time.sleep(0.002)
             time.sleep(rng.uniform(0.0, 0.05))
-            workers = _workers(agent)
+            workers = torchrun_workers(agent)
             listed = committed_steps(root) if root.exists() else []
             if agent.poll() is not None or victim not in workers:
                 why.append("the run ended before the kill: no fault was injected")

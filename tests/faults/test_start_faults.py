@@ -18,15 +18,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, torchrun_train
+from conftest import torchrun_start, torchrun_train
 from dist_harness import run_world
 from fault_kit import (
     Baseline,
@@ -140,12 +138,7 @@ def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
 ) -> None:
     root = tmp_path / "ckpt"
     args = ["--steps", "400", "--save-every", "50"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "launch" / "train.py"), "--ckpt-dir", str(root), *args]  # fmt: skip
-    first = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-    )  # fmt: skip
+    first = torchrun_start(root, *args)
     why: list[str] = []
     try:
         deadline = time.monotonic() + 120

@@ -1,0 +1,123 @@
+"""Preemption with real signals: SIGTERM or SIGUSR1 to ONE rank of a running 2-rank job.
+
+The trainer only sets a flag in the handler; after the step in progress the ranks agree on one
+step (an all-reduce of the flag), save it synchronously and exit 0. Expected: torchrun exits 0,
+the agreed step is committed and verifies, and a rerun resumes from exactly that step and
+continues the loss curve of an uninterrupted run bit for bit. An fp16 run shows the policy and
+the GradScaler state in ``dckpt inspect --json``. In-process: a final save that cannot make
+its deadline raises on every rank instead of claiming success.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import dckpt_cli, torchrun_start, torchrun_train, torchrun_workers
+from dist_harness import run_world
+
+from dckpt.layout import committed_steps
+from dckpt.verify import verify_checkpoint
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 80
+
+
+def _losses(log: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+
+def _signal_one_rank_midway(root: Path, log: Path, sig: int, rank: int, *args: str) -> str:
+    agent = torchrun_start(root, "--loss-log", str(log), *args)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and agent.poll() is None:
+            if log.exists() and len(log.read_text().splitlines()) >= 5:
+                break
+            time.sleep(0.01)
+        torchrun_workers(agent)[rank].send_signal(sig)
+        out, _ = agent.communicate(timeout=120)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    assert agent.returncode == 0, out[-2000:]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sig", "rank", "precision", "save_every"),
+    [(signal.SIGTERM, 1, "bf16", 1000), (signal.SIGUSR1, 0, "fp16", 3)],
+    ids=["sigterm-rank1-bf16", "sigusr1-rank0-fp16-async-saves"],
+)
+def test_a_signal_to_one_rank_saves_the_agreed_step_and_exits_0(
+    tmp_path: Path, sig: int, rank: int, precision: str, save_every: int
+) -> None:
+    args = ["--steps", str(STEPS), "--save-every", str(save_every), "--precision", precision]
+    ref = torchrun_train(tmp_path / "ref", *args, "--loss-log", str(tmp_path / "ref.jsonl"))
+    assert ref.returncode == 0, ref.stderr
+    root, log = tmp_path / "run", tmp_path / "run.jsonl"
+    out = _signal_one_rank_midway(root, log, sig, rank, *args)
+
+    name = signal.Signals(sig).name
+    assert f"preempted ({name} on rank {rank})" in out, out[-2000:]
+    agreed = max(_losses(log))  # the last step trained is the one both ranks agreed on
+    assert agreed < STEPS, "the run finished before the signal: nothing was tested"
+    assert f"the ranks agreed on step {agreed}" in out
+    steps = committed_steps(root)
+    assert steps[-1] == agreed and verify_checkpoint(root / f"step-{agreed:08d}").ok
+    if save_every > STEPS:
+        assert steps == [agreed]  # the one checkpoint of this run: the preemption save
+
+    info = json.loads(dckpt_cli("inspect", str(root), "--json").stdout)
+    assert info["step"] == agreed and info["precision"]["mode"] == precision
+    if precision == "fp16":
+        assert info["precision"]["grad_scaler"] is True
+        assert info["precision"]["scaler"]["scale"] > 0
+
+    again = torchrun_train(root, *args, "--loss-log", str(log))
+    assert again.returncode == 0, again.stderr
+    assert f"dckpt resume: step {agreed} from" in again.stderr
+    want, got = _losses(tmp_path / "ref.jsonl"), _losses(log)
+    after = range(agreed + 1, STEPS + 1)
+    assert [got[s] for s in after] == [want[s] for s in after]  # bit-identical
+
+
+def _deadline_world(rank: int, world: int, root: str, signal_at: int, deadline: float) -> Any:
+    import torch
+
+    import dckpt
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = dckpt.CheckpointConfig(root=Path(root), timeout_s=20)
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
+        mgr.watch_preemption(deadline_s=deadline)
+        for step in range(1, 20):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            if rank == 1 and step == signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, to this rank only
+            try:
+                if mgr.preempted(step):
+                    return {"stopped_at": step}
+            except dckpt.SaveError as exc:
+                return {"error": str(exc), "step": step}
+    return {"stopped_at": None}
+
+
+def test_the_ranks_agree_on_the_step_and_a_missed_deadline_raises(tmp_path: Path) -> None:
+    out = run_world(_deadline_world, 2, str(tmp_path / "a"), 4, 30.0)
+    assert out == [{"stopped_at": 4}, {"stopped_at": 4}]
+    assert committed_steps(tmp_path / "a") == [4]
+
+    slow = {"DCKPT_FAULT": "phase=write_shards,rank=0,action=sleep,seconds=4"}
+    out = run_world(_deadline_world, 2, str(tmp_path / "b"), 2, 1.0, env=slow, timeout=120)
+    for r in out:
+        assert r["step"] == 2 and "did not commit before the preemption deadline" in r["error"]
