@@ -84,7 +84,11 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         state: the TrainState to save and to load into.
         run_config: the training configuration (JSON-able), stored in every manifest and
             compared on resume.
-        run_id: names the run in manifests; defaults to torchrun's run id or a new uuid.
+        run_id: names the run in manifests and in the run lock (a restart of the same run
+            may take over its lock at once). Defaults to ``$DCKPT_RUN_ID``, then torchrun's
+            run id (``--rdzv-id``), then a new uuid. Set ``DCKPT_RUN_ID`` to a value that
+            survives a requeue (e.g. ``$SLURM_JOB_ID``) when each requeue gets a new
+            rendezvous id.
         precision: the PrecisionPolicy in use, recorded in every manifest, compared on resume.
         allow_config_changes: config keys that may change across a resume (beyond
             ``dckpt.resume.SAFE_CONFIG_KEYS``) with a warning instead of an error.
@@ -147,7 +151,12 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         # when one expires; joining it waits for that to happen, with a margin, never forever.
         self._join_timeout = config.watchdog_s
         self.run_id = str(
-            self._ctl.broadcast(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex)
+            self._ctl.broadcast(
+                run_id
+                or os.environ.get("DCKPT_RUN_ID")
+                or os.environ.get("TORCHELASTIC_RUN_ID")
+                or uuid.uuid4().hex
+            )
         )
         failure: CheckpointError | None = None
         self._lock: RunLock | None = None
