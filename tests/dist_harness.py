@@ -1,7 +1,7 @@
 """Spawn real ranks on gloo from pytest and collect what each returned or raised.
 
-``run_world(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn, so no state
-leaks from pytest), initialises a gloo process group through a FileStore, runs
+``run_world(fn, world_size, *args)`` starts ``world_size`` fresh processes (from a fork server,
+so no state leaks from pytest), initialises a gloo process group through a FileStore, runs
 ``fn(rank, world_size, *args)`` in each and returns the per-rank results. A rank that raises
 fails the test with every rank's traceback; a world that does not finish in ``timeout`` seconds
 is killed and fails the test. ``expect_failure=True`` returns exceptions instead of raising.
@@ -19,7 +19,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-_CTX = mp.get_context("spawn")
+# A fork server that imported torch once: each rank forks from it, clean (no pytest state, no
+# threads) and in a fraction of a second, where a spawned interpreter spends seconds importing
+# torch. DCKPT_TEST_SPAWN=1 goes back to plain spawn.
+if os.environ.get("DCKPT_TEST_SPAWN") == "1":
+    _CTX = mp.get_context("spawn")
+else:
+    _CTX = mp.get_context("forkserver")
+    _CTX.set_forkserver_preload(["torch", "torch.distributed", "dckpt", "fault_kit"])
 
 
 def _entry(
