@@ -132,6 +132,8 @@ class RenameCommit:
         final = base / step_dir_name(step)
         fault_point("rename", 0, step)
         replaced: Path | None = None
+        if final.is_symlink():  # not a checkpoint (never followed): a planted name, dropped
+            final.unlink()
         if final.exists():
             replaced = _replace(base, tmp_dir, final)
         else:
@@ -187,6 +189,11 @@ def recover(root: str | os.PathLike[str]) -> list[str]:
     base = Path(root)
     actions: list[str] = []
     for child in sorted(base.iterdir()):
+        ours = any(r.fullmatch(child.name) for r in (TMP_RE, TRASH_RE, REPLACED_RE))
+        if child.is_symlink() and ours:  # dckpt never makes these links: drop, never follow
+            child.unlink()
+            actions.append(f"removed the symlink {child.name}")
+            continue
         if child.is_symlink() or not child.is_dir():
             continue
         if TMP_RE.fullmatch(child.name):

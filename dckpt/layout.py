@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,6 +32,7 @@ __all__ = [
     "committed_steps",
     "list_checkpoints",
     "read_latest",
+    "read_small_file",
     "step_dir_name",
 ]
 
@@ -95,18 +97,40 @@ def committed_steps(root: str | os.PathLike[str]) -> list[int]:
     return [e.step for e in list_checkpoints(root) if e.status == "committed"]
 
 
-def read_latest(root: str | os.PathLike[str]) -> str | None:
-    """The step dir name ``latest`` points to, or None when absent or not a step name."""
-    try:  # never follow a symlink, never read more than a step name needs
-        fd = os.open(Path(root) / LATEST_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+def read_small_file(
+    path: str | os.PathLike[str], limit: int, *, dir_fd: int | None = None
+) -> bytes | None:
+    """The first ``limit`` bytes of ``path`` if it is a regular file, else None.
+
+    For dckpt's own small records (``latest``, lock and verification records), which anyone
+    with write access to the root could replace: a symlink is never followed (``O_NOFOLLOW``)
+    and a FIFO or device is never waited on (``O_NONBLOCK``, then a regular-file check).
+    ``dir_fd``: resolve ``path`` relative to that directory descriptor.
+    """
+    try:
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+        fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError:
         return None
     try:
-        name = os.read(fd, 256).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit)
+    except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def read_latest(root: str | os.PathLike[str]) -> str | None:
+    """The step dir name ``latest`` points to, or None when absent or not a step name."""
+    raw = read_small_file(Path(root) / LATEST_FILE, 256)  # no more than a step name needs
+    if raw is None:
+        return None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
     return name if STEP_RE.fullmatch(name) else None
 
 

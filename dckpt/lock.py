@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from .errors import CheckpointError
-from .layout import LOCK_FILE
+from .layout import LOCK_FILE, read_small_file
 
 __all__ = ["LockError", "RunLock"]
 
@@ -81,10 +81,14 @@ class RunLock:
         )
 
     def _read(self) -> _Owner | None:
+        # No symlink followed, no FIFO waited on: anyone who can write the root can plant one.
+        raw = read_small_file(self.path, 1 << 16)
+        if raw is None:
+            if not os.path.lexists(self.path):
+                return None
+            return _Owner("?", -1, 0.0, "?", "?", 0.0)  # not a regular file: stale
         try:
-            return _Owner(**json.loads(self.path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            return None
+            return _Owner(**json.loads(raw.decode("utf-8")))
         except (ValueError, TypeError):
             return _Owner("?", -1, 0.0, "?", "?", 0.0)  # unreadable: treat as stale
 

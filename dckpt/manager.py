@@ -242,7 +242,10 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         loss = self._loss_watch.summary()
         every = self.config.milestone_every
         milestone = milestone or (every is not None and step % every == 0)
-        extra = {"loss": loss, "metric": {} if metric is None else {"value": float(metric)}}
+        extra: dict[str, Any] = {
+            "loss": loss,
+            "metric": {} if metric is None else {"value": float(metric)},
+        }
         snapshot: dict[str, Any] | None = None
         deferred: dict[int, int] = {}
         error: str | None = None

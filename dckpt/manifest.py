@@ -1,8 +1,10 @@
 """manifest.json: the record that makes a directory a checkpoint, and its validation.
 
 The manifest is JSON (never pickle), versioned by ``schema_version``, and carries its own digest
-(``self_digest``, over the canonical JSON of every other field) so one flipped bit anywhere in
-it is caught. Records are frozen dataclasses, changed with ``dataclasses.replace``.
+(``self_digest``, over the canonical JSON of every other field), and a reader accepts only the
+exact bytes ``write_manifest`` produces for those values, so one flipped bit anywhere in it is
+caught (even one that parses to the same values). Records are frozen dataclasses, changed with
+``dataclasses.replace``.
 
 Validation is strict and happens before any checkpoint byte is read:
 - the file is at most ``MAX_MANIFEST_BYTES`` and parses as a JSON object of this schema;
@@ -111,9 +113,14 @@ class Manifest:
         return _parse(obj, source)
 
 
+def _encode(obj: Any) -> bytes:
+    """The exact bytes of a manifest file holding ``obj`` (what ``read_manifest`` insists on)."""
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> FileRecord:
     """Write ``manifest.json`` (sealed) into ``directory``, fsynced; returns what was written."""
-    data = json.dumps(manifest.sealed().to_json_obj(), indent=1, sort_keys=True).encode()
+    data = _encode(manifest.sealed().to_json_obj())
     path = Path(directory) / MANIFEST_FILE
     with open(path, "wb") as f:
         f.write(data)
@@ -149,7 +156,18 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ManifestError(f"{path} is not valid JSON ({exc}); the manifest is damaged") from exc
-    return _parse(obj, str(path))
+    manifest = _parse(obj, str(path))
+    # The self-digest covers the parsed values, and some byte changes parse to the same values
+    # (the 17th digit of a float, "e" for "E", a hex escape's case). dckpt writes one exact
+    # form, so any other bytes are damage too.
+    if raw != _encode(obj):
+        raise IntegrityError(
+            str(path),
+            "the bytes dckpt wrote",
+            "other bytes that parse to the same values",
+            "manifest bytes changed",
+        )
+    return manifest
 
 
 def check_layout(directory: str | os.PathLike[str], manifest: Manifest) -> None:
@@ -173,6 +191,13 @@ def check_layout(directory: str | os.PathLike[str], manifest: Manifest) -> None:
 
 
 # --- parsing -------------------------------------------------------------------------------
+
+
+def _fingerprint_or_none(obj: Any) -> str | None:
+    try:
+        return fingerprint(obj)
+    except ValueError:  # a non-finite number: no digest to compare
+        return None
 
 
 def _fail(source: str, why: str) -> ManifestError:
@@ -221,6 +246,18 @@ def _parse(obj: Any, source: str) -> Manifest:
         raise _fail(source, "top level is not a JSON object")
     version = obj.get("schema_version")
     if type(version) is int and version > SCHEMA_VERSION:
+        # A flipped bit can turn 1 into 3, 5 or 9: when the self-digest holds for this schema,
+        # the manifest is this schema's and damaged, not a newer dckpt's (which would refuse
+        # the fallback a damaged checkpoint gets).
+        if obj.get("self_digest") == _fingerprint_or_none(
+            {
+                **{k: v for k, v in obj.items() if k != "self_digest"},
+                "schema_version": SCHEMA_VERSION,
+            }
+        ):
+            raise IntegrityError(
+                source, f"schema_version {SCHEMA_VERSION}", f"{version}", "schema_version damaged"
+            )
         raise IncompatibleCheckpointError(
             f"{source}: schema_version {version} is newer than this dckpt supports "
             f"({SCHEMA_VERSION}); upgrade dckpt to read it"

@@ -2,8 +2,11 @@
 
 The state dict is rebuilt from DCP's metadata (full, unsharded shapes), optionally only the
 keys under a prefix, and loaded through the verifying reader: every file read is checked
-against the manifest first. Everything lands in this process's memory: meant for one process
-on one machine, for inspection and export, not for resuming training.
+against the manifest first, and the metadata against the files before any tensor is
+allocated from it (``VerifyingReader.load_metadata``). A failure raises the reader's own
+error (``IntegrityError`` naming the file, ``ManifestError``), never DCP's wrapper.
+Everything lands in this process's memory: meant for one process on one machine, for
+inspection and export, not for resuming training.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from .errors import CheckpointError, unwrap_dcp_error
 from .manifest import check_layout, read_manifest
 from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
 
@@ -37,5 +42,13 @@ def load_flat(step_dir: Path, prefix: str = "") -> dict[str, Any]:
             state[fqn] = None  # a pickled value; DCP fills it in (weights_only)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        try:
+            dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        except CheckpointException as exc:
+            # DCP wraps what the reader raised (an IntegrityError naming the damaged file):
+            # raise that, as a load does, not DCP's wrapper and its traceback text.
+            inner = unwrap_dcp_error(exc)
+            if inner is not exc:
+                raise inner from None
+            raise CheckpointError(f"loading {step_dir} failed: {exc}") from None
     return state

@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import IntegrityError, ManifestError, StorageError
-from .manifest import check_layout, read_manifest
+from .layout import read_small_file
+from .manifest import Manifest, check_layout, read_manifest
 from .storage.records import FileRecord
 from .storage.verified_files import open_verified
 
@@ -29,6 +31,7 @@ __all__ = [
 ]
 
 VERIFIED_DIR = ".dckpt-verified"
+MAX_RECORD_BYTES = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,9 +71,16 @@ def _check_file(
 
 
 def verify_checkpoint(
-    step_dir: Path, *, threads: int = 4, progress: Callable[[int], None] = lambda _n: None
+    step_dir: Path,
+    *,
+    threads: int = 4,
+    progress: Callable[[int], None] = lambda _n: None,
+    deep: bool = False,
 ) -> VerifyResult:
-    """Validate the manifest and layout of ``step_dir``, then re-hash every listed file."""
+    """Validate the manifest and layout of ``step_dir``, then re-hash every listed file.
+
+    ``deep``: once the bytes hash right, also read DCP's metadata the way a load does (the
+    allow-list unpickler and the span checks), for checkpoints re-sealed on purpose."""
     try:
         manifest = read_manifest(step_dir)
     except (ManifestError, IntegrityError) as exc:
@@ -94,13 +104,27 @@ def verify_checkpoint(
         found = list(
             pool.map(lambda rec: _check_file(step_dir / rec.path, rec, progress), manifest.files)
         )
+    problems = [p for p in found if p is not None]
+    if deep and not problems:
+        problems.extend(_check_metadata(step_dir, manifest))
     return VerifyResult(
         step_dir=step_dir,
         step=manifest.step,
         files_checked=len(manifest.files),
         bytes_checked=manifest.total_bytes,
-        problems=[p for p in found if p is not None],
+        problems=problems,
     )
+
+
+def _check_metadata(step_dir: Path, manifest: Manifest) -> list[FileProblem]:
+    from .errors import CheckpointError
+    from .storage.verifying_reader import VerifyingReader  # imports torch: only when asked
+
+    try:
+        VerifyingReader(step_dir, manifest.file_map()).load_metadata()
+    except CheckpointError as exc:
+        return [FileProblem(path=str(getattr(exc, "path", step_dir / ".metadata")), error=str(exc))]
+    return []
 
 
 def _record_path(step_dir: Path) -> Path:
@@ -108,27 +132,50 @@ def _record_path(step_dir: Path) -> Path:
 
 
 def record_verification(result: VerifyResult) -> None:
-    """Remember a verification outcome beside the root (``ls`` shows it); best effort."""
+    """Remember a verification outcome beside the root (``ls`` shows it); best effort.
+
+    Written through a descriptor of ``.dckpt-verified`` opened without following a symlink,
+    so a root whose record directory was replaced by a link never gets a file written
+    elsewhere."""
     try:
         manifest = read_manifest(result.step_dir)
     except (ManifestError, IntegrityError):
         return
     path = _record_path(result.step_dir)
+    record = {"ok": result.ok, "time": time.time(), "files_digest": manifest.files_digest}
     try:
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        record = {"ok": result.ok, "time": time.time(), "files_digest": manifest.files_digest}
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return
+    try:
+        # A fresh name, created exclusively: nothing already there (a link, a FIFO, a hard
+        # link to a file elsewhere) is ever opened for writing.
+        tmp = f"{path.name}.tmp-{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(record))
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        return
+    finally:
+        os.close(dir_fd)
 
 
 def read_verification(step_dir: Path, files_digest: str) -> dict[str, object] | None:
     """The last recorded verification of this very checkpoint (same files digest), if any."""
+    path = _record_path(step_dir)
+    try:  # neither the record directory nor the record is followed if it is a symlink
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
     try:
-        record = json.loads(_record_path(step_dir).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = read_small_file(path.name, MAX_RECORD_BYTES, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        record = json.loads(raw) if raw is not None else None
+    except (ValueError, RecursionError):
         return None
     if not isinstance(record, dict) or record.get("files_digest") != files_digest:
         return None

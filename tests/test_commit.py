@@ -247,13 +247,16 @@ def test_recover_removes_only_abandoned_tmp_dirs(tmp_path: Path) -> None:
 
     actions = recover(root)
 
-    assert sorted(actions) == sorted(f"removed abandoned save {p.name}" for p in abandoned)
+    link = f"removed the symlink step-00000008.tmp-{HEX}"  # the link only, never its target
+    assert sorted(actions) == sorted(
+        [link] + [f"removed abandoned save {p.name}" for p in abandoned]
+    )
     for path in abandoned:
         assert not path.exists()
     for name in keep_dirs:
         assert (root / name / "keep.txt").read_text() == "mine", name
     assert (root / f"step-00000009.tmp-{HEX}").read_text() == "a file, not a dir"
-    assert (root / f"step-00000008.tmp-{HEX}").is_symlink()
+    assert not os.path.lexists(root / f"step-00000008.tmp-{HEX}")
     assert (outside / "keep.txt").read_text() == "mine"
     assert (root / "step-00000004").is_dir()
     assert committed_steps(root) == [1]
@@ -441,3 +444,19 @@ def test_quarantine_refuses_non_step_dirs(tmp_path: Path) -> None:
         quarantine(tmp_path, tmp, "not committed")
     assert tmp.is_dir()
     assert not (tmp_path / QUARANTINE_DIR).exists()
+
+
+def test_a_symlink_planted_at_a_step_name_is_replaced_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not dckpt's")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "step-00000004").symlink_to(outside)
+    (root / f"step-00000009.tmp-{uuid.uuid4().hex}").symlink_to(outside)
+
+    final = commit(root, 4, b"mine")
+    assert not final.is_symlink() and (final / "__0_0.distcp").read_bytes() == b"mine"
+    recover(root)
+    assert not [p for p in root.iterdir() if p.is_symlink()]
+    assert (outside / "keep.txt").read_text() == "not dckpt's"  # nothing outside was touched

@@ -164,3 +164,20 @@ def test_a_requeued_job_of_the_same_run_takes_over_a_live_looking_lock_from_anot
     with _manager(tmp_path) as mgr:
         assert mgr.run_id == "slurm-991"
     assert "the same run restarted" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_lock_that_is_a_fifo_or_a_symlink_is_taken_over_without_hanging_or_following(
+    tmp_path: Path, kind: str
+) -> None:
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"secret": 1}')
+    root = tmp_path / "root"
+    root.mkdir()
+    if kind == "fifo":
+        os.mkfifo(root / ".dckpt-lock")
+    else:
+        (root / ".dckpt-lock").symlink_to(outside)
+    with _manager(root):  # would block forever on the FIFO before the fix
+        assert json.loads((root / ".dckpt-lock").read_text())["pid"] == os.getpid()
+    assert outside.read_text() == '{"secret": 1}'

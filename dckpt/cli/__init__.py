@@ -41,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--step", type=int, help="only this step")
     which.add_argument("--all", action="store_true", help="every committed step (the default)")
     p.add_argument("--threads", type=int, default=4, help="files hashed in parallel")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also read DCP's metadata as a load would (allow-listed unpickling, every "
+        "tensor's spans inside the listed files): catches a checkpoint rewritten and "
+        "re-sealed on purpose, which hashes right",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify)
 

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from ..commit import pin, unpin
 from ..housekeeping import apply_retention, plan_retention
-from ..layout import LOCK_FILE
+from ..layout import LOCK_FILE, read_small_file
 from ..retention import RetentionPolicy
 from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
 
@@ -23,10 +23,13 @@ __all__ = ["cmd_gc", "cmd_pin", "cmd_unpin"]
 
 
 def _live_lock_owner(args: argparse.Namespace) -> str | None:
-    path = root_arg(args.root) / LOCK_FILE
+    # Never follows a symlink or waits on a FIFO put in the lock's place.
+    raw = read_small_file(root_arg(args.root) / LOCK_FILE, 64 << 10)
     try:
-        owner = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        owner = json.loads(raw) if raw is not None else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(owner, dict):
         return None
     import psutil
 

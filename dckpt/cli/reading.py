@@ -169,7 +169,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         task = bar.add_task("verify", total=total)
         for d in dirs:
             result = verify_checkpoint(
-                d, threads=args.threads, progress=lambda n: bar.advance(task, n)
+                d, threads=args.threads, progress=lambda n: bar.advance(task, n), deep=args.deep
             )
             record_verification(result)
             results.append(result)

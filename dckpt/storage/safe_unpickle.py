@@ -61,7 +61,7 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
     """Unpickle DCP metadata bytes with the allow-list; ``source`` names the file in errors."""
     try:
         return _RestrictedUnpickler(io.BytesIO(data)).load()
-    except ManifestError:
-        raise
+    except ManifestError as exc:
+        raise ManifestError(f"{source}: {exc}") from None
     except Exception as exc:
         raise ManifestError(f"cannot parse DCP metadata {source}: {exc}") from exc

@@ -11,7 +11,8 @@ Invariants:
   not list is an integrity failure), and no symlink is followed (``O_NOFOLLOW``);
 - a file whose size differs from the manifest is rejected before anything is read;
 - ``.metadata`` is read into memory and exactly those bytes are hashed and then unpickled,
-  with an allow-list (storage.safe_unpickle);
+  with an allow-list (storage.safe_unpickle), then checked against the manifest's files
+  (``check_metadata``) before any tensor is allocated from it;
 - non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``);
 - an I/O error is a ``StorageError`` (retry), never an integrity failure.
 
@@ -23,6 +24,7 @@ so the bytes DCP then reads through the same descriptor are the same.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, cast
@@ -30,8 +32,8 @@ from typing import Any, cast
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
@@ -60,6 +62,95 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def check_metadata(metadata: Metadata, expected: Mapping[str, FileRecord], source: str) -> None:
+    """Raise ManifestError unless DCP's metadata fits the files the manifest lists.
+
+    Run before anything is allocated from it: its digest only proves that these are the bytes
+    that were committed, and whoever can write the directory can re-seal a manifest. Every
+    storage entry lies inside a listed file and uses no stream transform (dckpt writes none);
+    every tensor's chunks lie inside the tensor, fit the stored bytes they point to and add up
+    to the whole tensor (no part of it left unfilled); all chunks together claim no more bytes
+    than the checkpoint's files hold, so no reader allocates more than the checkpoint's size.
+
+    An entry in a file the manifest does not list is left to ``VerifyingReader.listed``, which
+    refuses it naming the file (``IntegrityError``): in ``load_metadata`` before anything is
+    allocated, and in ``read_data`` before anything is opened.
+    """
+
+    def bad(why: str) -> ManifestError:
+        return ManifestError(
+            f"{source}: {why}; the DCP metadata does not fit the checkpoint's files, which "
+            "happens only if it was crafted or written by a broken writer. It was not loaded."
+        )
+
+    try:
+        storage = metadata.storage_data
+        tensors = metadata.state_dict_metadata
+        if not isinstance(storage, dict) or not isinstance(tensors, dict):
+            raise bad("storage_data or state_dict_metadata is not a mapping")
+        for index, info in storage.items():
+            if not isinstance(info, _StorageInfo):
+                raise bad(f"{index} has no storage record")
+            record = expected.get(info.relative_path)
+            if record is None:  # never opened: read_data refuses it, naming it, if needed
+                continue
+            offset, length = info.offset, info.length
+            if not (_is_size(offset) and _is_size(length) and offset + length <= record.bytes):
+                raise bad(
+                    f"{index} spans bytes [{offset}, +{length}) of {info.relative_path}, which "
+                    f"holds {record.bytes}"
+                )
+            if info.transform_descriptors:
+                raise bad(f"{index} uses stream transforms {info.transform_descriptors!r}")
+        claimed = 0
+        for fqn, meta in tensors.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                continue
+            dtype, size = meta.properties.dtype, meta.size
+            if not isinstance(dtype, torch.dtype) or not all(_is_size(d) for d in size):
+                raise bad(f"tensor {fqn} has an unusable dtype or shape ({dtype!r}, {size!r})")
+            numel, covered = math.prod(size), 0
+            for chunk in meta.chunks:
+                offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+                if not (
+                    len(offsets) == len(sizes) == len(size)
+                    and all(
+                        _is_size(o) and _is_size(n) for o, n in zip(offsets, sizes, strict=True)
+                    )
+                    and all(o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))
+                ):
+                    raise bad(f"tensor {fqn} of shape {tuple(size)} has a chunk {chunk} outside it")
+                info = storage.get(MetadataIndex(fqn, offsets))
+                if info is None:
+                    raise bad(f"tensor {fqn}: its chunk at {offsets} has no storage record")
+                covered += math.prod(sizes)
+                if info.relative_path not in expected:
+                    continue  # see above; VerifyingReader.listed refuses it by name
+                chunk_bytes = math.prod(sizes) * dtype.itemsize
+                if chunk_bytes > info.length:
+                    raise bad(
+                        f"tensor {fqn}: its chunk at {offsets} needs {chunk_bytes} bytes, "
+                        f"stored in {info.length} bytes"
+                    )
+                claimed += chunk_bytes
+            if covered != numel:
+                raise bad(
+                    f"tensor {fqn} of shape {tuple(size)} has {numel} elements, its chunks "
+                    f"hold {covered}"
+                )
+        total = sum(r.bytes for r in expected.values())
+        if claimed > total:
+            raise bad(f"its tensors claim {claimed} bytes, the checkpoint's files hold {total}")
+    except ManifestError:
+        raise
+    except Exception as exc:  # a field of the wrong type, from a crafted pickle
+        raise bad(f"malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _is_size(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
 class VerifyingReader(FileSystemReader):
     """FileSystemReader that reads only manifest-listed files, each verified; see module doc."""
 
@@ -71,25 +162,39 @@ class VerifyingReader(FileSystemReader):
         self._metadata: Metadata | None = None
 
     def load_metadata(self) -> Metadata:
-        """Verify and parse ``.metadata`` now, so its errors surface before DCP runs.
+        """Verify, parse and check ``.metadata`` now, so its errors surface before DCP runs.
 
-        DCP catches exceptions from ``read_metadata`` and retries other file names; calling
-        this first keeps an integrity failure an IntegrityError that names the file.
+        DCP turns exceptions from ``read_metadata`` into text; calling this first (as loads,
+        resumes and ``offline.load_flat`` do) keeps a failure dckpt's own error naming the
+        file. It also requires every file the metadata refers to to be listed in the manifest
+        (IntegrityError naming the first that is not), before anything is allocated from the
+        metadata; through DCP's ``read_metadata`` that is left to ``read_data``, which refuses
+        to open such a file.
         """
+        metadata = self._checked_metadata()
+        for info in metadata.storage_data.values():
+            self.listed(info.relative_path)
+        return metadata
+
+    def _checked_metadata(self) -> Metadata:
         if self._metadata is None:
             data = self._read(METADATA_FILE)
-            metadata = load_dcp_metadata(bytes(data), os.path.join(str(self.path), METADATA_FILE))
+            source = os.path.join(str(self.path), METADATA_FILE)
+            metadata = load_dcp_metadata(bytes(data), source)
             if not isinstance(metadata, Metadata):
                 raise ManifestError(f"{self.path}/{METADATA_FILE} does not hold DCP metadata")
+            check_metadata(metadata, self.expected, source)
             self._metadata = metadata
         return self._metadata
 
-    def _record(self, relative_path: str) -> FileRecord:
-        record = self.expected.get(relative_path)
+    def listed(self, relative_path: str) -> FileRecord:
+        """The manifest's record of a file DCP's metadata refers to; IntegrityError naming it
+        if the manifest does not list it (nothing else is ever opened)."""
+        record = self.expected.get(relative_path) if isinstance(relative_path, str) else None
         # DCP writes a flat directory: a separator or dot-name could only lead elsewhere.
         if record is None or "/" in relative_path or relative_path in ("", ".", ".."):
             raise IntegrityError(
-                os.path.join(str(self.path), relative_path),
+                os.path.join(str(self.path), str(relative_path)),
                 "a file listed in manifest.json",
                 "a file the manifest does not list",
                 detail="unlisted file referenced by DCP metadata",
@@ -97,13 +202,13 @@ class VerifyingReader(FileSystemReader):
         return record
 
     def _read(self, relative_path: str) -> bytes:
-        record = self._record(relative_path)
+        record = self.listed(relative_path)
         data = read_verified(os.path.join(str(self.path), relative_path), record)
         self.verified[relative_path] = record.digest
         return data
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = self.load_metadata()
+        metadata = self._checked_metadata()
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -115,7 +220,7 @@ class VerifyingReader(FileSystemReader):
                 item
             )
         for relative_path, items in per_file.items():
-            record = self._record(relative_path)
+            record = self.listed(relative_path)
             # The whole file is hashed first; only if it matches is any tensor filled from it.
             with open_verified(os.path.join(str(self.path), relative_path), record) as f:
                 self.verified[relative_path] = record.digest
