@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import torchrun_start, torchrun_train
+from conftest import torchrun_start, torchrun_train, torchrun_workers
 from dist_harness import run_world
 from fault_kit import (
     Baseline,
@@ -136,8 +136,10 @@ def test_stale_state_resaves_and_retention_crashes_leave_every_checkpoint_whole(
 def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
     tmp_path: Path, fault_trials: Trials
 ) -> None:
+    """The first job runs until told to stop (SIGTERM, so it ends with a final save): the
+    second is started while it surely runs, however fast this machine is."""
     root = tmp_path / "ckpt"
-    args = ["--steps", "400", "--save-every", "50"]
+    args = ["--steps", "1000000", "--save-every", "50"]
     first = torchrun_start(root, *args)
     why: list[str] = []
     try:
@@ -147,8 +149,6 @@ def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
         t0 = time.monotonic()
         second = torchrun_train(root, *args, timeout=120)
         took = time.monotonic() - t0
-        if first.poll() is not None:
-            why.append("the first job ended before the second was refused: make it longer")
         out = second.stdout + second.stderr
         if second.returncode == 0:
             why.append("the second job ran")
@@ -156,15 +156,20 @@ def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
             why.append(f"the second job's error does not name the owner: {out[-600:]}")
         if took > 60:
             why.append(f"the second job took {took:.0f} s to be refused")
-        first_out, _ = first.communicate(timeout=240)
+        if first.poll() is not None:
+            why.append("the first job did not survive the second one's attempt")
+        else:
+            torchrun_workers(first)[0].send_signal(signal.SIGTERM)  # done: stop, with a save
+        first_out, _ = first.communicate(timeout=120)
         if first.returncode != 0:
             why.append(f"the first job failed: {first_out[-800:]}")
+        agreed = re.search(r"the ranks agreed on step (\d+)", first_out)
+        if agreed is None or committed_steps(root)[-1:] != [int(agreed.group(1))]:
+            why.append(f"the first job's final checkpoint is missing: {committed_steps(root)}")
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     outcome = check(root, {})
-    if committed_steps(root)[-1:] != [400]:
-        why.append(f"the first job's last checkpoint is missing: {committed_steps(root)}")
     fault_trials.record_check(
         "two jobs on one root", "torchrun while another runs", outcome, detail="; ".join(why)
     )
