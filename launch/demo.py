@@ -9,16 +9,23 @@
 5. `dckpt verify` re-hashes every committed checkpoint;
 6. the losses of steps 9-12 of the resumed run are compared with the reference, bit for bit;
 7. one bit of a copy of the newest checkpoint is flipped, and `dckpt verify` names the file;
-8. a job started on that copy quarantines the damaged checkpoint and resumes from the one before.
+8. a job started on that copy quarantines the damaged checkpoint and resumes from the one before;
+9. preemption: a long run gets SIGTERM on rank 1 only; the ranks agree on a step, save it and
+   exit 0.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs" / "demo"
@@ -42,6 +49,27 @@ def torchrun(ckpt: Path, log: Path, *extra: str) -> int:
         if line.startswith(("dckpt", "train:", "  [", "  rng", "  world", "  timings", "  skip")):
             print("  " + line)
     return proc.returncode
+
+
+def preempt_rank1(ckpt: Path, log: Path) -> int:
+    """Start a run that would take hours, SIGTERM rank 1 once it trains; torchrun's exit code."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "launch" / "train.py"), "--ckpt-dir", str(ckpt), "--steps", "1000000",
+        "--save-every", "1000", "--loss-log", str(log),
+    ]  # fmt: skip
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while agent.poll() is None and not (log.exists() and len(log.read_text().splitlines()) > 3):
+        time.sleep(0.05)
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        if child.environ().get("RANK") == "1":
+            print(f"  SIGTERM to rank 1 (pid {child.pid}) only")
+            os.kill(child.pid, signal.SIGTERM)
+    out, _ = agent.communicate(timeout=300)
+    for line in out.splitlines():
+        if line.startswith(("dckpt: saved", "dckpt: preempted", "train: preempted")):
+            print("  " + line)
+    return agent.returncode
 
 
 def dckpt(*args: str) -> int:
@@ -124,9 +152,14 @@ def main() -> int:
         return 1
     dckpt("ls", str(bad))
 
+    say("9. preemption: SIGTERM to one rank of a long run")
+    code_pre = preempt_rank1(RUNS / "preempted", RUNS / "preempted.jsonl")
+    print(f"  torchrun exited with {code_pre}: the agreed step is committed; a requeue resumes it")
+    dckpt("ls", str(RUNS / "preempted"))
+
     say("done: crashed, resumed from a verified checkpoint, continued loss for loss")
     print(f"  checkpoints: {run_dir}\n  loss logs: {ref_log}, {run_log}")
-    return 0 if code == 3 else 1
+    return 0 if code == 3 and code_pre == 0 else 1
 
 
 if __name__ == "__main__":
