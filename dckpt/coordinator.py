@@ -62,6 +62,9 @@ class Coordinator:
         self.comm = comm
         self.root = root
         self.strategy = strategy or RenameCommit()
+        self.committed: tuple[int, str] | None = None
+        """On rank 0: (step, path) of the save it committed last, even if telling the other
+        ranks failed afterwards."""
 
     def agree(self, error: str | None, what: str) -> None:
         """All ranks learn whether any rank failed ``what``; all raise together if so."""
@@ -78,6 +81,7 @@ class Coordinator:
         build_manifest: Callable[[list[RankReport]], Manifest],
         on_decided: Callable[[], None] | None = None,
     ) -> SaveOutcome:
+        self.committed = None
         reports = self.comm.all_gather(report)
         outcome = SaveOutcome(path=None, error="rank 0 did not decide")
         if self.comm.rank == 0:
@@ -108,6 +112,7 @@ class Coordinator:
             fault_point("write_manifest", 0, step)
             write_manifest(tmp_dir, manifest)
             final = self.strategy.commit(self.root, tmp_dir, step)
+            self.committed = (step, str(final))
         except Exception as exc:  # any failure here must leave nothing committed
             shutil.rmtree(tmp_dir, ignore_errors=True)
             return SaveOutcome(

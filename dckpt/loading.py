@@ -287,6 +287,7 @@ class LoadingMixin:
         if unused:
             report.warnings.append(f"checkpoint state not restored (no such object now): {unused}")
 
+        self._check_scaler(manifest, path.name, report)
         state_dict = self.state.state_dict()
         self._check_shapes(state_dict, reader, path.name)
         same_world = manifest.world_size == self.world_size and "rng" in saved
@@ -313,14 +314,6 @@ class LoadingMixin:
             f"{files_verified} of {len(manifest.files)} files hashed and matched "
             f"({manifest.digest_algorithm}); ranks agree on every digest",
         )
-        if state_dict.get("scaler"):
-            try:
-                concern = check_scaler(state_dict["scaler"])
-            except ValueError as exc:
-                raise StateMismatchError(f"{path.name}: {exc}") from None
-            report.check("grad scaler", True, f"scale {float(state_dict['scaler']['scale']):g}")
-            if concern:
-                report.warnings.append(concern)
         self.state.load_state_dict(state_dict)
         report.check("state", True, ", ".join(c for c in manifest.state if c != "rng"))
         if same_world:
@@ -373,6 +366,19 @@ class LoadingMixin:
                     "(check the config); the checkpoint is not damaged."
                 )
 
+    def _check_scaler(self, manifest: Manifest, name: str, report: ResumeReport) -> None:
+        """The GradScaler state as recorded at save time, checked before anything is loaded."""
+        recorded = manifest.precision.get("scaler")
+        if self.state.scaler is None or not isinstance(recorded, dict):
+            return
+        try:
+            concern = check_scaler({"scale": float(recorded.get("scale", 1.0))})
+        except (TypeError, ValueError) as exc:
+            raise StateMismatchError(f"{name}: {exc}") from None
+        report.check("grad scaler", True, f"scale {recorded.get('scale')}")
+        if concern:
+            report.warnings.append(concern)
+
     def _check_config(self, manifest: Manifest, name: str, report: ResumeReport) -> None:
         changes = check_config(manifest.config, self.run_config, self._allowed_changes, name)
         if changes:
@@ -387,11 +393,13 @@ class LoadingMixin:
         saved_mode = manifest.precision.get("mode")
         if self.precision is None or saved_mode is None or saved_mode == self.precision.mode:
             return
-        if self.precision.mode == "fp16" and not manifest.precision.get("grad_scaler"):
+        fresh_scaler = self.precision.mode == "fp16" and not manifest.precision.get("grad_scaler")
+        if fresh_scaler and "precision" not in self._allowed_changes:
             raise ConfigMismatchError(
                 f"{name} was saved under {saved_mode} without GradScaler state; resuming it "
                 "under fp16 would start loss scaling from scratch. Resume with the saved "
-                "precision, or start a new run."
+                "precision, or pass allow_config_changes=['precision'] to accept that (e.g. "
+                "a GPU without bf16)."
             )
         report.warnings.append(
             f"precision changed from {saved_mode} to {self.precision.mode}: numerics differ "

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -82,11 +83,21 @@ class RunLock:
 
     def _read(self) -> _Owner | None:
         # No symlink followed, no FIFO waited on: anyone who can write the root can plant one.
+        # Such a lock is stale; a regular lock file that cannot be read (EACCES, EIO, ESTALE)
+        # may be a live owner's, so that is an error, never a takeover.
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise LockError(f"cannot read the run lock {self.path}: {exc}") from None
+        if not stat.S_ISREG(mode):
+            return _Owner("?", -1, 0.0, "?", "?", 0.0)  # a link, FIFO, directory: stale
         raw = read_small_file(self.path, 1 << 16)
         if raw is None:
             if not os.path.lexists(self.path):
-                return None
-            return _Owner("?", -1, 0.0, "?", "?", 0.0)  # not a regular file: stale
+                return None  # released between the two looks
+            raise LockError(f"cannot read the run lock {self.path}; check its permissions")
         try:
             return _Owner(**json.loads(raw.decode("utf-8")))
         except (ValueError, TypeError):
@@ -146,6 +157,11 @@ class RunLock:
                 log.error("dckpt: the run lock %s was taken by someone else", self.path)
                 return
             self._write_over()
+
+    def abandon(self) -> None:
+        """Stop renewing the lease but leave the lock in place: for a job that cannot tell
+        whether a stuck write of its own may still land; the lease runs out by itself."""
+        self._stop.set()
 
     def release(self) -> None:
         self._stop.set()

@@ -122,7 +122,8 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         self.precision = precision
         if precision is not None:
             precision.check_model(state.model)
-            if precision.needs_scaler and state.scaler is None:
+            scaler_on = state.scaler is not None and getattr(state.scaler, "is_enabled", bool)()
+            if precision.needs_scaler and not scaler_on:
                 raise ValueError(
                     "precision fp16 needs a GradScaler in the TrainState (its state is part of "
                     "every checkpoint): TrainState(..., scaler=policy.make_scaler(device_type))"
@@ -205,8 +206,11 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if metric is not None and not math.isfinite(metric):
+            raise ValueError(f"metric must be a finite number (best-k ranks by it), got {metric}")
         self._raise_if_stuck()
         if self._broken is not None:
+            self._writer.raise_if_failed()  # the detailed error first, naming the late rank
             raise WorldError(
                 f"an earlier save failed inside a collective ({self._broken}); dckpt's process "
                 "group cannot recover from that. Restart the job: it resumes from the last "
@@ -334,6 +338,7 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         """Block until the save in flight is committed; raise if any earlier save failed."""
         self._raise_if_stuck()
         if self._broken is not None:
+            self._writer.raise_if_failed()
             raise SaveError(f"{self._broken}; restart the job")
         handle = self._writer.current
         self._writer.join(self._join_timeout)
@@ -398,7 +403,10 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             if self._preemption is not None:
                 self._preemption.uninstall()
             if self._lock is not None:
-                self._lock.release()
+                if self._writer.stuck is not None:
+                    self._lock.abandon()  # the stuck write may still land: keep others out
+                else:
+                    self._lock.release()
             self._io.close()
             self._ctl.close()
         self._writer.raise_if_failed()

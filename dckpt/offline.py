@@ -37,7 +37,7 @@ def load_flat(step_dir: Path, prefix: str = "") -> dict[str, Any]:
         if not fqn.startswith(prefix):
             continue
         if isinstance(meta, TensorStorageMetadata):
-            state[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            state[fqn] = torch.zeros(meta.size, dtype=meta.properties.dtype)  # never garbage
         else:
             state[fqn] = None  # a pickled value; DCP fills it in (weights_only)
     with warnings.catch_warnings():

@@ -86,8 +86,17 @@ class PrecisionPolicy:
         with torch.autocast(device_type=kind, dtype=self.compute_dtype):
             yield
 
-    def make_scaler(self, device_type: str) -> torch.amp.GradScaler:
-        """A GradScaler, enabled only for fp16 (a disabled one is a no-op with empty state)."""
+    def make_scaler(self, device_type: str, *, sharded: bool = False) -> torch.amp.GradScaler:
+        """A GradScaler, enabled only for fp16 (a disabled one is a no-op with empty state).
+
+        ``sharded=True`` under FSDP: a ShardedGradScaler, whose overflow check is all-reduced
+        across ranks, so every rank skips (or takes) the same steps and keeps the same scale;
+        a plain one sees only its own shards' gradients, and the ranks' scales drift apart.
+        """
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(device_type, enabled=self.needs_scaler)
         return torch.amp.GradScaler(device_type, enabled=self.needs_scaler)
 
     def fsdp_mixed_precision(self) -> Any:

@@ -4,7 +4,9 @@ Protocol (``CheckpointManager.watch_preemption`` and ``CheckpointManager.preempt
 
 1. ``Preemption.install`` (main thread) makes SIGTERM and SIGUSR1 (by default) only set a
    flag and remember which signal came and when. Nothing else runs inside the handler: no I/O,
-   no collective, no lock.
+   no collective, no lock. A second signal while the first is pending is taken as "now":
+   the previous handler is restored and the signal delivered again (for SIGTERM, the process
+   ends), so a loop that never calls ``preempted`` can still be stopped.
 2. Every rank calls ``manager.preempted(step)`` after each training step. It all-reduces the
    flag (MAX) on dckpt's control group, so the ranks agree on the same step even when only
    one of them received the signal (SLURM signals one task, a scheduler may signal one pod).
@@ -19,6 +21,7 @@ The handlers are restored by ``uninstall`` (the manager's ``close`` calls it).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -44,7 +47,7 @@ class Preemption:
         self.deadline_s = deadline_s
         self.received: str | None = None
         self.received_at: float | None = None
-        self._flag = threading.Event()
+        self._flag = False  # a plain attribute: an Event's lock could deadlock a re-entry
         self._previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | None]
         self._previous = {}
 
@@ -63,12 +66,18 @@ class Preemption:
         self._previous.clear()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if not self._flag.is_set():
+        if not self._flag:
             self.received = signal.Signals(signum).name
             self.received_at = time.time()
-            self._flag.set()
+            self._flag = True
+            return
+        # A second signal: the first was not acted on (or not fast enough). Stop waiting.
+        sig = signal.Signals(signum)
+        previous = self._previous.pop(sig, None)
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     @property
     def requested(self) -> bool:
         """Whether this rank received a preemption signal."""
-        return self._flag.is_set()
+        return self._flag

@@ -94,15 +94,7 @@ class SavingMixin:
                 shutil.rmtree(new_tmp_dir(self.root, handle.step, job.save_id), ignore_errors=True)
             if isinstance(exc, SaveError):  # an outcome every rank agreed on: it says it all
                 raise
-            lag = self._progress.lagging(job.save_id)
-            if lag and self._progress.all_reported(job.save_id):
-                # Rank 0 had every report: it may have committed before it stopped answering.
-                outcome = (
-                    "rank 0 stopped answering while it committed, so this rank cannot tell "
-                    "whether the checkpoint was committed; the next resume verifies and finds out"
-                )
-            else:
-                outcome = "nothing was committed" + (f": {lag}" if lag else "")
+            outcome = self._failed_outcome(handle.step, job.save_id)
             raise SaveError(
                 f"save of step {handle.step} failed (seen from rank {self.rank}), {outcome} ({exc})"
             ) from exc
@@ -110,6 +102,25 @@ class SavingMixin:
             handle.staged.set()
         self._progress.clear(job.save_id)
         return result
+
+    def _failed_outcome(self, step: int, save_id: str) -> str:
+        """What this rank can say about a save whose closing collective failed."""
+        committed = self._coordinator.committed
+        if self.rank == 0 and committed is not None and committed[0] == step:
+            self._last_committed_step = step
+            return (
+                f"but step {step} IS committed at {committed[1]}: only telling the other ranks "
+                "failed"
+            )
+        lag = self._progress.lagging(save_id)
+        reported = self._progress.all_reported(save_id)
+        if reported and (lag.startswith("rank 0 did not complete the commit") or not lag):
+            # Rank 0 had every report: it may have committed before it stopped answering.
+            return (
+                "rank 0 stopped answering while it committed, so this rank cannot tell "
+                "whether the checkpoint was committed; the next resume verifies and finds out"
+            )
+        return "nothing was committed" + (f": {lag}" if lag else "")
 
     def _write_steps(
         self,
@@ -196,6 +207,7 @@ class SavingMixin:
         outcome = self._coordinator.finish_save(
             tmp_dir, step, report, build, on_decided=lambda: self._progress.mark(save_id, DECIDED)
         )
+        handle.past_commit = True
         assert outcome.path is not None
         commit_s = time.perf_counter() - t0
         stall_s = commit_s if not self.config.async_save else handle.stall_s

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from .comm import Comm
-from .errors import SaveError
+from .errors import CheckpointError, SaveError
 from .preemption import DEFAULT_SIGNALS, Preemption
 from .writer import BackgroundWriter, SaveHandle, SaveResult
 
@@ -32,12 +32,16 @@ class StoppingMixin:
     def save(self, step: int) -> SaveHandle:  # provided by CheckpointManager
         raise NotImplementedError
 
+    def _check_open(self) -> None:  # provided by CheckpointManager
+        raise NotImplementedError
+
     def watch_preemption(
         self, signals: Sequence[str] = DEFAULT_SIGNALS, *, deadline_s: float = 120.0
     ) -> Preemption:
         """Make ``signals`` request a final save instead of killing the process; see
         ``preempted``. ``deadline_s``: the longest the final save may take (leave it below the
         scheduler's grace period, e.g. SLURM's ``--signal=USR1@120``). Main thread only."""
+        self._check_open()
         if self._preemption is not None:
             self._preemption.uninstall()
         self._preemption = Preemption(signals, deadline_s)
@@ -50,6 +54,7 @@ class StoppingMixin:
         A collective: every rank calls it after every step. When it returns True the step is
         committed (SaveError otherwise) and the script should close the manager and exit 0.
         """
+        self._check_open()  # after close() the collective would land on the training group
         watch = self._preemption
         if watch is None:
             return False
@@ -80,22 +85,28 @@ class StoppingMixin:
             try:
                 self._within(in_flight, deadline)
             except SaveError as exc:
+                if not in_flight.done():  # still writing at the deadline: no room for ours
+                    raise
                 log.error("dckpt: the save in flight failed during preemption: %s", exc)
             self._writer.clear_failed()
         if self._last_committed_step == step:
             return None
+        if deadline - time.perf_counter() <= 0:
+            raise SaveError(f"no time left before the preemption deadline to save step {step}")
         return self._within(self.save(step), deadline)
 
     @staticmethod
     def _within(handle: SaveHandle, deadline: float) -> SaveResult:
+        """The handle's result, or SaveError once the deadline passes or the save fails."""
         remaining = deadline - time.perf_counter()
-        if remaining <= 0:
-            raise SaveError(f"no time left before the preemption deadline to save {handle.step}")
+        if remaining <= 0 and not handle.done():
+            raise SaveError(f"no time left before the preemption deadline for step {handle.step}")
         try:
-            return handle.result(timeout=remaining)
-        except SaveError as exc:
+            return handle.result(timeout=max(remaining, 0.0))
+        except CheckpointError as exc:
+            late = not handle.done()
             raise SaveError(
-                f"the final save of step {handle.step} did not commit before the preemption "
-                f"deadline: {exc}. The newest committed checkpoint is what the next start "
-                "resumes from."
+                f"the preemption save of step {handle.step} "
+                + ("did not commit before the deadline" if late else "failed")
+                + f": {exc}. The newest committed checkpoint is what the next start resumes from."
             ) from exc

@@ -58,6 +58,8 @@ class SaveHandle:
         self.stall_s = 0.0
         self.skipped = False
         self.cancelled = False
+        self.past_commit = False
+        """Set once the commit is decided: the tidying up after it is not watched."""
         self._done = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
@@ -96,6 +98,8 @@ class SaveHandle:
         return self._result
 
     def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
+        if self._done.is_set():  # the watchdog finished it first: that is what was reported
+            return
         self._result, self._error = result, error
         self.staged.set()
         self._done.set()
@@ -146,7 +150,7 @@ class BackgroundWriter:
                     watchdog.cancel()
 
         def fire() -> None:
-            if handle.done():
+            if handle.done() or handle.past_commit:
                 return
             where = describe_stuck()
             error = SaveError(
@@ -158,6 +162,7 @@ class BackgroundWriter:
             with self._lock:
                 self.stuck = handle
                 self._failed = error
+            handle._finish(None, error)  # whoever waits on this save learns it now
             log.error("dckpt: %s", error)
 
         watchdog: threading.Timer | None = None
@@ -176,7 +181,11 @@ class BackgroundWriter:
         thread = self._thread
         if thread is None:
             return
-        thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        while thread.is_alive() and self.stuck is None and time.monotonic() < deadline:
+            thread.join(min(0.5, max(deadline - time.monotonic(), 0.0)))
+        if self.stuck is not None and thread.is_alive():
+            return  # the watchdog gave up on it and latched its error: raise_if_failed tells
         if thread.is_alive():
             step = self._current.step if self._current else "?"
             raise SaveError(

@@ -31,6 +31,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -184,7 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed * 7919 + rank + 1)  # each rank its own dropout stream
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
-    scaler = policy.make_scaler(device.type) if policy.needs_scaler else None
+    # ShardedGradScaler's own all-reduce of its one-element overflow flag warns every step
+    warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+    scaler = (
+        policy.make_scaler(device.type, sharded=args.parallel == "fsdp")
+        if policy.needs_scaler
+        else None
+    )
     sampler = dckpt.GlobalBatchSampler(
         args.dataset_size, args.batch_size, rank=rank, world_size=world, seed=args.seed
     )

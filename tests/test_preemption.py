@@ -120,4 +120,4 @@ def test_the_ranks_agree_on_the_step_and_a_missed_deadline_raises(tmp_path: Path
     slow = {"DCKPT_FAULT": "phase=write_shards,rank=0,action=sleep,seconds=4"}
     out = run_world(_deadline_world, 2, str(tmp_path / "b"), 2, 1.0, env=slow, timeout=120)
     for r in out:
-        assert r["step"] == 2 and "did not commit before the preemption deadline" in r["error"]
+        assert r["step"] == 2 and "did not commit before the deadline" in r["error"]

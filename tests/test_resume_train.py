@@ -31,7 +31,7 @@ def _flip_bit(path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("parallel", "precision"),
-    [("ddp", "bf16"), ("ddp", "fp32"), ("fsdp", "bf16"), ("fsdp", "fp32")],
+    [("ddp", "bf16"), ("ddp", "fp32"), ("fsdp", "bf16"), ("fsdp", "fp32"), ("fsdp", "fp16")],
 )
 def test_crashed_and_resumed_run_equals_uninterrupted_run(
     tmp_path: Path, parallel: str, precision: str

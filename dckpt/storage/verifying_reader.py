@@ -68,9 +68,10 @@ def check_metadata(metadata: Metadata, expected: Mapping[str, FileRecord], sourc
     Run before anything is allocated from it: its digest only proves that these are the bytes
     that were committed, and whoever can write the directory can re-seal a manifest. Every
     storage entry lies inside a listed file and uses no stream transform (dckpt writes none);
-    every tensor's chunks lie inside the tensor, fit the stored bytes they point to and add up
-    to the whole tensor (no part of it left unfilled); all chunks together claim no more bytes
-    than the checkpoint's files hold, so no reader allocates more than the checkpoint's size.
+    every tensor's chunks lie inside the tensor, fit the stored bytes they point to, do not
+    overlap and add up to the whole tensor (so no part of it is left unfilled); all chunks
+    together claim no more bytes than the checkpoint's files hold, so no reader allocates more
+    than the checkpoint's size.
 
     An entry in a file the manifest does not list is left to ``VerifyingReader.listed``, which
     refuses it naming the file (``IntegrityError``): in ``load_metadata`` before anything is
@@ -110,6 +111,7 @@ def check_metadata(metadata: Metadata, expected: Mapping[str, FileRecord], sourc
             if not isinstance(dtype, torch.dtype) or not all(_is_size(d) for d in size):
                 raise bad(f"tensor {fqn} has an unusable dtype or shape ({dtype!r}, {size!r})")
             numel, covered = math.prod(size), 0
+            boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
             for chunk in meta.chunks:
                 offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
                 if not (
@@ -120,6 +122,13 @@ def check_metadata(metadata: Metadata, expected: Mapping[str, FileRecord], sourc
                     and all(o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))
                 ):
                     raise bad(f"tensor {fqn} of shape {tuple(size)} has a chunk {chunk} outside it")
+                for o2, n2 in boxes:  # disjoint boxes that add up to the tensor cover it
+                    if all(
+                        a < b + m and b < a + n
+                        for a, n, b, m in zip(offsets, sizes, o2, n2, strict=True)
+                    ):
+                        raise bad(f"tensor {fqn} has overlapping chunks at {offsets} and {o2}")
+                boxes.append((offsets, sizes))
                 info = storage.get(MetadataIndex(fqn, offsets))
                 if info is None:
                     raise bad(f"tensor {fqn}: its chunk at {offsets} has no storage record")

@@ -245,6 +245,14 @@ def huge_tensor(elements: int, chunk_too: bool) -> Callable[[Metadata], None]:
     return edit
 
 
+def duplicated_chunk(meta: Metadata) -> None:
+    """model.0.weight ([48, 16]) as its first half listed twice: the sizes add up to the
+    tensor, but half of it would never be filled (uninitialised memory handed out)."""
+    t = meta.state_dict_metadata["model.0.weight"]
+    half = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([24, 16]))
+    t.chunks = [half, half]  # type: ignore[union-attr]
+
+
 def escape_in_metadata(target: str, fqn: str | None = None) -> Callable[[Metadata], None]:
     """Point what ``__0_0.distcp`` stores (only ``fqn``'s entries, if given) at ``target``."""
 
@@ -440,6 +448,13 @@ HOSTILE = [
     Hostile(
         "DCP metadata claims an 8 GiB tensor and chunk",
         lambda c: rewrite_metadata(c.step, huge_tensor(1 << 27, chunk_too=True)),
+        ".metadata",
+        "model.0.weight",
+        verify_rc=0,
+    ),
+    Hostile(
+        "DCP metadata lists one chunk twice (half the tensor never filled)",
+        lambda c: rewrite_metadata(c.step, duplicated_chunk),
         ".metadata",
         "model.0.weight",
         verify_rc=0,
