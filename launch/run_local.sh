@@ -26,37 +26,9 @@ usage() {
     sed -n '2,/^set -euo pipefail/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"
 }
 
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$REPO/.venv/bin/python" ]]; then
-        PYTHON="$REPO/.venv/bin/python"
-    else
-        PYTHON=python3
-    fi
-fi
-
-if [[ $# -eq 0 ]]; then
-    usage >&2
-    exit 2
-fi
-case "$1" in
-    -h | --help)
-        usage
-        echo
-        exec "$PYTHON" "$REPO/launch/train.py" --help
-        ;;
-esac
-
-has_ckpt_dir=0
-for arg in "$@"; do
-    case "$arg" in
-        --ckpt-dir | --ckpt-dir=*) has_ckpt_dir=1 ;;
-    esac
-done
-if ((!has_ckpt_dir)); then
-    echo "run_local.sh: error: --ckpt-dir DIR is required (the run's checkpoint root)" >&2
-    usage >&2
-    exit 2
-fi
+# shellcheck source=launch/common.sh disable=SC1091
+source "$REPO/launch/common.sh"
+check_train_args run_local.sh "the run's checkpoint root" "$@"
 
 NPROC="${NPROC:-2}"
 if [[ ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then

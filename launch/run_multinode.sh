@@ -68,33 +68,9 @@ die() {
     exit 2
 }
 
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$REPO/.venv/bin/python" ]]; then
-        PYTHON="$REPO/.venv/bin/python"
-    else
-        PYTHON=python3
-    fi
-fi
-
-if [[ $# -eq 0 ]]; then
-    usage >&2
-    exit 2
-fi
-case "$1" in
-    -h | --help)
-        usage
-        echo
-        exec "$PYTHON" "$REPO/launch/train.py" --help
-        ;;
-esac
-
-has_ckpt_dir=0
-for arg in "$@"; do
-    case "$arg" in
-        --ckpt-dir | --ckpt-dir=*) has_ckpt_dir=1 ;;
-    esac
-done
-((has_ckpt_dir)) || die "--ckpt-dir DIR is required (a directory every node sees: a shared file system)"
+# shellcheck source=launch/common.sh disable=SC1091
+source "$REPO/launch/common.sh"
+check_train_args run_multinode.sh "a directory every node sees: a shared file system" "$@"
 
 # --- the rendezvous, from the environment ---------------------------------------------------
 if [[ -n "${MIN_NODES:-}" || -n "${MAX_NODES:-}" ]]; then
