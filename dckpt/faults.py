@@ -32,22 +32,8 @@ from dataclasses import dataclass
 
 __all__ = ["COORDINATOR_PHASES", "PHASES", "RANK_PHASES", "InjectedFaultError", "fault_point"]
 
-PHASES = (
-    "prepare",
-    "make_tmp",
-    "stage",
-    "write_shards",
-    "dcp_finish",
-    "write_manifest",
-    "fsync_shards",
-    "rename",
-    "fsync_parent",
-    "publish_latest",
-    "retention",
-    "warmup",
-)
 RANK_PHASES = ("prepare", "make_tmp", "stage", "write_shards", "dcp_finish")
-"""Phases every rank passes in a save; the others of a save run on rank 0 only."""
+"""Phases every rank passes in a save."""
 COORDINATOR_PHASES = (
     "write_manifest",
     "fsync_shards",
@@ -56,6 +42,8 @@ COORDINATOR_PHASES = (
     "publish_latest",
     "retention",
 )
+"""Phases of a save that run on rank 0 only, after every rank's."""
+PHASES = (*RANK_PHASES, *COORDINATOR_PHASES, "warmup")
 ACTIONS = ("sigkill", "raise", "enospc", "sleep")
 
 
