@@ -81,7 +81,6 @@ class Coordinator:
         build_manifest: Callable[[list[RankReport]], Manifest],
         on_decided: Callable[[], None] | None = None,
     ) -> SaveOutcome:
-        self.committed = None
         reports = self.comm.all_gather(report)
         outcome = SaveOutcome(path=None, error="rank 0 did not decide")
         if self.comm.rank == 0:

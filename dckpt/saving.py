@@ -132,6 +132,7 @@ class SavingMixin:
         if self._device is not None:
             torch.cuda.set_device(self._device)  # a new thread starts on device 0
         tmp_dir = new_tmp_dir(self.root, step, save_id)
+        self._coordinator.committed = None  # this save's, once rank 0 commits it
         self._progress.mark(save_id, "started")
         error = job.error
         if error is None:
