@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from .faults import fault_point
@@ -120,7 +121,17 @@ class RenameCommit:
 
     name = "rename"
 
-    def commit(self, root: str | os.PathLike[str], tmp_dir: Path, step: int) -> Path:
+    def commit(
+        self,
+        root: str | os.PathLike[str],
+        tmp_dir: Path,
+        step: int,
+        *,
+        abandoned: Callable[[], bool] = lambda: False,
+    ) -> Path:
+        """Commit ``tmp_dir`` as ``step``; see the module docstring. ``abandoned`` is asked
+        right before the commit point: a save its owner gave up on (declared stuck) must not
+        land in a root that may belong to the next job by then."""
         base = Path(root)
         if not TMP_RE.fullmatch(tmp_dir.name) or tmp_dir.parent != base:
             raise ValueError(f"{tmp_dir} is not a dckpt tmp dir under {base}")
@@ -134,6 +145,8 @@ class RenameCommit:
 
         final = base / step_dir_name(step)
         fault_point("rename", 0, step)
+        if abandoned():
+            raise RuntimeError(f"the save of step {step} was abandoned before its commit")
         replaced: Path | None = None
         if final.is_symlink():  # not a checkpoint (never followed): a planted name, dropped
             final.unlink()

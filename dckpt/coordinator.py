@@ -80,11 +80,12 @@ class Coordinator:
         report: RankReport,
         build_manifest: Callable[[list[RankReport]], Manifest],
         on_decided: Callable[[], None] | None = None,
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> SaveOutcome:
         reports = self.comm.all_gather(report)
         outcome = SaveOutcome(path=None, error="rank 0 did not decide")
         if self.comm.rank == 0:
-            outcome = self._decide(tmp_dir, step, reports, build_manifest)
+            outcome = self._decide(tmp_dir, step, reports, build_manifest, abandoned)
             if on_decided is not None:
                 on_decided()
         outcome = self.comm.broadcast(outcome)
@@ -101,6 +102,7 @@ class Coordinator:
         step: int,
         reports: list[RankReport],
         build_manifest: Callable[[list[RankReport]], Manifest],
+        abandoned: Callable[[], bool],
     ) -> SaveOutcome:
         failed = [r for r in reports if r.error is not None]
         if failed:
@@ -110,7 +112,7 @@ class Coordinator:
             manifest = build_manifest(reports).sealed()
             fault_point("write_manifest", 0, step)
             write_manifest(tmp_dir, manifest)
-            final = self.strategy.commit(self.root, tmp_dir, step)
+            final = self.strategy.commit(self.root, tmp_dir, step, abandoned=abandoned)
             self.committed = (step, str(final))
         except Exception as exc:  # any failure here must leave nothing committed
             shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -206,7 +206,12 @@ class SavingMixin:
 
         self._progress.mark(save_id, "reported")
         outcome = self._coordinator.finish_save(
-            tmp_dir, step, report, build, on_decided=lambda: self._progress.mark(save_id, DECIDED)
+            tmp_dir,
+            step,
+            report,
+            build,
+            on_decided=lambda: self._progress.mark(save_id, DECIDED),
+            abandoned=lambda: handle.cancelled,  # the watchdog gave up on it: never land late
         )
         handle.past_commit = True
         assert outcome.path is not None

@@ -162,6 +162,7 @@ class BackgroundWriter:
             with self._lock:
                 self.stuck = handle
                 self._failed = error
+            handle.cancelled = True  # rank 0 checks it right before the commit rename
             handle._finish(None, error)  # whoever waits on this save learns it now
             log.error("dckpt: %s", error)
 

@@ -91,3 +91,40 @@ def test_a_stuck_write_is_named_by_the_watchdog_and_the_next_save_raises(
         "stuck write (watchdog)", "sleep at write_shards on rank 1", outcome, detail="; ".join(why)
     )
     assert not why and outcome.ok, why + outcome.problems
+
+
+def test_a_save_declared_stuck_never_lands_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault_trials: Trials
+) -> None:
+    """Rank 0 hangs in the commit's fsyncs past the watchdog, then wakes up: the rename that
+    would follow is refused, so a save reported lost does not appear behind the next job."""
+    import torch
+
+    import dckpt
+    from dckpt.layout import committed_steps
+
+    model = torch.nn.Linear(8, 8)
+    state = dckpt.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    config = dckpt.CheckpointConfig(root=tmp_path, timeout_s=1.0, save_timeout_s=2.0)
+    monkeypatch.setenv("DCKPT_FAULT", "phase=fsync_shards,action=sleep,seconds=4,step=2")
+    mgr = dckpt.CheckpointManager(config, state)
+    mgr.save(1).result()
+    handle = mgr.save(2)
+    with pytest.raises(dckpt.SaveError, match="is stuck"):
+        handle.result(timeout=10)  # the watchdog fails the handle after 2 s
+    thread = mgr._writer._thread
+    assert thread is not None
+    thread.join(10)  # the stuck write wakes up and reaches the commit point
+    why = [] if committed_steps(tmp_path) == [1] else [f"committed {committed_steps(tmp_path)}"]
+    if list(tmp_path.glob("*.tmp-*")):
+        why.append("the abandoned save's tmp dir was left behind")
+    with pytest.raises(dckpt.SaveError, match="is stuck"):
+        mgr.close()  # the latched error is raised once more by close(), as documented
+    if not (tmp_path / ".dckpt-lock").exists():
+        why.append("close() released the lock while a write of its own was stuck")
+    outcome = check(tmp_path, capture(tmp_path))
+    fault_trials.record_check(
+        "stuck write (watchdog)", "rank 0 stuck before its commit rename", outcome,
+        detail="; ".join(why),
+    )  # fmt: skip
+    assert not why and outcome.ok, why + outcome.problems
