@@ -13,12 +13,16 @@ The model (a pessimistic POSIX file system; "op" is one traced syscall, in compl
   to that length (a file never synced is empty). With ``unsynced_data="zeros"`` the file keeps
   its full length instead and the unsynced tail reads as zeros (a size update that reached the
   disk before the data, as on XFS or ext4 ``data=writeback``).
-- Namespace (create, mkdir, rename, unlink, rmdir): a change to a directory's entries becomes
-  durable only when that directory is fsynced after it, and an fsync of a directory makes every
-  earlier change to its entries durable. Changes are bound to directory *inodes*, not names: an
-  op done under a directory's old name belongs to it under its new name, and the content of a
-  directory whose own entry is not durable is unreachable. A rename is a removal in one
-  directory and an addition in another (atomic when both are the same directory).
+- Namespace (create, mkdir, rename, exchange, unlink, rmdir): a change to a directory's entries
+  becomes durable only when that directory is fsynced after it, and an fsync of a directory
+  makes every earlier change to its entries durable. Changes are bound to directory *inodes*,
+  not names: an op done under a directory's old name belongs to it under its new name, and the
+  content of a directory whose own entry is not durable is unreachable. A rename is a removal
+  in one directory and an addition in another (atomic when both are the same directory). An
+  exchange (``renameat2`` with ``RENAME_EXCHANGE``) swaps two entries of one directory
+  atomically: both names stay, each now naming the other's inode (so what was written under
+  one name is found under the other), and the swap is durable, as a whole, once that directory
+  is fsynced after it.
 - With ``metadata="ordered"`` the states of a journalling file system that wrote some pending
   namespace changes on its own, in order, are added: at every cut, every prefix of the changes
   not yet made durable by an fsync may also have reached the disk.
@@ -31,12 +35,13 @@ simulated final tree (names, kinds, sizes) with the real one.
 Limits: truncation is exact at the synced length (no page granularity, no reordered blocks, no
 stale data other than zeros); write(2) is taken to append (the offset of each descriptor is not
 tracked; pwrite/pwritev use their explicit offset); a file rewritten in place (truncated or
-overwritten below its length) raises ``SimulationError``; hard links, symlinks, RENAME_EXCHANGE,
-mmap writes, copy_file_range, sendfile and fallocate are not modelled (the final-tree check
-catches any that changed a size); writes through descriptors of deleted files are ignored;
-syscalls on paths outside the root are ignored, and one that crosses the root's boundary raises.
-Order is strace's completion order, so two ops racing in different threads are taken in the
-order they returned.
+overwritten below its length) raises ``SimulationError``; so does a RENAME_EXCHANGE whose two
+entries are in different directories (when each half would become durable is file-system specific)
+or one of whose names is missing, and so does RENAME_WHITEOUT; hard links, symlinks, mmap writes,
+copy_file_range, sendfile and fallocate are not modelled (the final-tree check catches any that
+changed a size); writes through descriptors of deleted files are ignored; syscalls on paths outside
+the root are ignored, and one that crosses the root's boundary raises. Order is strace's completion
+order, so two ops racing in different threads are taken in the order they returned.
 """
 
 from __future__ import annotations
@@ -65,7 +70,9 @@ TRACED_SYSCALLS = (
     "renameat,renameat2,?mkdir,mkdirat,?unlink,unlinkat,?rmdir,ftruncate,truncate"
 )
 
-OpKind = Literal["create", "truncate", "mkdir", "rename", "unlink", "rmdir", "write", "fsync"]
+OpKind = Literal[
+    "create", "truncate", "mkdir", "rename", "exchange", "unlink", "rmdir", "write", "fsync"
+]
 
 
 class SimulationError(RuntimeError):
@@ -79,7 +86,7 @@ class Op:
     index: int
     kind: OpKind
     path: str
-    dest: str = ""  # rename target
+    dest: str = ""  # rename target; exchange: the other entry
     nbytes: int = 0  # write: bytes written; truncate: the new length
     offset: int | None = None  # pwrite/pwritev: explicit offset; None: append
     trunc: bool = False  # create: O_TRUNC
@@ -88,6 +95,8 @@ class Op:
     def describe(self) -> str:
         if self.kind == "rename":
             return f"rename {self.path} -> {self.dest}"
+        if self.kind == "exchange":
+            return f"exchange {self.path} <-> {self.dest}"
         if self.kind == "write":
             return f"write {self.nbytes} B to {self.path}"
         return f"{self.kind} {self.path}"
@@ -199,7 +208,7 @@ def parse_strace(text: str, root: str | os.PathLike[str]) -> list[Op]:
         if not inside(op.path) and not (op.dest and inside(op.dest)):
             return
         if op.dest and inside(op.path) != inside(op.dest):
-            raise SimulationError(f"line {op.line}: rename across the root's boundary")
+            raise SimulationError(f"line {op.line}: {op.kind} across the root's boundary")
         ops.append(dataclasses.replace(op, index=len(ops)))
 
     for lineno, _pid, call in _logical_lines(text):
@@ -259,10 +268,11 @@ def parse_strace(text: str, root: str | os.PathLike[str]) -> list[Op]:
                 src, dst = _at("", args[0]), _at("", args[1])
             else:
                 src, dst = _at(args[0], args[1]), _at(args[2], args[3])
-                exchange = name == "renameat2" and "RENAME_EXCHANGE" in args[4]
-                if exchange and (inside(src) or inside(dst)):
-                    raise SimulationError(f"line {lineno}: RENAME_EXCHANGE is not modelled")
-            add(Op(0, "rename", src, dest=dst, line=lineno))
+            flags = args[4] if name == "renameat2" and len(args) > 4 else ""
+            if "RENAME_WHITEOUT" in flags and (inside(src) or inside(dst)):
+                raise SimulationError(f"line {lineno}: RENAME_WHITEOUT is not modelled")
+            swap = "RENAME_EXCHANGE" in flags
+            add(Op(0, "exchange" if swap else "rename", src, dest=dst, line=lineno))
         elif name in ("unlink", "unlinkat", "rmdir"):
             if name == "unlinkat":
                 path = _at(args[0], args[1])
@@ -449,6 +459,21 @@ class CrashSim:
                 raise SimulationError(f"op {op.index}: rename of missing {op.path}")
             self._set(op, sp, sn, None)
             self._set(op, dp, dn, node)
+        elif op.kind == "exchange":
+            ap, an = self._parent(op.path, op)
+            bp, bn = self._parent(op.dest, op)
+            if ap != bp:
+                raise SimulationError(
+                    f"op {op.index} (log line {op.line}): exchange across directories "
+                    f"({op.path} <-> {op.dest}) is not modelled"
+                )
+            a, b = r.volatile[ap].get(an), r.volatile[bp].get(bn)
+            if a is None or b is None:
+                raise SimulationError(f"op {op.index}: exchange with a missing entry")
+            # Two changes of one directory with one seq: durable together (fsync of that
+            # directory after it, or an ordered prefix through this op), never one alone.
+            self._set(op, ap, an, b)
+            self._set(op, bp, bn, a)
         elif op.kind in ("unlink", "rmdir"):
             parent, name = self._parent(op.path, op)
             if name not in r.volatile[parent]:

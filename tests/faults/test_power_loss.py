@@ -24,7 +24,19 @@ file tails lost or read as zeros). Each distinct state is one trial. A handful o
 states then restart for real, in one spawn (``resume_world``): each resumes the newest durable
 step bit-exact and saves the next. Two negative controls replay the same log without the shard
 files' fsyncs, and without the tmp dir's fsync, and the same check must find broken states;
-and a synthetic trace checks the simulator itself against states worked out by hand.
+and synthetic traces check the simulator itself against states worked out by hand.
+
+A re-save ("power loss during a re-save"): on another copy of the same root, step 2 is saved
+again under ``strace`` (trained afresh, so its bytes differ); the commit swaps the new tmp dir
+with the committed ``step-00000002`` in one ``renameat2(RENAME_EXCHANGE)``, then removes the
+old copy, which now has the tmp name. Every state of both models, once recovered: step 1 loads
+bit-exact; step 2 is committed (before recover too), verifies, and loads bit-exact as the old
+copy or the new one, never a mix; ``latest`` is committed; nothing is left behind; along the
+cut points the new copy, once durable, stays, and holds once the save returned. A restart of
+one state per kind (old and new copy among them) resumes step 2 exactly. Negative controls:
+without the fsyncs of the new copy's files a committed step 2 that does not verify is found;
+without the root's fsync after the swap every state is still consistent (the swap is atomic),
+but the returned re-save is not durable.
 """
 
 from __future__ import annotations
@@ -35,10 +47,21 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
-from crashsim import TRACED_SYSCALLS, CrashSim, CrashState, Entry, Op, parse_strace
+import torch
+from crashsim import (
+    TRACED_SYSCALLS,
+    CrashSim,
+    CrashState,
+    Entry,
+    Op,
+    SimulationError,
+    parse_strace,
+)
 from dist_harness import run_world
 from fault_kit import (
     Baseline,
@@ -51,7 +74,7 @@ from fault_kit import (
     saving_world,
 )
 
-from dckpt.commit import recover
+from dckpt.commit import exchange, recover
 from dckpt.layout import (
     LATEST_FILE,
     LOCK_FILE,
@@ -63,6 +86,7 @@ from dckpt.layout import (
     read_latest,
     step_dir_name,
 )
+from dckpt.offline import load_flat
 from dckpt.verify import verify_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
@@ -105,29 +129,40 @@ def _strace_options() -> list[str]:
 
 @dataclass
 class Traced:
-    """The traced save of step 3, ready to replay."""
+    """One traced save, ready to replay."""
 
     root: Path  # the root the traced run wrote (its final state)
     initial: Path  # the copy taken before it: durable
     ops: list[Op]
     sim: CrashSim
-    baseline: Baseline
+    baseline: Baseline  # the steps committed in ``initial``, as loaded
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory) -> Traced:
-    options = _strace_options()
-    work = tmp_path_factory.mktemp("power").resolve()
-    root = work / "root"
+def strace_options() -> list[str]:
+    return _strace_options()
+
+
+@pytest.fixture(scope="module")
+def prepared(strace_options: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A root where two real ranks committed steps 1 and 2 (never written to: copied)."""
+    root = tmp_path_factory.mktemp("prepared").resolve() / "root"
     results = run_world(saving_world, 2, str(root), [1, 2], None, None, CONFIG)
     assert results == ["ok", "ok"], results
     assert committed_steps(root) == [1, 2]
-    initial = work / "initial"
-    shutil.copytree(root, initial, symlinks=True)
+    return root
 
+
+def trace_save(options: list[str], prepared: Path, work: Path, step: int) -> Traced:
+    """Save ``step`` under strace on a copy of ``prepared``; the log parsed and replayed to
+    the end, which must give the tree the run left."""
+    root, initial = work / "root", work / "initial"
+    work.mkdir(exist_ok=True)
+    shutil.copytree(prepared, root, symlinks=True)
+    shutil.copytree(prepared, initial, symlinks=True)
     child = work / "child.py"
     child.write_text(
-        CHILD.format(tests=str(TESTS), root=str(root), step=NEW_STEP, config=CONFIG),
+        CHILD.format(tests=str(TESTS), root=str(root), step=step, config=CONFIG),
         encoding="utf-8",
     )
     log = work / "strace.log"
@@ -141,14 +176,23 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Traced:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert committed_steps(root) == [2, NEW_STEP], "the traced save did not commit and retain"
-
     ops = parse_strace(log.read_text(encoding="utf-8", errors="surrogateescape"), root)
     sim = CrashSim(root, initial, ops)
     sim.check_final(root)  # the trace explains the final tree exactly
-    kinds = {op.kind for op in ops}
-    assert {"create", "write", "fsync", "rename", "mkdir", "unlink", "rmdir"} <= kinds, kinds
     return Traced(root, initial, ops, sim, capture(initial))
+
+
+@pytest.fixture(scope="module")
+def traced(
+    strace_options: list[str], prepared: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Traced:
+    """The save of step 3 (keep_last=2: retention deletes step 1)."""
+    work = tmp_path_factory.mktemp("power").resolve()
+    traced = trace_save(strace_options, prepared, work, NEW_STEP)
+    assert committed_steps(traced.root) == [2, NEW_STEP], "the traced save did not retain"
+    kinds = {op.kind for op in traced.ops}
+    assert {"create", "write", "fsync", "rename", "mkdir", "unlink", "rmdir"} <= kinds, kinds
+    return traced
 
 
 # --- the simulator on a trace small enough to work out by hand --------------------------------
@@ -212,6 +256,67 @@ def test_crashsim_on_a_synthetic_trace(tmp_path: Path) -> None:
     assert all("d" not in t or "e" not in t for t in ordered)  # the rename is atomic
 
 
+SYNTHETIC_EXCHANGE = """\
+200 mkdir("{R}/t", 0777) = 0
+200 openat(AT_FDCWD</w>, "{R}/t/f", O_WRONLY|O_CREAT|O_TRUNC|O_CLOEXEC, 0666) = 3<{R}/t/f>
+200 write(3<{R}/t/f>, "new", 3) = 3
+200 fsync(3<{R}/t/f>) = 0
+200 fsync(4<{R}/t>) = 0
+200 renameat2(AT_FDCWD</w>, "{R}/t", AT_FDCWD</w>, "{R}/s", RENAME_EXCHANGE) = 0
+200 fsync(5<{R}>) = 0
+200 unlinkat(6<{R}/t>, "f", 0) = 0
+200 rmdir("{R}/t") = 0
+200 fsync(5<{R}>) = 0
+"""
+
+
+def test_crashsim_models_rename_exchange(tmp_path: Path) -> None:
+    """A swap of two entries of one directory: atomic, durable with that directory's fsync,
+    each inode keeping its content under its new name (a re-save, worked out by hand)."""
+    initial, final = tmp_path / "initial", tmp_path / "R"
+    (initial / "s").mkdir(parents=True)
+    (initial / "s" / "f").write_bytes(b"old")
+    shutil.copytree(initial, final)
+    (final / "s" / "f").write_bytes(b"new")
+    ops = parse_strace(SYNTHETIC_EXCHANGE.format(R=final), final)
+    assert [op.kind for op in ops] == [
+        "mkdir", "create", "write", "fsync", "fsync", "exchange", "fsync", "unlink", "rmdir",
+        "fsync",
+    ]  # fmt: skip
+    sim = CrashSim(final, initial, ops)
+    sim.check_final(final)
+
+    def tree(state: CrashState) -> dict[str, bytes | None]:
+        root = sim.materialize(state, tmp_path / f"s-{state.after}-{state.pending}-{id(state)}")
+        return {
+            p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))
+        }
+
+    durable = sim.states()
+    assert [tree(s) for s in durable] == [
+        {"s": None, "s/f": b"old"},
+        {"s": None, "s/f": b"new", "t": None, "t/f": b"old"},  # swapped: the old copy is t
+        {"s": None, "s/f": b"new"},  # t removed: its unsynced unlink no longer matters
+    ]
+    assert [s.after for s in durable] == [0, 7, 10]
+    ordered = [tree(s) for s in sim.states(metadata="ordered")]
+    assert {"s": None, "s/f": b"old", "t": None, "t/f": b""} in ordered
+    assert {"s": None, "s/f": b"new", "t": None} in ordered  # the unlink, before the rmdir
+    assert all(t.get("s/f") in (b"old", b"new") for t in ordered)  # never missing, never mixed
+    assert all(t.get("s/f") != t.get("t/f") for t in ordered)  # no inode under both names
+
+    # Outside what the model covers: a swap across directories, and RENAME_WHITEOUT.
+    (initial / "d").mkdir()
+    (initial / "d" / "x").touch()
+    call = '200 renameat2(AT_FDCWD</w>, "{R}/s/f", AT_FDCWD</w>, "{R}/d/x", {F}) = 0\n'
+    across = parse_strace(call.format(R=final, F="RENAME_EXCHANGE"), final)
+    with pytest.raises(SimulationError, match="across directories"):
+        CrashSim(final, initial, across)
+    with pytest.raises(SimulationError, match="RENAME_WHITEOUT"):
+        parse_strace(call.format(R=final, F="RENAME_WHITEOUT"), final)
+
+
 # --- the check of one crash state -----------------------------------------------------------
 
 
@@ -257,20 +362,22 @@ def evaluate(root: Path, baseline: Baseline) -> Verdict:
 
 
 def replay(
-    sim: CrashSim, states: list[CrashState], baseline: Baseline, work: Path
+    sim: CrashSim, states: list[CrashState], work: Path, judge: Callable[[Path], Verdict]
 ) -> dict[tuple[Entry, ...], Verdict]:
-    """Write out, recover and check each state; the verdicts, by state."""
+    """Write out each state and ``judge`` it (recover, then check); the verdicts, by state."""
     verdicts: dict[tuple[Entry, ...], Verdict] = {}
     for i, state in enumerate(states):
         root = sim.materialize(state, work / f"state-{i}")
-        verdicts[state.entries] = evaluate(root, baseline)
+        verdicts[state.entries] = judge(root)
         shutil.rmtree(root)
     return verdicts
 
 
-def history_problems(sim: CrashSim, verdicts: dict[tuple[Entry, ...], Verdict]) -> list[str]:
+def history_problems(
+    sim: CrashSim, verdicts: dict[tuple[Entry, ...], Verdict], what: str = f"step {NEW_STEP}"
+) -> list[str]:
     """Along the cut points (durable prefixes): a commit, once durable, stays; and the cut
-    after the last operation (the save had returned) holds the new step."""
+    after the last operation (the save had returned) holds the new step (``what``)."""
     problems: list[str] = []
     since: int | None = None
     for cut in range(len(sim.ops) + 1):
@@ -278,10 +385,10 @@ def history_problems(sim: CrashSim, verdicts: dict[tuple[Entry, ...], Verdict]) 
         if verdict.committed and since is None:
             since = cut
         elif since is not None and not verdict.committed:
-            problems.append(f"step {NEW_STEP}, committed after op {since}, is gone after op {cut}")
+            problems.append(f"{what}, committed after op {since}, is gone after op {cut}")
             break
     if since is None:
-        problems.append(f"a power cut after the save returned loses step {NEW_STEP}")
+        problems.append(f"a power cut after the save returned loses {what}")
     return problems
 
 
@@ -301,7 +408,7 @@ def test_every_durable_prefix_leaves_a_consistent_root(
     extra = [s for e, s in ordered.items() if e not in known]
     assert len(durable) >= 4, [sim.describe(s) for s in durable]  # before, commit, latest, trash
 
-    verdicts = replay(sim, durable + extra, baseline, tmp_path)
+    verdicts = replay(sim, durable + extra, tmp_path, lambda root: evaluate(root, baseline))
     history = history_problems(sim, verdicts)
 
     # The restart, for real: one state per kind, all in one spawn.
@@ -378,7 +485,207 @@ def test_negative_control_a_missing_fsync_is_caught(
     assert len(kept) < len(traced.ops), "the log holds no such fsync to drop"
     sim = CrashSim(traced.root, traced.initial, kept)
     sim.check_final(traced.root)
-    verdicts = replay(sim, sim.states(), traced.baseline, tmp_path)
+    verdicts = replay(sim, sim.states(), tmp_path, lambda root: evaluate(root, traced.baseline))
     problems = [p for v in verdicts.values() for p in v.outcome.problems]
     problems += history_problems(sim, verdicts)
     assert any(symptom in p for p in problems), problems
+
+
+# --- a re-save: the same step saved again, swapped in by RENAME_EXCHANGE ------------------------
+
+RESAVE = "power loss during a re-save"
+RESAVED = 2
+
+
+@dataclass
+class Resaved:
+    """The traced re-save of step 2 over the committed one."""
+
+    traced: Traced
+    old: Baseline  # steps 1 and 2 as committed before the re-save
+    new: dict[str, Any]  # step 2 as the re-save wrote it
+
+
+@pytest.fixture(scope="module")
+def resaved(
+    strace_options: list[str], prepared: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Resaved:
+    work = tmp_path_factory.mktemp("resave").resolve()
+    (work / "probe-a").mkdir()
+    (work / "probe-b").mkdir()
+    if not exchange(work / "probe-a", work / "probe-b"):
+        pytest.skip("this file system cannot RENAME_EXCHANGE: the re-save renames aside")
+    traced = trace_save(strace_options, prepared, work / "traced", RESAVED)
+    assert committed_steps(traced.root) == [1, RESAVED]
+    swaps = [op for op in traced.ops if op.kind == "exchange"]
+    final = str(traced.root / step_dir_name(RESAVED))
+    assert [op.dest for op in swaps] == [final], [op.describe() for op in swaps]
+    new = capture(traced.root)[RESAVED]
+    old = traced.baseline
+    assert _copy_of(new, {"old": old[RESAVED]}) is None, "the re-save wrote the same bytes"
+    return Resaved(traced, old, new)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return bool(a == b)
+
+
+def _copy_of(values: dict[str, Any], copies: dict[str, dict[str, Any]]) -> str | None:
+    """The name of the copy ``values`` equals bit-exact, if any."""
+    for name, copy in copies.items():
+        if values.keys() == copy.keys() and all(_same(values[k], copy[k]) for k in copy):
+            return name
+    return None
+
+
+def evaluate_resave(root: Path, old: Baseline, new: dict[str, Any]) -> Verdict:
+    """Recover ``root`` as the next start would, then check: step 1 bit-exact; step 2
+    committed, verified and bit-exact the old copy or the new one (and present before recover
+    too: the swap never leaves it missing); ``latest`` committed; nothing left behind.
+    ``committed``: step 2 holds the new copy."""
+    problems: list[str] = []
+    names = {step_dir_name(s) for s in committed_steps(root)}
+    latest = read_latest(root)
+    if latest is not None and latest not in names:
+        problems.append(f"before recover, latest names {latest!r}, which is not committed")
+    if step_dir_name(RESAVED) not in names:
+        problems.append(f"before recover, step {RESAVED} is not committed: the swap lost it")
+    raw = (
+        latest,
+        any(TMP_RE.fullmatch(p.name) for p in root.iterdir()),
+        (root / LOCK_FILE).exists(),
+    )
+    try:
+        recover(root)
+    except Exception as exc:
+        problems.append(f"recover raised {type(exc).__name__}: {exc}")
+    outcome = check(root, {1: old[1]})  # and every committed step verifies, latest committed
+    lost = outcome.lost
+    copy: str | None = None
+    if RESAVED not in committed_steps(root):
+        lost += 1
+        problems.append(f"step {RESAVED} is gone")
+    else:
+        try:
+            values = load_flat(root / step_dir_name(RESAVED))
+        except Exception as exc:
+            values = None
+            lost += 1
+            problems.append(f"step {RESAVED} no longer loads: {exc}")
+        if values is not None:
+            copy = _copy_of(values, {"old": old[RESAVED], "new": new})
+            if copy is None:
+                lost += 1
+                problems.append(f"step {RESAVED} is neither the old copy nor the new one")
+    problems += [f"recover left {p.name} behind" for p in root.iterdir() if _leftover(p.name)]
+    outcome = Check(lost, problems + outcome.problems)
+    return Verdict(outcome, copy == "new", (copy, *raw))
+
+
+def test_power_loss_during_a_resave(resaved: Resaved, tmp_path: Path, fault_trials: Trials) -> None:
+    """Every state a power cut during a re-save of step 2 can leave recovers to step 2 whole,
+    old or new (never missing, never a mix), step 1 untouched; the new copy, once durable,
+    stays, and holds once the save returned; a real restart resumes step 2 exactly."""
+    sim, old, new = resaved.traced.sim, resaved.old, resaved.new
+    durable = sim.states()
+    ordered: dict[tuple[Entry, ...], CrashState] = {}
+    for data in ("lost", "zeros"):
+        for state in sim.states(metadata="ordered", unsynced_data=data):
+            ordered.setdefault(state.entries, state)
+    known = {s.entries for s in durable}
+    extra = [s for e, s in ordered.items() if e not in known]
+
+    verdicts = replay(sim, durable + extra, tmp_path, lambda r: evaluate_resave(r, old, new))
+    history = history_problems(sim, verdicts, f"the re-saved step {RESAVED}")
+    copies = {verdicts[s.entries].kind[0] for s in durable}
+    assert {"old", "new"} <= copies, [sim.describe(s) for s in durable]
+
+    # The restart, for real: one state per kind (old and new copy among them), in one spawn.
+    picked: dict[tuple[object, ...], CrashState] = {}
+    for state in durable + extra:
+        picked.setdefault(verdicts[state.entries].kind, state)
+    chosen = list(picked.values())[:MAX_RESTARTS]
+    roots = [sim.materialize(s, tmp_path / f"restart-{i}") for i, s in enumerate(chosen)]
+    resumed = run_world(resume_world, 2, [str(r) for r in roots], timeout=240)
+    restart: dict[tuple[Entry, ...], list[str]] = {}
+    for i, (state, root) in enumerate(zip(chosen, roots, strict=True)):
+        why: list[str] = []
+        for rank in range(2):
+            got = resumed[rank][i]
+            if got.get("error") or got.get("step") != RESAVED or not got.get("exact"):
+                why.append(f"restart on rank {rank}: {got} (expected step {RESAVED}, exact)")
+            elif not got.get("saved_next"):
+                why.append(f"restart on rank {rank} did not save step {RESAVED + 1}")
+        leftovers = [p.name for p in root.iterdir() if _leftover(p.name)]
+        if leftovers:
+            why.append(f"the restart left {leftovers} behind")
+        held = new if verdicts[state.entries].committed else old[RESAVED]
+        why += check(root, {1: old[1], RESAVED: held}).problems
+        restart[state.entries] = why
+
+    for model, group in (("durable prefix", durable), ("ordered metadata", extra)):
+        for i, state in enumerate(group, 1):
+            verdict = verdicts[state.entries]
+            notes = [sim.describe(state), f"step {RESAVED} holds the {verdict.kind[0]} copy"]
+            if state.entries in restart:
+                notes.append("restarted")
+                notes += restart[state.entries]
+            fault_trials.record_check(
+                RESAVE,
+                f"{model} {i}/{len(group)}",
+                verdict.outcome,
+                survived=not restart.get(state.entries),
+                detail="; ".join(notes),
+            )
+    bad = [
+        f"{sim.describe(s)}: {verdicts[s.entries].outcome.problems + restart.get(s.entries, [])}"
+        for s in durable + extra
+        if not verdicts[s.entries].outcome.ok or restart.get(s.entries)
+    ]
+    assert not bad and not history, "\n".join(history + bad) + "\n" + failed(fault_trials._sink)
+
+
+def _is_new_file_fsync(op: Op) -> bool:
+    """An fsync of a file of the re-save's tmp dir (the writers' and the commit's)."""
+    return op.kind == "fsync" and TMP_RE.fullmatch(os.path.basename(os.path.dirname(op.path)))
+
+
+def test_negative_control_resave_without_file_fsyncs_is_caught(
+    resaved: Resaved, tmp_path: Path
+) -> None:
+    """Without the fsyncs of the new copy's files, the swap can commit empty files: caught."""
+    t = resaved.traced
+    kept = [op for op in t.ops if not _is_new_file_fsync(op)]
+    assert len(kept) < len(t.ops), "the log holds no such fsync to drop"
+    sim = CrashSim(t.root, t.initial, kept)
+    sim.check_final(t.root)
+    judge = partial(evaluate_resave, old=resaved.old, new=resaved.new)
+    verdicts = replay(sim, sim.states(), tmp_path, judge)
+    problems = [p for v in verdicts.values() for p in v.outcome.problems]
+    assert any(f"committed step {RESAVED} does not verify" in p for p in problems), problems
+
+
+def test_negative_control_resave_without_root_fsync_stays_consistent(
+    resaved: Resaved, tmp_path: Path
+) -> None:
+    """Without the root's fsync after the swap every state is still consistent (the swap is
+    atomic whether or not it reached the disk), but the re-save is durable only if a later
+    fsync of the root happens to make it so."""
+    t = resaved.traced
+    root = os.path.normpath(t.root)
+    swap = next(op.index for op in t.ops if op.kind == "exchange")
+    sync = next(op.index for op in t.ops[swap:] if op.kind == "fsync" and op.path == root)
+    kept = [op for op in t.ops if op.index != sync]
+    sim = CrashSim(t.root, t.initial, kept)
+    sim.check_final(t.root)
+    states = sim.states() + sim.states(metadata="ordered")
+    judge = partial(evaluate_resave, old=resaved.old, new=resaved.new)
+    verdicts = replay(sim, list({s.entries: s for s in states}.values()), tmp_path, judge)
+    bad = [p for v in verdicts.values() for p in v.outcome.problems]
+    assert not bad, bad
+    synced_later = any(op.kind == "fsync" and op.path == root for op in t.ops[sync + 1 :])
+    history = history_problems(sim, verdicts, "the re-save")
+    lost = "a power cut after the save returned loses the re-save"
+    assert history == ([] if synced_later else [lost]), history
