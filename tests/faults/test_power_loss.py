@@ -392,6 +392,81 @@ def history_problems(
     return problems
 
 
+def _crash_states(sim: CrashSim) -> tuple[list[CrashState], list[CrashState]]:
+    """The durable-prefix states, and the ordered-metadata states not among them."""
+    durable = sim.states()
+    ordered: dict[tuple[Entry, ...], CrashState] = {}
+    for data in ("lost", "zeros"):
+        for state in sim.states(metadata="ordered", unsynced_data=data):
+            ordered.setdefault(state.entries, state)
+    known = {s.entries for s in durable}
+    return durable, [s for e, s in ordered.items() if e not in known]
+
+
+def _restart_each_kind(
+    sim: CrashSim, verdicts: dict[tuple[Entry, ...], Verdict], states: list[CrashState], work: Path
+) -> list[tuple[CrashState, Path, list[dict[str, Any]]]]:
+    """The restart, for real: one state per kind of verdict, all in one spawn; for each, its
+    root and what every rank's resume returned."""
+    picked: dict[tuple[object, ...], CrashState] = {}
+    for state in states:
+        picked.setdefault(verdicts[state.entries].kind, state)
+    chosen = list(picked.values())[:MAX_RESTARTS]
+    roots = [sim.materialize(s, work / f"restart-{i}") for i, s in enumerate(chosen)]
+    resumed = run_world(resume_world, 2, [str(r) for r in roots], timeout=240)
+    return [
+        (state, root, [resumed[rank][i] for rank in range(2)])
+        for i, (state, root) in enumerate(zip(chosen, roots, strict=True))
+    ]
+
+
+def _restart_problems(got: list[dict[str, Any]], root: Path, expect: int) -> list[str]:
+    """Each rank resumed ``expect`` exactly and saved the next step; nothing left behind."""
+    why: list[str] = []
+    for rank, result in enumerate(got):
+        if result.get("error") or result.get("step") != expect or not result.get("exact"):
+            why.append(f"restart on rank {rank}: {result} (expected step {expect}, exact)")
+        elif not result.get("saved_next"):
+            why.append(f"restart on rank {rank} did not save step {expect + 1}")
+    leftovers = [p.name for p in root.iterdir() if _leftover(p.name)]
+    if leftovers:
+        why.append(f"the restart left {leftovers} behind")
+    return why
+
+
+def _record_and_assert(
+    fault_trials: Trials,
+    sim: CrashSim,
+    groups: list[tuple[str, str, list[CrashState]]],
+    verdicts: dict[tuple[Entry, ...], Verdict],
+    restart: dict[tuple[Entry, ...], list[str]],
+    history: list[str],
+    notes: Callable[[Verdict], list[str]],
+) -> None:
+    """One trial per state (its verdict, and its restart where it had one), then fail on any
+    inconsistent state or history problem."""
+    for fault, label, group in groups:
+        for i, state in enumerate(group, 1):
+            verdict = verdicts[state.entries]
+            detail = [sim.describe(state), *notes(verdict)]
+            if state.entries in restart:
+                detail += ["restarted", *restart[state.entries]]
+            fault_trials.record_check(
+                fault,
+                f"{label} {i}/{len(group)}",
+                verdict.outcome,
+                survived=not restart.get(state.entries),
+                detail="; ".join(detail),
+            )
+    bad = [
+        f"{sim.describe(s)}: {verdicts[s.entries].outcome.problems + restart.get(s.entries, [])}"
+        for _fault, _label, group in groups
+        for s in group
+        if not verdicts[s.entries].outcome.ok or restart.get(s.entries)
+    ]
+    assert not bad and not history, "\n".join(history + bad) + "\n" + failed(fault_trials._sink)
+
+
 # --- the test ----------------------------------------------------------------------------------
 
 
@@ -399,64 +474,20 @@ def test_every_durable_prefix_leaves_a_consistent_root(
     traced: Traced, tmp_path: Path, fault_trials: Trials
 ) -> None:
     sim, baseline = traced.sim, traced.baseline
-    durable = sim.states()
-    ordered: dict[tuple[Entry, ...], CrashState] = {}
-    for data in ("lost", "zeros"):
-        for state in sim.states(metadata="ordered", unsynced_data=data):
-            ordered.setdefault(state.entries, state)
-    known = {s.entries for s in durable}
-    extra = [s for e, s in ordered.items() if e not in known]
+    durable, extra = _crash_states(sim)
     assert len(durable) >= 4, [sim.describe(s) for s in durable]  # before, commit, latest, trash
 
     verdicts = replay(sim, durable + extra, tmp_path, lambda root: evaluate(root, baseline))
     history = history_problems(sim, verdicts)
-
-    # The restart, for real: one state per kind, all in one spawn.
-    picked: dict[tuple[object, ...], CrashState] = {}
-    for state in durable + extra:
-        picked.setdefault(verdicts[state.entries].kind, state)
-    chosen = list(picked.values())[:MAX_RESTARTS]
-    roots = [sim.materialize(s, tmp_path / f"restart-{i}") for i, s in enumerate(chosen)]
-    resumed = run_world(resume_world, 2, [str(r) for r in roots], timeout=240)
     restart: dict[tuple[Entry, ...], list[str]] = {}
-    for i, (state, root) in enumerate(zip(chosen, roots, strict=True)):
-        why: list[str] = []
+    for state, root, got in _restart_each_kind(sim, verdicts, durable + extra, tmp_path):
         committed = verdicts[state.entries].committed
         expect = NEW_STEP if committed else NEW_STEP - 1
-        for rank in range(2):
-            got = resumed[rank][i]
-            if got.get("error") or got.get("step") != expect or not got.get("exact"):
-                why.append(f"restart on rank {rank}: {got} (expected step {expect}, exact)")
-            elif not got.get("saved_next"):
-                why.append(f"restart on rank {rank} did not save step {expect + 1}")
-        leftovers = [p.name for p in root.iterdir() if _leftover(p.name)]
-        if leftovers:
-            why.append(f"the restart left {leftovers} behind")
         keep = {s: v for s, v in baseline.items() if not (committed and s == 1)}
-        why += check(root, keep).problems
-        restart[state.entries] = why
+        restart[state.entries] = _restart_problems(got, root, expect) + check(root, keep).problems
 
-    for fault, group in ((FAULT, durable), (FAULT_ORDERED, extra)):
-        for i, state in enumerate(group, 1):
-            verdict = verdicts[state.entries]
-            notes = [sim.describe(state)]
-            if state.entries in restart:
-                notes.append("restarted")
-                notes += restart[state.entries]
-            survived = not restart.get(state.entries)
-            fault_trials.record_check(
-                fault,
-                f"prefix {i}/{len(group)}",
-                verdict.outcome,
-                survived=survived,
-                detail="; ".join(notes),
-            )
-    bad = [
-        f"{sim.describe(s)}: {verdicts[s.entries].outcome.problems + restart.get(s.entries, [])}"
-        for s in durable + extra
-        if not verdicts[s.entries].outcome.ok or restart.get(s.entries)
-    ]
-    assert not bad and not history, "\n".join(history + bad) + "\n" + failed(fault_trials._sink)
+    groups = [(FAULT, "prefix", durable), (FAULT_ORDERED, "prefix", extra)]
+    _record_and_assert(fault_trials, sim, groups, verdicts, restart, history, lambda v: [])
 
 
 # --- negative controls: the same replay must catch a missing fsync -----------------------------
@@ -589,67 +620,36 @@ def test_power_loss_during_a_resave(resaved: Resaved, tmp_path: Path, fault_tria
     old or new (never missing, never a mix), step 1 untouched; the new copy, once durable,
     stays, and holds once the save returned; a real restart resumes step 2 exactly."""
     sim, old, new = resaved.traced.sim, resaved.old, resaved.new
-    durable = sim.states()
-    ordered: dict[tuple[Entry, ...], CrashState] = {}
-    for data in ("lost", "zeros"):
-        for state in sim.states(metadata="ordered", unsynced_data=data):
-            ordered.setdefault(state.entries, state)
-    known = {s.entries for s in durable}
-    extra = [s for e, s in ordered.items() if e not in known]
+    durable, extra = _crash_states(sim)
 
     verdicts = replay(sim, durable + extra, tmp_path, lambda r: evaluate_resave(r, old, new))
     history = history_problems(sim, verdicts, f"the re-saved step {RESAVED}")
     copies = {verdicts[s.entries].kind[0] for s in durable}
     assert {"old", "new"} <= copies, [sim.describe(s) for s in durable]
 
-    # The restart, for real: one state per kind (old and new copy among them), in one spawn.
-    picked: dict[tuple[object, ...], CrashState] = {}
-    for state in durable + extra:
-        picked.setdefault(verdicts[state.entries].kind, state)
-    chosen = list(picked.values())[:MAX_RESTARTS]
-    roots = [sim.materialize(s, tmp_path / f"restart-{i}") for i, s in enumerate(chosen)]
-    resumed = run_world(resume_world, 2, [str(r) for r in roots], timeout=240)
+    # one state per kind (old and new copy among them)
     restart: dict[tuple[Entry, ...], list[str]] = {}
-    for i, (state, root) in enumerate(zip(chosen, roots, strict=True)):
-        why: list[str] = []
-        for rank in range(2):
-            got = resumed[rank][i]
-            if got.get("error") or got.get("step") != RESAVED or not got.get("exact"):
-                why.append(f"restart on rank {rank}: {got} (expected step {RESAVED}, exact)")
-            elif not got.get("saved_next"):
-                why.append(f"restart on rank {rank} did not save step {RESAVED + 1}")
-        leftovers = [p.name for p in root.iterdir() if _leftover(p.name)]
-        if leftovers:
-            why.append(f"the restart left {leftovers} behind")
+    for state, root, got in _restart_each_kind(sim, verdicts, durable + extra, tmp_path):
         held = new if verdicts[state.entries].committed else old[RESAVED]
-        why += check(root, {1: old[1], RESAVED: held}).problems
-        restart[state.entries] = why
+        restart[state.entries] = (
+            _restart_problems(got, root, RESAVED) + check(root, {1: old[1], RESAVED: held}).problems
+        )
 
-    for model, group in (("durable prefix", durable), ("ordered metadata", extra)):
-        for i, state in enumerate(group, 1):
-            verdict = verdicts[state.entries]
-            notes = [sim.describe(state), f"step {RESAVED} holds the {verdict.kind[0]} copy"]
-            if state.entries in restart:
-                notes.append("restarted")
-                notes += restart[state.entries]
-            fault_trials.record_check(
-                RESAVE,
-                f"{model} {i}/{len(group)}",
-                verdict.outcome,
-                survived=not restart.get(state.entries),
-                detail="; ".join(notes),
-            )
-    bad = [
-        f"{sim.describe(s)}: {verdicts[s.entries].outcome.problems + restart.get(s.entries, [])}"
-        for s in durable + extra
-        if not verdicts[s.entries].outcome.ok or restart.get(s.entries)
-    ]
-    assert not bad and not history, "\n".join(history + bad) + "\n" + failed(fault_trials._sink)
+    groups = [(RESAVE, "durable prefix", durable), (RESAVE, "ordered metadata", extra)]
+    _record_and_assert(
+        fault_trials,
+        sim,
+        groups,
+        verdicts,
+        restart,
+        history,
+        lambda v: [f"step {RESAVED} holds the {v.kind[0]} copy"],
+    )
 
 
 def _is_new_file_fsync(op: Op) -> bool:
     """An fsync of a file of the re-save's tmp dir (the writers' and the commit's)."""
-    return op.kind == "fsync" and TMP_RE.fullmatch(os.path.basename(os.path.dirname(op.path)))
+    return op.kind == "fsync" and bool(TMP_RE.fullmatch(os.path.basename(os.path.dirname(op.path))))
 
 
 def test_negative_control_resave_without_file_fsyncs_is_caught(
