@@ -29,9 +29,17 @@ class CheckpointConfig:
             phase, and the next ``save()`` raises. None: ``4 * timeout_s + 30``.
         io_threads: writer threads per rank (DCP's ``thread_count``); one file per thread.
         async_save: write in the background; ``save()`` returns once the state is staged.
-        overlap_staging: let ``save()`` return before parameters and optimizer state are
-            copied; the copy completes before the next ``optimizer.step()`` (a step pre-hook
-            waits for it). Assumes those tensors change only inside ``optimizer.step()``.
+        overlap_staging: let ``save()`` return before the parameters and optimizer state that
+            go to host memory are copied; the copy completes before the next
+            ``optimizer.step()`` (a step pre-hook waits for it). Off by default: it rests on
+            a promise that those tensors change only inside ``optimizer.step()`` until then
+            (version counters catch in-place changes through the tensors, not through
+            ``.data``). Off, every copy is taken (CPU) or queued on the training stream
+            (CUDA) inside ``save()``: a consistent snapshot by construction.
+        device_staging_bytes: GPU memory for staging buffers: CUDA tensors are copied into
+            them device-to-device inside ``save()`` and drained to pinned host memory in the
+            background; what does not fit is copied device-to-host on the training stream.
+            None (default): 1/8 of the GPU's memory. 0: off.
         if_busy: what ``save()`` does while the previous save is still writing: ``wait`` for
             it, or ``skip`` this one (all ranks decide together; logged either way).
         fallback: on resume, quarantine a checkpoint that fails verification and try the next
@@ -52,7 +60,8 @@ class CheckpointConfig:
     save_timeout_s: float | None = None
     io_threads: int = 1
     async_save: bool = True
-    overlap_staging: bool = True
+    overlap_staging: bool = False
+    device_staging_bytes: int | None = None
     if_busy: str = "wait"
     fallback: bool = True
     warmup: bool = True
@@ -107,5 +116,10 @@ class CheckpointConfig:
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.overlap_staging and not self.async_save:
             object.__setattr__(self, "overlap_staging", False)  # nothing to overlap with
+        if self.device_staging_bytes is not None and self.device_staging_bytes < 0:
+            raise ValueError(
+                f"device_staging_bytes must be >= 0 (0 turns device staging off), got "
+                f"{self.device_staging_bytes}"
+            )
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")

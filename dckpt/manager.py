@@ -55,7 +55,7 @@ from .precision import PrecisionPolicy
 from .preemption import Preemption
 from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport
 from .saving import SaveJob, SavingMixin
-from .stager import Stager, storage_versions
+from .stager import Snapshot, Stager, Watch, watch_versions
 from .state import TrainState
 from .stopping import StoppingMixin
 from .units import human_bytes
@@ -139,7 +139,7 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         self.world_size = self._ctl.world_size
         self._coordinator = Coordinator(self._io, self.root)
         self._progress = Progress(self._io)
-        self._stager = Stager()
+        self._stager = Stager(config.device_staging_bytes)
         self._writer = BackgroundWriter()
         self._saves = 0
         self._closed = False
@@ -250,8 +250,7 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             "loss": loss,
             "metric": {} if metric is None else {"value": float(metric)},
         }
-        snapshot: dict[str, Any] | None = None
-        deferred: dict[int, int] = {}
+        snapshot: Snapshot | None = None
         error: str | None = None
         try:
             state_dict = self.state.state_dict()
@@ -266,12 +265,9 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             if self.rank == 0:
                 self._check_free_space(step, state_dict)
             if self.config.async_save:
-                # Parameters and optimizer state are staged by the planner, once DCP's
-                # de-duplicated plan is known: each rank copies only what it writes.
-                deferred = self._deferred_storages()
-                snapshot = self._stager.snapshot(state_dict, deferred)
-            else:
-                snapshot = state_dict  # the caller waits for the commit: write the live state
+                snapshot = self._stager.snapshot(state_dict, self._deferred_storages())
+            else:  # the caller waits for the commit: write the live state
+                snapshot = Snapshot(state_dict=state_dict, live=True)
             fault_point("prepare", self.rank, step)
         except Exception as exc:
             error = f"taking the state dict failed: {exc!r}"
@@ -279,7 +275,6 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         job = SaveJob(
             save_id=save_id,
             snapshot=snapshot,
-            deferred=deferred,
             error=error,
             epoch=epoch,
             milestone=milestone,
@@ -297,8 +292,6 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             except BaseException:
                 self._writer.clear_failed()  # delivered here; the next save() starts clean
                 raise
-        elif not self.config.overlap_staging:
-            handle.wait_staged(self._join_timeout)
         handle.stall_s = time.perf_counter() - t0
         return handle
 
@@ -367,16 +360,16 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             )
         return handle
 
-    def _deferred_storages(self) -> dict[int, int]:
-        """Tensors whose copy may wait for the background: only what the hooked optimizer
-        changes (its parameters and its state); with overlap, nothing else may wait."""
+    def _deferred_storages(self) -> Watch:
+        """Tensors whose copy may wait until the next optimizer step (``overlap_staging``):
+        only what the hooked optimizer changes, its parameters and its state."""
         opt = self.state.optimizer
-        if opt is None or (self.config.overlap_staging and self._hook is None):
+        if opt is None or self._hook is None:
             return {}
         tensors = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         for per_param in opt.state.values():
             tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-        return storage_versions(tensors)
+        return watch_versions(tensors)
 
     # --- lifetime ---------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from .faults import fault_point
 from .housekeeping import apply_retention
 from .manifest import Manifest
 from .precision import PrecisionPolicy
-from .stager import Stager, StagingSavePlanner
+from .stager import Snapshot, Stager, StagingSavePlanner, describe_staging
 from .state import TrainState
 from .storage.hashing_writer import HashingWriter
 from .units import human_bytes
@@ -45,8 +45,7 @@ class SaveJob:
     """What the foreground hands the writer thread for one save."""
 
     save_id: str
-    snapshot: dict[str, Any] | None
-    deferred: dict[int, int]
+    snapshot: Snapshot | None
     error: str | None
     epoch: int
     milestone: bool
@@ -156,7 +155,7 @@ class SavingMixin:
         error = None
         planner = StagingSavePlanner(
             self._stager,
-            job.deferred,
+            snapshot,
             handle.staged,
             cancelled=lambda: handle.cancelled,
             on_stage=lambda: fault_point("stage", self.rank, step),
@@ -164,7 +163,7 @@ class SavingMixin:
         try:
             with self._io.quiet():
                 dcp_save(
-                    snapshot,
+                    snapshot.state_dict,
                     storage_writer=writer,
                     planner=planner,
                     process_group=self._io.group,
@@ -186,7 +185,7 @@ class SavingMixin:
             timings={
                 "prepare_s": t_staging - t0,
                 "write_s": t_written - t_staging,
-                "staged_bytes": float(planner.staged_bytes),
+                **planner.stats.as_timings(),
             },
         )
 
@@ -194,7 +193,7 @@ class SavingMixin:
             # rank 0's stall as known at commit time
             sync = not self.config.async_save
             extra["stall_s"] = time.perf_counter() - t0 if sync else handle.stall_s
-            return self._manifest(
+            manifest = self._manifest(
                 step=step,
                 epoch=job.epoch,
                 milestone=job.milestone,
@@ -203,6 +202,8 @@ class SavingMixin:
                 t0=t0,
                 extra=extra,
             )
+            extra["timings"] = manifest.timings  # for rank 0's log line
+            return manifest
 
         self._progress.mark(save_id, "reported")
         outcome = self._coordinator.finish_save(
@@ -227,9 +228,10 @@ class SavingMixin:
         )
         self._last_save_bytes, self._last_committed_step = result.bytes, step
         if self.rank == 0:
+            timings = extra.get("timings", {})
             log.info(
                 "dckpt: saved step %d | %s in %d files | stall %.3f s | committed in %.3f s | "
-                "%s/s | %s digests | %s",
+                "%s/s | %s digests | %s | %s",
                 step,
                 human_bytes(result.bytes),
                 result.files,
@@ -237,6 +239,7 @@ class SavingMixin:
                 result.commit_s,
                 human_bytes(result.bytes / max(result.commit_s, 1e-9)),
                 self.config.digest,
+                describe_staging(timings) if self.config.async_save else "live state written",
                 result.path,
             )
             if self.config.retention.enabled:
@@ -287,8 +290,7 @@ class SavingMixin:
             metric=extra["metric"],
             timings={
                 "stall_s": extra.get("stall_s", 0.0),
-                "prepare_s": max(r.timings.get("prepare_s", 0.0) for r in reports),
-                "write_s": max(r.timings.get("write_s", 0.0) for r in reports),
+                **_merge_timings(reports),
                 "to_commit_s": time.perf_counter() - t0,
             },
             bytes_per_rank=tuple(
@@ -296,3 +298,15 @@ class SavingMixin:
             ),
             milestone=milestone,
         )
+
+
+def _merge_timings(reports: list[RankReport]) -> dict[str, float]:
+    """All ranks' timings as one: bytes add up; a phase takes as long as its slowest rank."""
+    merged: dict[str, float] = {}
+    for report in reports:
+        for key, value in report.timings.items():
+            if key.endswith("_bytes"):
+                merged[key] = merged.get(key, 0.0) + value
+            else:
+                merged[key] = max(merged.get(key, 0.0), value)
+    return merged

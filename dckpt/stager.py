@@ -1,44 +1,77 @@
-"""The stager: copies this rank's share of the state into buffers reused between saves.
+"""The stager: takes this rank's snapshot of the state into buffers reused between saves.
 
-Role: the only part of a save that must happen while the training loop is held back. Once a
-tensor is copied into a staging buffer, training may change the original; the bytes go to disk
-from the copy, in the background.
+Role: the only part of a save that must see the state as it is at ``save()`` time. Once a
+tensor is in a staging buffer, training may change the original; the bytes go to disk from the
+buffer, in the background.
 
-Two kinds of leaves, decided per save in ``snapshot`` (foreground, inside ``save()``):
-- *deferred*: tensors whose storage belongs to a parameter the hooked optimizer steps, or to
-  that optimizer's state. These change only inside ``optimizer.step()``, so their copy may be
-  taken after ``save()`` returned, as long as it is taken before the next optimizer step
-  (``wait_staged`` is called by an optimizer step pre-hook). Their version counters are
-  recorded in ``save()`` and checked when the copy is taken: a tensor changed in between
-  fails the save instead of committing a torn snapshot. They are copied by
-  ``StagingSavePlanner.finish_plan``, in the background, once DCP's global plan says which
-  items this rank writes: replicated tensors that DCP de-duplicates onto another rank are
-  never copied here.
-- *eager*: everything else (buffers such as BatchNorm statistics, which change in forward, and
-  every non-tensor value), copied or deep-copied before ``save()`` returns.
+Where each tensor this rank writes goes, decided in ``snapshot`` (inside ``save()``):
 
-Buffers are allocated on first use, keyed by the tensor's name (and shard offset), and reused
-while shape and dtype stay the same; on CUDA they are pinned and filled with non-blocking copies
-on a side stream that first waits for the training stream. Invariant: a buffer is rewritten only
-by the next save, and the next save starts only after the previous one finished writing.
+- a CUDA tensor, while the device budget lasts (``device_staging_bytes``): a device buffer,
+  copied on the *training* stream. The copy is queued, not waited for, and every later kernel
+  on that stream (the next forward, ``optimizer.step()``, an in-place edit) runs after it: the
+  snapshot is the ``save()``-time state by construction, at HBM speed. The background later
+  drains the device buffers to pinned host buffers on a side stream while training runs, so
+  the state crosses PCIe once per save.
+- a CUDA tensor beyond the budget: a pinned host buffer, also queued on the training stream
+  (non-blocking), so it too is ordered before anything that follows; training kernels wait for
+  that PCIe copy on the GPU, the host does not.
+- a CPU tensor: a host buffer, copied before ``save()`` returns.
+- every non-tensor value: deep-copied before ``save()`` returns.
+
+Only with ``overlap_staging=True`` may a copy be taken *after* ``save()`` returned: the
+tensors the hooked optimizer changes (its parameters and state) that would go to the host are
+*deferred* and copied by ``StagingSavePlanner.finish_plan`` in the background, before the next
+``optimizer.step()`` (a step pre-hook waits). That rests on a promise the caller makes: nothing
+but ``optimizer.step()`` changes them in between. The version counter of every tensor object
+through which such a storage is reachable (the parameter and the state-dict alias, each as
+wrapper and as local shard, which under FSDP2 are separate counters) is recorded in
+``save()`` and compared when the copy is taken, so an in-place change through any of them
+fails the save; a change through ``.data`` bypasses version counters and is not seen.
+
+Only the tensors DCP's plan gave this rank at the previous save are copied: a replicated
+tensor that DCP de-duplicates onto another rank is left as a reference and never read here.
+The first save, and a save whose state structure changed, copies everything. If the plan
+still hands this rank a tensor it did not copy, that save fails and the next copies all.
+
+Buffers are keyed by the tensor's flattened name and reused while shape, dtype and device
+stay the same; those a save did not use are released. Invariant: a buffer is rewritten only by
+the next save, and the next save starts only after the previous one finished writing (its
+drain included).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from .errors import SaveError
+from .units import human_bytes
 
-__all__ = ["Stager", "StagingSavePlanner", "storage_versions"]
+__all__ = [
+    "Snapshot",
+    "Stager",
+    "StagingSavePlanner",
+    "StagingStats",
+    "Watch",
+    "watch_versions",
+]
+
+Watch = dict[int, list[tuple[torch.Tensor, int]]]
+"""Storage address → (tensor object, its version counter at ``save()``), for deferred copies."""
+
+DEVICE_SHARE = 8
+"""With no explicit budget, device buffers may take 1/8 of the GPU's memory."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,98 +82,264 @@ def _ptr(t: torch.Tensor) -> int:
     return int(_local(t).untyped_storage().data_ptr())
 
 
-def storage_versions(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    """Storage address → version counter of ``tensors`` (DTensors by their local shard).
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    The version counter moves on every in-place change, so comparing it when the deferred copy
-    is finally taken proves the copy holds the values of ``save()`` time.
+
+def watch_versions(tensors: Iterable[torch.Tensor], into: Watch | None = None) -> Watch:
+    """Record the version counter of each tensor *and* of its local shard, by storage.
+
+    Every counter is later compared with itself only: under FSDP2 a parameter, its local
+    shard and the state dict's alias of that shard carry separate counters that move under
+    different ops, so comparing one object's counter with another's is meaningless.
     """
-    return {_ptr(t): _local(t)._version for t in tensors if _local(t).numel() > 0}
+    watch: Watch = {} if into is None else into
+    for t in tensors:
+        if _local(t).numel() == 0:
+            continue
+        seen = watch.setdefault(_ptr(t), [])
+        for obj in (t, _local(t)):
+            if not any(o is obj for o, _ in seen):
+                seen.append((obj, obj._version))
+    return watch
+
+
+@dataclass
+class StagingStats:
+    """Which path this rank's bytes took in one save, and what it cost."""
+
+    device_bytes: int = 0
+    """Copied device-to-device in save(), drained to pinned host buffers in the background."""
+    pinned_bytes: int = 0
+    """Copied device-to-host (pinned) on the training stream in save()."""
+    host_bytes: int = 0
+    """Copied host-to-host in save()."""
+    deferred_bytes: int = 0
+    """Copied after save() returned (``overlap_staging``), before the next optimizer step."""
+    other_rank_bytes: int = 0
+    """Not copied: DCP's plan has another rank write these replicated tensors."""
+    alloc_bytes: int = 0
+    alloc_s: float = 0.0
+    """New staging buffers (the first save, or after the state changed shape)."""
+    device_copy_s: float = 0.0
+    """GPU time of the copies queued on the training stream (training kernels wait for it)."""
+    drain_s: float = 0.0
+    """Wall time of the background drain of device buffers to pinned host buffers."""
+
+    def as_timings(self) -> dict[str, float]:
+        return {
+            "staged_device_bytes": float(self.device_bytes),
+            "staged_pinned_bytes": float(self.pinned_bytes),
+            "staged_host_bytes": float(self.host_bytes),
+            "staged_deferred_bytes": float(self.deferred_bytes),
+            "staging_alloc_bytes": float(self.alloc_bytes),
+            "staging_alloc_s": self.alloc_s,
+            "device_copy_s": self.device_copy_s,
+            "drain_s": self.drain_s,
+        }
+
+
+def describe_staging(timings: dict[str, float]) -> str:
+    """One phrase for the save line: which path the bytes took (all ranks together)."""
+    parts = []
+    for key, what in (
+        ("staged_device_bytes", "device→device→host"),
+        ("staged_pinned_bytes", "device→host"),
+        ("staged_host_bytes", "host copy"),
+        ("staged_deferred_bytes", "copied after save() returned"),
+    ):
+        n = timings.get(key, 0.0)
+        if n:
+            parts.append(f"{human_bytes(n)} {what}")
+    text = "staged " + (", ".join(parts) if parts else "nothing (live state written)")
+    if timings.get("device_copy_s", 0.0) > 0:
+        text += f", {timings['device_copy_s'] * 1e3:.1f} ms GPU copy"
+    if timings.get("drain_s", 0.0) > 0:
+        text += f", drained in {timings['drain_s']:.3f} s"
+    if timings.get("staging_alloc_bytes", 0.0) > 0:
+        text += (
+            f"; allocated {human_bytes(timings['staging_alloc_bytes'])} of buffers in "
+            f"{timings.get('staging_alloc_s', 0.0):.3f} s (reused by later saves)"
+        )
+    return text
+
+
+@dataclass
+class Snapshot:
+    """One save's state dict as handed to DCP, and how it was staged."""
+
+    state_dict: dict[str, Any]
+    live: bool = False
+    """True for a synchronous save: the live state is written, nothing was staged."""
+    signature: tuple[Any, ...] = ()
+    staged: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    """fqn → (``device``/``pinned``/``host``, buffer) for every tensor copied in save()."""
+    deferred: Watch = field(default_factory=dict)
+    ready: Any = None
+    """CUDA event after the copies queued on the training stream (None without CUDA)."""
+    started: Any = None
+    stats: StagingStats = field(default_factory=StagingStats)
+
+    def wait_ready(self) -> None:
+        """Block until every copy queued in save() has landed; measures their GPU time."""
+        if self.ready is None:
+            return
+        self.ready.synchronize()
+        if self.started is not None:
+            self.stats.device_copy_s = self.started.elapsed_time(self.ready) / 1e3
+
+
+def _signature(flat: dict[str, Any]) -> tuple[Any, ...]:
+    """What the plan depends on: every tensor's name, shape, dtype, device and sharding."""
+    return tuple(
+        (fqn, tuple(v.shape), v.dtype, v.device.type, isinstance(v, DTensor))
+        for fqn, v in flat.items()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 class Stager:
     """Reusable staging buffers and the copies into them; see the module docstring."""
 
-    def __init__(self) -> None:
-        self._buffers: dict[Any, torch.Tensor] = {}
+    def __init__(self, device_budget: int | None = None) -> None:
+        self.device_budget = device_budget
+        self._host: dict[str, torch.Tensor] = {}
+        self._device: dict[str, torch.Tensor] = {}
+        self._plan: tuple[tuple[Any, ...], frozenset[str]] | None = None
         self._stream: Any = None
-        self._ready: Any = None  # CUDA event on the training stream, recorded in snapshot()
 
     @property
     def bytes_allocated(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Host and device bytes held in staging buffers."""
+        return sum(_nbytes(b) for b in (*self._host.values(), *self._device.values()))
 
-    def _buffer(self, key: Any, src: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(
-                src.shape, dtype=src.dtype, device="cpu", pin_memory=src.device.type == "cuda"
+    def _budget(self, device: torch.device) -> int:
+        if self.device_budget is None:
+            self.device_budget = torch.cuda.get_device_properties(device).total_memory // (
+                DEVICE_SHARE
             )
-            self._buffers[key] = buf
+        return self.device_budget
+
+    def _alloc(
+        self, pool: dict[str, torch.Tensor], key: str, src: torch.Tensor, device: Any, st: Any
+    ) -> torch.Tensor:
+        buf = pool.get(key)
+        if buf is not None and (
+            buf.shape == src.shape and buf.dtype == src.dtype and buf.device == torch.device(device)
+        ):
+            return buf
+        t0 = time.perf_counter()
+        pinned = device == "cpu" and src.device.type == "cuda"
+        buf = torch.empty(src.shape, dtype=src.dtype, device=device, pin_memory=pinned)
+        st.alloc_s += time.perf_counter() - t0
+        st.alloc_bytes += _nbytes(buf)
+        pool[key] = buf
         return buf
 
-    def copy(self, key: Any, src: torch.Tensor) -> torch.Tensor:
-        """Copy ``src`` into its reused CPU buffer; on CUDA, asynchronously on the side stream."""
-        buf = self._buffer(key, src)
-        if src.device.type == "cuda":
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=src.device)
-            with torch.cuda.stream(self._stream):
-                if self._ready is not None:
-                    self._stream.wait_event(self._ready)
+    def snapshot(self, state_dict: dict[str, Any], deferred: Watch) -> Snapshot:
+        """Copy (or queue the copy of) this rank's tensors; see the module docstring.
+
+        ``deferred`` holds the storages the caller allows to be copied after ``save()``
+        returned (the hooked optimizer's, with ``overlap_staging``); it is empty otherwise.
+        The returned state dict keeps the live tensors, for DCP's planning (shapes, dtypes,
+        sharding); their bytes are served from the buffers by ``StagingSavePlanner``.
+        """
+        flat, mapping = flatten_state_dict(state_dict)
+        signature = _signature(flat)
+        mine = self._plan[1] if self._plan is not None and self._plan[0] == signature else None
+        snap = Snapshot(state_dict={}, signature=signature)
+        st = snap.stats
+        if any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat.values()):
+            snap.started = torch.cuda.Event(enable_timing=True)
+            snap.started.record()  # on the training stream, like every copy below
+        device_used = 0
+        out: dict[str, Any] = {}
+        for fqn, value in flat.items():
+            if not isinstance(value, torch.Tensor):
+                out[fqn] = copy.deepcopy(value)
+                continue
+            out[fqn] = value
+            src = _local(value).detach()
+            if mine is not None and fqn not in mine:
+                st.other_rank_bytes += _nbytes(src)  # another rank writes it: never read here
+                continue
+            fits = src.is_cuda and device_used + _nbytes(src) <= self._budget(src.device)
+            if not fits and src.numel() > 0 and _ptr(src) in deferred:
+                watch_versions([value], into=deferred)  # the alias DCP will read, too
+                snap.deferred[_ptr(src)] = deferred[_ptr(src)]
+                continue
+            if fits:
+                buf = self._alloc(self._device, fqn, src, src.device, st)
+                buf.copy_(src)  # on the training stream: ordered before anything after save()
+                device_used += _nbytes(buf)
+                st.device_bytes += _nbytes(buf)
+                snap.staged[fqn] = ("device", buf)
+            elif src.is_cuda:
+                buf = self._alloc(self._host, fqn, src, "cpu", st)
+                buf.copy_(src, non_blocking=True)  # queued on the training stream, too
+                st.pinned_bytes += _nbytes(buf)
+                snap.staged[fqn] = ("pinned", buf)
+            else:
+                buf = self._alloc(self._host, fqn, src, "cpu", st)
+                buf.copy_(src)
+                st.host_bytes += _nbytes(buf)
+                snap.staged[fqn] = ("host", buf)
+        if snap.started is not None:
+            snap.ready = torch.cuda.Event(enable_timing=True)
+            snap.ready.record()
+            if not snap.staged:
+                snap.started = None
+        for pool in (self._device, self._host):
+            for key in [k for k in pool if k not in flat or (mine is not None and k not in mine)]:
+                del pool[key]  # no longer this rank's, or gone: the last save is done with it
+        snap.state_dict = unflatten_state_dict(out, mapping)
+        return snap
+
+    def remember_plan(self, signature: tuple[Any, ...], written: Iterable[str]) -> None:
+        """The tensors DCP's final plan had this rank write; the next save copies only those."""
+        self._plan = (signature, frozenset(written))
+
+    def forget_plan(self) -> None:
+        self._plan = None
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    def to_host(self, key: str, src: torch.Tensor, after: Any, st: StagingStats) -> torch.Tensor:
+        """Copy ``src`` into its reused host buffer (pinned for CUDA, on the side stream after
+        the event ``after``); call ``synchronize`` before reading it."""
+        buf = self._alloc(self._host, key, src, "cpu", st)
+        if src.is_cuda:
+            stream = self._side_stream(src.device)
+            with torch.cuda.stream(stream):
+                if after is not None:
+                    stream.wait_event(after)
                 buf.copy_(src, non_blocking=True)
         else:
             buf.copy_(src)
         return buf
 
     def synchronize(self) -> None:
-        """Wait until every copy issued so far has landed in its buffer."""
+        """Wait until every copy issued on the side stream has landed in its buffer."""
         if self._stream is not None:
             self._stream.synchronize()
 
-    def snapshot(self, state_dict: dict[str, Any], deferred: Mapping[int, int]) -> dict[str, Any]:
-        """The state dict to hand the background writer.
-
-        Tensors whose storage is in ``deferred`` stay references (copied later by the planner);
-        other tensors are copied now into buffers; other values are deep-copied now.
-        """
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._ready = torch.cuda.Event()
-            self._ready.record()  # staging copies must see everything the training stream did
-
-        def walk(path: tuple[Any, ...], obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                if _ptr(obj) in deferred:
-                    return obj
-                if isinstance(obj, DTensor):
-                    local = self.copy(path, obj._local_tensor)
-                    return DTensor(local, obj._spec, requires_grad=False)
-                return self.copy(path, obj.detach())
-            if isinstance(obj, dict):
-                return {k: walk((*path, k), v) for k, v in obj.items()}
-            if isinstance(obj, list):
-                return [walk((*path, i), v) for i, v in enumerate(obj)]
-            if isinstance(obj, tuple):
-                return tuple(walk((*path, i), v) for i, v in enumerate(obj))
-            return copy.deepcopy(obj)
-
-        snap: dict[str, Any] = walk((), state_dict)
-        self.synchronize()  # eager copies are done before save() returns
-        return snap
-
 
 class StagingSavePlanner(DefaultSavePlanner):
-    """DCP's save planner (with plan caching) that stages deferred items once the plan is final.
+    """DCP's save planner that finishes staging once the de-duplicated plan is final.
 
-    ``finish_plan`` runs on every rank after DCP de-duplicated the global plan: it copies the
-    still-live tensors of the items *this* rank writes into the stager's buffers, then sets
-    ``staged``. ``resolve_data`` hands DCP the staged copies.
+    ``finish_plan`` runs on every rank after DCP de-duplicated the global plan. For each item
+    this rank writes it waits for the copies queued in ``save()``, drains device buffers to
+    pinned host buffers, takes deferred copies (after checking their version counters), then
+    sets ``staged`` and remembers the plan. ``resolve_data`` hands DCP the host copies.
     """
 
     def __init__(
         self,
         stager: Stager,
-        deferred: Mapping[int, int],
+        snapshot: Snapshot,
         staged: threading.Event,
         cancelled: Callable[[], bool],
         on_stage: Callable[[], None] | None = None,
@@ -149,12 +348,15 @@ class StagingSavePlanner(DefaultSavePlanner):
         # two saves would commit metadata with the old dtype. Planning is cheap next to I/O.
         super().__init__()
         self._stager = stager
-        self._deferred = deferred
+        self._snap = snapshot
         self._staged = staged
         self._cancelled = cancelled
         self._on_stage = on_stage
         self._copies: dict[MetadataIndex, torch.Tensor] = {}
-        self.staged_bytes = 0
+
+    @property
+    def stats(self) -> StagingStats:
+        return self._snap.stats
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
@@ -163,27 +365,55 @@ class StagingSavePlanner(DefaultSavePlanner):
                 raise SaveError("the save was cancelled: its staging took longer than allowed")
             if self._on_stage is not None:
                 self._on_stage()  # inside DCP's plan step, so an error fails every rank at once
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    continue
-                live = self.lookup_object(item.index)
-                if isinstance(live, torch.Tensor) and _ptr(live) in self._deferred:
-                    if _local(live)._version != self._deferred[_ptr(live)]:
-                        raise SaveError(
-                            f"{item.index.fqn} changed in place after save() returned and "
-                            "before its copy was taken, so this save would not be a "
-                            "consistent snapshot; it is abandoned. Call "
-                            "manager.before_optimizer_step() before changing parameters "
-                            "outside optimizer.step(), or use overlap_staging=False."
-                        )
-                    key = ("item", item.index.fqn, tuple(item.index.offset or ()))
-                    buf = self._stager.copy(key, live.detach())
-                    self._copies[item.index] = buf
-                    self.staged_bytes += buf.numel() * buf.element_size()
-            self._stager.synchronize()
+            if not self._snap.live:
+                self._stage(plan)
+        except BaseException:
+            self._stager.forget_plan()
+            raise
         finally:
             self._staged.set()  # also on failure: nobody may wait forever on a failed save
         return plan
+
+    def _stage(self, plan: SavePlan) -> None:
+        snap, st = self._snap, self._snap.stats
+        snap.wait_ready()
+        written: list[str] = []
+        t0, drained = time.perf_counter(), False
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            fqn = item.index.fqn
+            written.append(fqn)
+            kind, buf = snap.staged.get(fqn, ("", None))
+            if buf is not None:
+                if kind == "device":
+                    buf = self._stager.to_host(fqn, buf, snap.ready, st)
+                    drained = True
+                self._copies[item.index] = buf
+                continue
+            live = self.lookup_object(item.index)
+            watched = snap.deferred.get(_ptr(live)) if live.numel() > 0 else None
+            if watched is None:
+                raise SaveError(
+                    f"DCP's plan has this rank write {fqn}, which save() did not copy (the "
+                    "plan changed between saves with the same state layout). This save is "
+                    "abandoned; the next save copies everything."
+                )
+            if any(obj._version != version for obj, version in watched):
+                raise SaveError(
+                    f"{fqn} changed in place after save() returned and before its copy was "
+                    "taken, so this save would not be a consistent snapshot; it is abandoned. "
+                    "With overlap_staging=True, call manager.before_optimizer_step() before "
+                    "changing parameters or optimizer state outside optimizer.step(), or keep "
+                    "overlap_staging=False (the default), which copies everything in save()."
+                )
+            buf = self._stager.to_host(fqn, live.detach(), snap.ready, st)
+            self._copies[item.index] = buf
+            st.deferred_bytes += _nbytes(buf)
+        self._stager.synchronize()
+        if drained:
+            st.drain_s = time.perf_counter() - t0
+        self._stager.remember_plan(snap.signature, written)
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         staged = self._copies.get(write_item.index)

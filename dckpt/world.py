@@ -1,7 +1,9 @@
 """Forming the training world and checking that it answers: init and the warmup collective.
 
 ``init_distributed`` starts the training process group with a bounded timeout, NCCL when the
-process has a CUDA device and gloo otherwise. ``warmup_collective`` is the last step of a
+process has a CUDA device and gloo otherwise (or the backend asked for, ``cpu:gloo,cuda:nccl``
+included), or takes the group the script already made; the device follows the group's backend
+for CUDA. ``warmup_collective`` is the last step of a
 resume: an all-reduce of a known value on the *training* group (the NCCL path when training
 runs on NCCL), whose result and latency are checked. A rank that does not join within the
 timeout is named, from markers in the job's store, on every rank that waited for it.
@@ -20,13 +22,48 @@ import torch.distributed as dist
 from .errors import WorldError
 from .faults import fault_point
 
-__all__ = ["init_distributed", "warmup_collective"]
+__all__ = ["backends_by_device", "init_distributed", "training_device", "warmup_collective"]
 
 
-def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
-    """Join the job's process group (from torchrun's environment); returns rank, world, device."""
+def backends_by_device(backend: str) -> dict[str, str]:
+    """``'cpu:gloo,cuda:nccl'`` → ``{'cpu': 'gloo', 'cuda': 'nccl'}``; a bare name (``'nccl'``,
+    ``'gloo'``) serves the devices that backend supports."""
+    if ":" not in backend:
+        name = backend.strip().lower()
+        return {"cuda": name} if name == "nccl" else {"cpu": name, "cuda": name}
+    pairs = (part.split(":", 1) for part in backend.split(",") if part.strip())
+    return {dev.strip().lower(): name.strip().lower() for dev, name in pairs}
+
+
+def training_device(backend: str, *, cuda_available: bool, local_rank: int) -> torch.device:
+    """The device a group with ``backend`` trains on: this rank's GPU when the group has a GPU
+    backend for CUDA (NCCL, alone or beside gloo as ``cpu:gloo,cuda:nccl``), else the CPU."""
+    cuda_backend = backends_by_device(backend).get("cuda")
+    if cuda_available and cuda_backend is not None and cuda_backend != "gloo":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _group_device(local_rank: int) -> torch.device:
+    try:
+        backend = str(dist.get_backend_config())
+    except (RuntimeError, ValueError, AttributeError):  # an older torch: the plain name
+        backend = str(dist.get_backend())
+    return training_device(backend, cuda_available=torch.cuda.is_available(), local_rank=local_rank)
+
+
+def init_distributed(
+    timeout_s: float = 300.0, backend: str | None = None
+) -> tuple[int, int, torch.device]:
+    """Join the job's process group (from torchrun's environment); returns rank, world, device.
+
+    ``backend`` defaults to ``nccl`` with CUDA and ``gloo`` without; ``cpu:gloo,cuda:nccl``
+    also works (DCP's own ``async_save`` asks for a CPU backend). A group the script made
+    before is kept as it is. The device is this rank's GPU (``LOCAL_RANK``) whenever the
+    group has a GPU backend for CUDA, and is made current.
+    """
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as exc:
@@ -34,9 +71,8 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
                 f"could not form the process group ({backend}) within {timeout_s:.0f} s: {exc}. "
                 "Check that every node was started with the same rendezvous settings."
             ) from exc
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = _group_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -58,8 +94,8 @@ def warmup_collective(nonce: str, timeout_s: float) -> float:
     key = f"dckpt/warmup/{nonce}"
     if store is not None:
         store.set(f"{key}/{rank}", "1")
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
+    device = _group_device(0)
+    if device.type == "cuda":  # the GPU this rank trains on, as init_distributed set it
         device = torch.device("cuda", torch.cuda.current_device())
     value = torch.tensor([float(rank + 1)], device=device)
     t0 = time.perf_counter()

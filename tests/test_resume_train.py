@@ -3,24 +3,14 @@ one, loss for loss; a corrupted newest checkpoint falls back; a changed config i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from conftest import torchrun_train
+from conftest import crash_and_resume_matches, losses, torchrun_train
 
 from dckpt.layout import committed_steps, list_checkpoints
 
 pytestmark = pytest.mark.multiproc
-
-
-def _losses(log: Path) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for line in log.read_text().splitlines():
-        rec = json.loads(line)
-        assert set(rec) == {"step", "loss", "lr", "time"}
-        out[rec["step"]] = rec["loss"]
-    return out
 
 
 def _flip_bit(path: Path) -> None:
@@ -36,30 +26,7 @@ def _flip_bit(path: Path) -> None:
 def test_crashed_and_resumed_run_equals_uninterrupted_run(
     tmp_path: Path, parallel: str, precision: str
 ) -> None:
-    args = ["--steps", "10", "--save-every", "3", "--parallel", parallel]
-    args += ["--precision", precision]
-    ref = torchrun_train(tmp_path / "ref", *args, "--loss-log", str(tmp_path / "ref.jsonl"))
-    assert ref.returncode == 0, ref.stderr
-
-    log = tmp_path / "run.jsonl"
-    crashed = torchrun_train(
-        tmp_path / "run", *args, "--loss-log", str(log), "--crash-at-step", "8"
-    )
-    assert crashed.returncode != 0  # it really died (SIGKILL), between the saves of 6 and 9
-    # Saves are asynchronous: step 6's may still have been writing when step 8 crashed. Either
-    # it committed, or only its tmp dir is left; nothing under a final name is partial.
-    committed = committed_steps(tmp_path / "run")
-    assert committed in ([3], [3, 6])
-    resumed = torchrun_train(tmp_path / "run", *args, "--loss-log", str(log))
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"dckpt resume: step {committed[-1]}" in resumed.stderr
-    assert "[ok  ] digests" in resumed.stderr and "[ok  ] warmup all-reduce" in resumed.stderr
-    assert "rng           restored on every rank" in resumed.stderr
-    want, got = _losses(tmp_path / "ref.jsonl"), _losses(log)
-    assert sorted(got) == list(range(1, 11))
-    after = range(committed[-1] + 1, 11)
-    assert [got[s] for s in after] == [want[s] for s in after]  # bit-identical, dropout included
-    assert committed_steps(tmp_path / "run") == [3, 6, 9, 10]
+    crash_and_resume_matches(tmp_path, ["--parallel", parallel, "--precision", precision])
 
 
 def test_corrupted_newest_checkpoint_is_quarantined_and_the_previous_one_used(
@@ -80,7 +47,7 @@ def test_corrupted_newest_checkpoint_is_quarantined_and_the_previous_one_used(
     assert (9, "quarantined") in statuses and (9, "committed") in statuses  # re-saved
     reason = tmp_path / "ckpt" / "quarantine" / "step-00000009.reason.txt"
     assert "digest mismatch" in reason.read_text()
-    a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert [b[s] for s in (7, 8, 9)] == [a[s] for s in (7, 8, 9)]
 
 
