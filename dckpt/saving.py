@@ -29,10 +29,10 @@ from .faults import fault_point
 from .housekeeping import apply_retention
 from .manifest import Manifest
 from .precision import PrecisionPolicy
-from .stager import Snapshot, Stager, StagingSavePlanner, describe_staging
+from .stager import Snapshot, Stager, StagingSavePlanner
 from .state import TrainState
 from .storage.hashing_writer import HashingWriter
-from .units import human_bytes
+from .units import describe_staging, human_bytes
 from .writer import SaveHandle, SaveResult
 
 __all__ = ["SaveJob", "SavingMixin"]

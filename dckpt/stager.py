@@ -56,7 +56,6 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.tensor import DTensor
 
 from .errors import SaveError
-from .units import human_bytes
 
 __all__ = [
     "Snapshot",
@@ -137,31 +136,6 @@ class StagingStats:
             "device_copy_s": self.device_copy_s,
             "drain_s": self.drain_s,
         }
-
-
-def describe_staging(timings: dict[str, float]) -> str:
-    """One phrase for the save line: which path the bytes took (all ranks together)."""
-    parts = []
-    for key, what in (
-        ("staged_device_bytes", "device→device→host"),
-        ("staged_pinned_bytes", "device→host"),
-        ("staged_host_bytes", "host copy"),
-        ("staged_deferred_bytes", "copied after save() returned"),
-    ):
-        n = timings.get(key, 0.0)
-        if n:
-            parts.append(f"{human_bytes(n)} {what}")
-    text = "staged " + (", ".join(parts) if parts else "nothing (live state written)")
-    if timings.get("device_copy_s", 0.0) > 0:
-        text += f", {timings['device_copy_s'] * 1e3:.1f} ms GPU copy"
-    if timings.get("drain_s", 0.0) > 0:
-        text += f", drained in {timings['drain_s']:.3f} s"
-    if timings.get("staging_alloc_bytes", 0.0) > 0:
-        text += (
-            f"; allocated {human_bytes(timings['staging_alloc_bytes'])} of buffers in "
-            f"{timings.get('staging_alloc_s', 0.0):.3f} s (reused by later saves)"
-        )
-    return text
 
 
 @dataclass

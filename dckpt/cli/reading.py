@@ -24,6 +24,7 @@ from rich.table import Table
 from ..errors import IntegrityError, ManifestError
 from ..layout import CheckpointEntry, list_checkpoints, pinned_steps
 from ..manifest import read_manifest
+from ..units import describe_staging
 from ..verify import VerifyResult, read_verification, record_verification, verify_checkpoint
 from .common import (
     EXIT_INTEGRITY,
@@ -235,7 +236,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("milestone", manifest.milestone),
         ("precision", _precision_text(manifest.precision)),
         ("versions", ", ".join(f"{k} {v}" for k, v in sorted(manifest.versions.items()))),
-        ("timings", ", ".join(f"{k} {v:.3f}" for k, v in sorted(manifest.timings.items()))),
+        (
+            "timings",
+            ", ".join(
+                f"{k} {v:.3f}" for k, v in sorted(manifest.timings.items()) if k.endswith("_s")
+            ),
+        ),
+        ("staging", describe_staging(manifest.timings)),
         ("config", json.dumps(manifest.config, sort_keys=True)),
     ]
     for key, value in rows:
