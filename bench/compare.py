@@ -22,7 +22,10 @@ it was measured:
   untimed warm-up save). Pinned memory and non-blocking copies need CUDA; there is none here.
   The training loop waits for ``staging_completion`` before the optimizer step.
 - ``dckpt_sync``: ``CheckpointManager(CheckpointConfig(root, async_save=False))``.
-- ``dckpt_async``: ``CheckpointManager(root)``, default config (async, overlapped staging).
+- ``dckpt_async``: ``CheckpointManager(root)``, default config (async; this rank's share
+  copied inside ``save()``, written in the background).
+- ``dckpt_async_overlap``: the same with ``overlap_staging=True`` (the copies of parameters and
+  optimizer state taken in the background, before the optimizer step).
 - ``dcp_save_hashing`` (auxiliary, for the digest target): ``dcp_save`` through dckpt's
   ``HashingWriter`` (xxh3-128 of every byte as it is written) instead of ``FileSystemWriter``.
 - ``no_save``: the same training-loop iteration without a save: the compute baseline.
@@ -119,6 +122,7 @@ METHODS = (
     "dcp_async_process",
     "dckpt_sync",
     "dckpt_async",
+    "dckpt_async_overlap",
 )
 DIGEST = "dcp_save_hashing"
 BASELINE = "no_save"
@@ -332,6 +336,10 @@ class Methods:
         self.mgr_sync = dckpt.CheckpointManager(
             dckpt.CheckpointConfig(root=root / "dckpt_sync", async_save=False), self.state
         )
+        self.mgr_overlap = dckpt.CheckpointManager(
+            dckpt.CheckpointConfig(root=root / "dckpt_async_overlap", overlap_staging=True),
+            self.state,
+        )
         self.stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=False,
@@ -344,6 +352,7 @@ class Methods:
     def close(self) -> None:
         self.mgr_async.close()
         self.mgr_sync.close()
+        self.mgr_overlap.close()
         self.stager.close()
         dist.destroy_process_group(self.group)
 
@@ -355,8 +364,12 @@ class Methods:
             return Pending(path, time.perf_counter())
         if method == "torch_save":
             return self._torch_save(path)
-        if method in ("dckpt_sync", "dckpt_async"):
-            manager = self.mgr_sync if method == "dckpt_sync" else self.mgr_async
+        if method in ("dckpt_sync", "dckpt_async", "dckpt_async_overlap"):
+            manager = {
+                "dckpt_sync": self.mgr_sync,
+                "dckpt_async": self.mgr_async,
+                "dckpt_async_overlap": self.mgr_overlap,
+            }[method]
             handle = manager.save(step)
             return DckptPending(manager, time.perf_counter(), handle)
         state_dict = self.state.state_dict()

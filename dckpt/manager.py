@@ -3,17 +3,19 @@
 Save protocol (``save``), called by every rank with the same step, in the same order:
 1. the previous save, if still writing, is waited for (or, with ``if_busy="skip"``, all ranks
    agree to skip this one); its error, if it failed, is raised here;
-2. foreground: the state dict is taken and handed to the ``Stager`` (buffers and non-tensor
-   values copied now; parameters and optimizer state copied later, see stager.py); no
+2. foreground: the state dict is taken and the ``Stager`` takes this rank's snapshot: CPU
+   tensors copied now, CUDA tensors copied on the training stream (queued, so ordered before
+   whatever the loop queues next), non-tensor values deep-copied (see stager.py); no
    collective runs on the training group, and none at all in the foreground;
 3. background (``writer.BackgroundWriter``), on dckpt's own gloo group: all ranks agree that
-   step 2 succeeded everywhere; ``dcp.save`` plans, stages this rank's deferred items,
-   and writes them through ``HashingWriter`` (a digest per file, computed as bytes go out);
+   step 2 succeeded everywhere; ``dcp.save`` plans, drains device buffers to pinned host
+   memory (and, with ``overlap_staging``, takes the copies it deferred), and writes through
+   ``HashingWriter`` (a digest per file, computed as bytes go out);
 4. ``Coordinator.finish_save``: digests gathered to rank 0, manifest written, atomic commit,
    outcome broadcast. An error on any rank fails the save on all ranks and commits nothing.
-``save()`` returns after step 2 (with ``overlap_staging``) or once staging is complete
-(``async_save``), or after the commit (neither). The copy is always complete before the next
-``optimizer.step()`` runs: an optimizer step pre-hook calls ``before_optimizer_step()``.
+``save()`` returns after step 2, or after the commit (``async_save=False``). With
+``overlap_staging`` the deferred copies are complete before the next ``optimizer.step()``
+runs: an optimizer step pre-hook calls ``before_optimizer_step()``.
 
 Load protocol (``load``), after draining any save in flight:
 1. rank 0 chooses the step (newest committed, or the one asked for) and broadcasts it;
@@ -318,10 +320,11 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             )
 
     def before_optimizer_step(self) -> None:
-        """Block until the save in flight has its copy of the state (called by a step pre-hook).
+        """Block until the save in flight has its copy of the state (with ``overlap_staging``,
+        called by a step pre-hook; without it, the copy is always taken in ``save()``).
 
-        Call it yourself before any in-place change of parameters or optimizer state that does
-        not happen inside ``optimizer.step()``.
+        With ``overlap_staging``, call it yourself before any in-place change of parameters or
+        optimizer state that does not happen inside ``optimizer.step()``.
         """
         handle = self._writer.current
         if handle is not None:
