@@ -269,7 +269,7 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             if self.config.async_save:
                 snapshot = self._stager.snapshot(state_dict, self._deferred_storages())
             else:  # the caller waits for the commit: write the live state
-                snapshot = Snapshot(state_dict=state_dict, live=True)
+                snapshot = self._stager.live(state_dict)
             fault_point("prepare", self.rank, step)
         except Exception as exc:
             error = f"taking the state dict failed: {exc!r}"

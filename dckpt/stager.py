@@ -6,17 +6,23 @@ buffer, in the background.
 
 Where each tensor this rank writes goes, decided in ``snapshot`` (inside ``save()``):
 
-- a CUDA tensor, while the device budget lasts (``device_staging_bytes``): a device buffer,
-  copied on the *training* stream. The copy is queued, not waited for, and every later kernel
-  on that stream (the next forward, ``optimizer.step()``, an in-place edit) runs after it: the
-  snapshot is the ``save()``-time state by construction, at HBM speed. The background later
-  drains the device buffers to pinned host buffers on a side stream while training runs, so
-  the state crosses PCIe once per save.
+- a CUDA tensor, while the device budget lasts (``device_staging_bytes``; by default 1/8 of
+  the GPU, capped by what is free at the first save, and shrunk if an allocation runs out of
+  memory): a device buffer, copied on the *training* stream (the current stream of the
+  tensor's device). The copy is queued, not waited for, and every later kernel on that stream
+  (the next forward, ``optimizer.step()``, an in-place edit) runs after it: the snapshot is
+  the ``save()``-time state by construction, at HBM speed. The background later drains the
+  device buffers to pinned host buffers on a side stream of that device, after an event
+  recorded behind the copies, while training runs, so the state crosses PCIe once per save.
 - a CUDA tensor beyond the budget: a pinned host buffer, also queued on the training stream
   (non-blocking), so it too is ordered before anything that follows; training kernels wait for
   that PCIe copy on the GPU, the host does not.
 - a CPU tensor: a host buffer, copied before ``save()`` returns.
-- every non-tensor value: deep-copied before ``save()`` returns.
+- every non-tensor value: deep-copied before ``save()`` returns (a tensor inside one, as in a
+  tuple of tensors, which DCP pickles whole, is copied to the CPU synchronously).
+
+A synchronous save (``live``) writes the live tensors; it first waits for every kernel queued
+on their devices, since the writer thread reads them from another stream.
 
 Only with ``overlap_staging=True`` may a copy be taken *after* ``save()`` returned: the
 tensors the hooked optimizer changes (its parameters and state) that would go to the host are
@@ -33,15 +39,16 @@ tensor that DCP de-duplicates onto another rank is left as a reference and never
 The first save, and a save whose state structure changed, copies everything. If the plan
 still hands this rank a tensor it did not copy, that save fails and the next copies all.
 
-Buffers are keyed by the tensor's flattened name and reused while shape, dtype and device
-stay the same; those a save did not use are released. Invariant: a buffer is rewritten only by
-the next save, and the next save starts only after the previous one finished writing (its
-drain included).
+Buffers are keyed by the tensor's flattened name and reused while shape, dtype, device and
+pinning stay the same; those a save did not use are released. Invariants: a buffer is
+rewritten only by the next save, and the next save starts only after the previous one finished
+writing; no side-stream copy is still running once ``staged`` is set, even after a failure.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -54,8 +61,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from .errors import SaveError
+from .units import human_bytes
 
 __all__ = [
     "Snapshot",
@@ -71,6 +80,8 @@ Watch = dict[int, list[tuple[torch.Tensor, int]]]
 
 DEVICE_SHARE = 8
 """With no explicit budget, device buffers may take 1/8 of the GPU's memory."""
+
+log = logging.getLogger("dckpt")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -149,27 +160,50 @@ class Snapshot:
     staged: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
     """fqn → (``device``/``pinned``/``host``, buffer) for every tensor copied in save()."""
     deferred: Watch = field(default_factory=dict)
-    ready: Any = None
-    """CUDA event after the copies queued on the training stream (None without CUDA)."""
-    started: Any = None
+    marks: dict[torch.device, tuple[Any, Any]] = field(default_factory=dict)
+    """Per CUDA device: timing events recorded on its training stream before and after the
+    copies queued in save(); a deferred or drain copy on that device waits for the second."""
     stats: StagingStats = field(default_factory=StagingStats)
+
+    def ready(self, device: torch.device) -> Any:
+        mark = self.marks.get(device)
+        return None if mark is None else mark[1]
 
     def wait_ready(self) -> None:
         """Block until every copy queued in save() has landed; measures their GPU time."""
-        if self.ready is None:
-            return
-        self.ready.synchronize()
-        if self.started is not None:
-            self.stats.device_copy_s = self.started.elapsed_time(self.ready) / 1e3
+        for started, ready in self.marks.values():
+            ready.synchronize()
+            elapsed = started.elapsed_time(ready) / 1e3
+            self.stats.device_copy_s = max(self.stats.device_copy_s, elapsed)
 
 
 def _signature(flat: dict[str, Any]) -> tuple[Any, ...]:
-    """What the plan depends on: every tensor's name, shape, dtype, device and sharding."""
+    """What DCP's plan depends on: every name, and every tensor's shape, dtype, device and
+    placements (its de-duplication also counts the non-tensor items, in order)."""
     return tuple(
-        (fqn, tuple(v.shape), v.dtype, v.device.type, isinstance(v, DTensor))
-        for fqn, v in flat.items()
+        (
+            fqn,
+            tuple(v.shape),
+            v.dtype,
+            v.device.type,
+            tuple(map(str, v.placements)) if isinstance(v, DTensor) else None,
+        )
         if isinstance(v, torch.Tensor)
+        else (fqn, type(v).__name__)
+        for fqn, v in flat.items()
     )
+
+
+def _host_copy(value: Any) -> Any:
+    """A deep copy of a non-tensor value; a tensor inside it (a tuple of tensors is one DCP
+    value) is copied to the CPU synchronously, so the copy is complete and ordered."""
+    on_cpu = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), value)
+    return copy.deepcopy(on_cpu)
+
+
+def _cuda_devices(flat: dict[str, Any]) -> list[torch.device]:
+    devices = {_local(v).device for v in flat.values() if isinstance(v, torch.Tensor)}
+    return sorted((d for d in devices if d.type == "cuda"), key=str)
 
 
 class Stager:
@@ -177,10 +211,11 @@ class Stager:
 
     def __init__(self, device_budget: int | None = None) -> None:
         self.device_budget = device_budget
+        self._budgets: dict[torch.device, int] = {}
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
         self._plan: tuple[tuple[Any, ...], frozenset[str]] | None = None
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}
 
     @property
     def bytes_allocated(self) -> int:
@@ -188,27 +223,68 @@ class Stager:
         return sum(_nbytes(b) for b in (*self._host.values(), *self._device.values()))
 
     def _budget(self, device: torch.device) -> int:
-        if self.device_budget is None:
-            self.device_budget = torch.cuda.get_device_properties(device).total_memory // (
-                DEVICE_SHARE
-            )
-        return self.device_budget
+        """Device buffer bytes on ``device``: the configured budget, or (decided at the first
+        save) 1/8 of the GPU, but never more than is free beyond a margin of 1/20 of it."""
+        budget = self._budgets.get(device)
+        if budget is None:
+            if self.device_budget is not None:
+                budget = self.device_budget
+            else:
+                free, total = torch.cuda.mem_get_info(device)
+                budget = max(0, min(total // DEVICE_SHARE, free - total // 20))
+            self._budgets[device] = budget
+        return budget
 
     def _alloc(
         self, pool: dict[str, torch.Tensor], key: str, src: torch.Tensor, device: Any, st: Any
     ) -> torch.Tensor:
+        pinned = device == "cpu" and src.device.type == "cuda"
         buf = pool.get(key)
-        if buf is not None and (
-            buf.shape == src.shape and buf.dtype == src.dtype and buf.device == torch.device(device)
+        if (
+            buf is not None
+            and buf.shape == src.shape
+            and buf.dtype == src.dtype
+            and buf.device == torch.device(device)
+            and (device != "cpu" or buf.is_pinned() == pinned)
         ):
             return buf
         t0 = time.perf_counter()
-        pinned = device == "cpu" and src.device.type == "cuda"
         buf = torch.empty(src.shape, dtype=src.dtype, device=device, pin_memory=pinned)
         st.alloc_s += time.perf_counter() - t0
         st.alloc_bytes += _nbytes(buf)
         pool[key] = buf
         return buf
+
+    def _to_device_buffer(
+        self, fqn: str, src: torch.Tensor, used: dict[torch.device, int], st: StagingStats
+    ) -> torch.Tensor | None:
+        """Copy ``src`` into its device buffer on the training stream, if the budget allows;
+        None if not (or if the GPU has no room left: the budget shrinks to what is held)."""
+        dev = src.device
+        if used.get(dev, 0) + _nbytes(src) > self._budget(dev):
+            return None
+        try:
+            buf = self._alloc(self._device, fqn, src, dev, st)
+        except torch.cuda.OutOfMemoryError:
+            self._budgets[dev] = used.get(dev, 0)
+            log.warning(
+                "dckpt: no GPU memory for more staging buffers on %s; the rest of each save "
+                "is copied device-to-host (device_staging_bytes is now %s)",
+                dev,
+                human_bytes(self._budgets[dev]),
+            )
+            return None
+        buf.copy_(src)  # on the training stream: ordered before anything after save()
+        used[dev] = used.get(dev, 0) + _nbytes(buf)
+        st.device_bytes += _nbytes(buf)
+        return buf
+
+    def live(self, state_dict: dict[str, Any]) -> Snapshot:
+        """A synchronous save writes the live state: every queued kernel on its devices must
+        have finished first (the writer thread reads on another stream)."""
+        for device in _cuda_devices(flatten_state_dict(state_dict)[0]):
+            torch.cuda.synchronize(device)
+        return Snapshot(state_dict=state_dict, live=True)
 
     def snapshot(self, state_dict: dict[str, Any], deferred: Watch) -> Snapshot:
         """Copy (or queue the copy of) this rank's tensors; see the module docstring.
@@ -223,31 +299,29 @@ class Stager:
         mine = self._plan[1] if self._plan is not None and self._plan[0] == signature else None
         snap = Snapshot(state_dict={}, signature=signature)
         st = snap.stats
-        if any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat.values()):
-            snap.started = torch.cuda.Event(enable_timing=True)
-            snap.started.record()  # on the training stream, like every copy below
-        device_used = 0
+        for device in _cuda_devices(flat):
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(torch.cuda.current_stream(device))
+            snap.marks[device] = (started, None)
+        used: dict[torch.device, int] = {}
+        deferred_fqns: set[str] = set()
         out: dict[str, Any] = {}
         for fqn, value in flat.items():
             if not isinstance(value, torch.Tensor):
-                out[fqn] = copy.deepcopy(value)
+                out[fqn] = _host_copy(value)
                 continue
             out[fqn] = value
             src = _local(value).detach()
             if mine is not None and fqn not in mine:
                 st.other_rank_bytes += _nbytes(src)  # another rank writes it: never read here
                 continue
-            fits = src.is_cuda and device_used + _nbytes(src) <= self._budget(src.device)
-            if not fits and src.numel() > 0 and _ptr(src) in deferred:
+            buf = self._to_device_buffer(fqn, src, used, st) if src.is_cuda else None
+            if buf is not None:
+                snap.staged[fqn] = ("device", buf)
+            elif src.numel() > 0 and _ptr(src) in deferred:
                 watch_versions([value], into=deferred)  # the alias DCP will read, too
                 snap.deferred[_ptr(src)] = deferred[_ptr(src)]
-                continue
-            if fits:
-                buf = self._alloc(self._device, fqn, src, src.device, st)
-                buf.copy_(src)  # on the training stream: ordered before anything after save()
-                device_used += _nbytes(buf)
-                st.device_bytes += _nbytes(buf)
-                snap.staged[fqn] = ("device", buf)
+                deferred_fqns.add(fqn)
             elif src.is_cuda:
                 buf = self._alloc(self._host, fqn, src, "cpu", st)
                 buf.copy_(src, non_blocking=True)  # queued on the training stream, too
@@ -258,14 +332,16 @@ class Stager:
                 buf.copy_(src)
                 st.host_bytes += _nbytes(buf)
                 snap.staged[fqn] = ("host", buf)
-        if snap.started is not None:
-            snap.ready = torch.cuda.Event(enable_timing=True)
-            snap.ready.record()
-            if not snap.staged:
-                snap.started = None
-        for pool in (self._device, self._host):
-            for key in [k for k in pool if k not in flat or (mine is not None and k not in mine)]:
-                del pool[key]  # no longer this rank's, or gone: the last save is done with it
+        for device, (started, _) in snap.marks.items():
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record(torch.cuda.current_stream(device))
+            snap.marks[device] = (started, ready)
+        # Buffers this save does not use go (the last save is done with them): a tensor that
+        # left this rank's share, changed shape, or moved between device and host staging.
+        on_device = {f for f, (kind, _) in snap.staged.items() if kind == "device"}
+        for pool, keep in ((self._device, on_device), (self._host, {*snap.staged, *deferred_fqns})):
+            for key in [k for k in pool if k not in keep]:
+                del pool[key]
         snap.state_dict = unflatten_state_dict(out, mapping)
         return snap
 
@@ -276,17 +352,14 @@ class Stager:
     def forget_plan(self) -> None:
         self._plan = None
 
-    def _side_stream(self, device: torch.device) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        return self._stream
-
     def to_host(self, key: str, src: torch.Tensor, after: Any, st: StagingStats) -> torch.Tensor:
-        """Copy ``src`` into its reused host buffer (pinned for CUDA, on the side stream after
-        the event ``after``); call ``synchronize`` before reading it."""
+        """Copy ``src`` into its reused host buffer (pinned for CUDA, on the side stream of
+        ``src``'s device, after the event ``after``); ``synchronize`` before reading it."""
         buf = self._alloc(self._host, key, src, "cpu", st)
         if src.is_cuda:
-            stream = self._side_stream(src.device)
+            stream = self._streams.get(src.device)
+            if stream is None:
+                stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
             with torch.cuda.stream(stream):
                 if after is not None:
                     stream.wait_event(after)
@@ -296,9 +369,9 @@ class Stager:
         return buf
 
     def synchronize(self) -> None:
-        """Wait until every copy issued on the side stream has landed in its buffer."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        """Wait until every copy issued on the side streams has landed in its buffer."""
+        for stream in self._streams.values():
+            stream.synchronize()
 
 
 class StagingSavePlanner(DefaultSavePlanner):
@@ -353,41 +426,49 @@ class StagingSavePlanner(DefaultSavePlanner):
         snap.wait_ready()
         written: list[str] = []
         t0, drained = time.perf_counter(), False
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                continue
-            fqn = item.index.fqn
-            written.append(fqn)
-            kind, buf = snap.staged.get(fqn, ("", None))
-            if buf is not None:
-                if kind == "device":
-                    buf = self._stager.to_host(fqn, buf, snap.ready, st)
-                    drained = True
-                self._copies[item.index] = buf
-                continue
-            live = self.lookup_object(item.index)
-            watched = snap.deferred.get(_ptr(live)) if live.numel() > 0 else None
-            if watched is None:
-                raise SaveError(
-                    f"DCP's plan has this rank write {fqn}, which save() did not copy (the "
-                    "plan changed between saves with the same state layout). This save is "
-                    "abandoned; the next save copies everything."
-                )
-            if any(obj._version != version for obj, version in watched):
-                raise SaveError(
-                    f"{fqn} changed in place after save() returned and before its copy was "
-                    "taken, so this save would not be a consistent snapshot; it is abandoned. "
-                    "With overlap_staging=True, call manager.before_optimizer_step() before "
-                    "changing parameters or optimizer state outside optimizer.step(), or keep "
-                    "overlap_staging=False (the default), which copies everything in save()."
-                )
-            buf = self._stager.to_host(fqn, live.detach(), snap.ready, st)
-            self._copies[item.index] = buf
-            st.deferred_bytes += _nbytes(buf)
-        self._stager.synchronize()
+        try:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                fqn = item.index.fqn
+                written.append(fqn)
+                kind, buf = snap.staged.get(fqn, ("", None))
+                if buf is not None:
+                    if kind == "device":
+                        ready = snap.ready(buf.device)
+                        buf = self._stager.to_host(fqn, buf, ready, st)
+                        drained = True
+                    self._copies[item.index] = buf
+                    continue
+                self._copies[item.index] = self._deferred_copy(fqn, item)
+        finally:
+            self._stager.synchronize()  # no copy may still run once staged is set
         if drained:
             st.drain_s = time.perf_counter() - t0
         self._stager.remember_plan(snap.signature, written)
+
+    def _deferred_copy(self, fqn: str, item: WriteItem) -> torch.Tensor:
+        """The copy ``save()`` left to now (``overlap_staging``), if nothing changed since."""
+        snap = self._snap
+        live = self.lookup_object(item.index)
+        watched = snap.deferred.get(_ptr(live)) if live.numel() > 0 else None
+        if watched is None:
+            raise SaveError(
+                f"DCP's plan has this rank write {fqn}, which save() did not copy (the plan "
+                "changed between saves with the same state layout). This save is abandoned; "
+                "the next save copies everything."
+            )
+        if any(obj._version != version for obj, version in watched):
+            raise SaveError(
+                f"{fqn} changed in place after save() returned and before its copy was taken, "
+                "so this save would not be a consistent snapshot; it is abandoned. With "
+                "overlap_staging=True, call manager.before_optimizer_step() before changing "
+                "parameters or optimizer state outside optimizer.step(), or keep "
+                "overlap_staging=False (the default), which copies everything in save()."
+            )
+        buf = self._stager.to_host(fqn, live.detach(), snap.ready(live.device), snap.stats)
+        snap.stats.deferred_bytes += _nbytes(buf)
+        return buf
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         staged = self._copies.get(write_item.index)

@@ -159,11 +159,15 @@ class HashingWriter(FileSystemWriter):
         sync_files: bool = True,
         on_written: Callable[[], None] | None = None,
     ) -> None:
+        # per_thread_copy_ahead=0: DCP's serial loader. The overlapping one (chosen whenever
+        # CUDA is available) synchronizes the writer thread's stream every 10 MB, which on the
+        # default stream waits for the training kernels; dckpt hands DCP host tensors only.
         super().__init__(
             path,
             single_file_per_rank=True,
             sync_files=sync_files,
             thread_count=thread_count,
+            per_thread_copy_ahead=0,
             overwrite=False,
         )
         self.fs: HashingFileSystem = HashingFileSystem(path, algorithm, rank)
