@@ -8,46 +8,12 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import run_world
+from tiny_training import full_state as _flat
+from tiny_training import model as _model
+from tiny_training import step as _step
 from torch import nn
 
 pytestmark = pytest.mark.multiproc
-
-
-def _model(parallel: str = "ddp", width: int = 256) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(
-        nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 4)
-    )
-    if parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model[0])
-        fully_shard(model[3])
-        fully_shard(model)
-    else:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
-
-
-def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int, width: int = 256) -> None:
-    g = torch.Generator().manual_seed(seed)
-    opt.zero_grad()
-    model(torch.randn(8, width, generator=g)).pow(2).mean().backward()
-    opt.step()
-
-
-def _flat(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
-    for pid, st in osd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                out[f"optim.{pid}.{k}"] = v.detach().clone()
-    return out
 
 
 def _back_to_back(rank: int, world: int, root: str, n: int, if_busy: str) -> list[int]:

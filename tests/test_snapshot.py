@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tiny_training
 import torch
 from dist_harness import run_world
+from tiny_training import full_state as _flat
 from torch import nn
 
 pytestmark = pytest.mark.multiproc
@@ -23,39 +25,11 @@ WIDTH = 64
 
 
 def _model(parallel: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(
-        nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(), nn.Linear(WIDTH, 4)
-    )
-    if parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model[0])
-        fully_shard(model[3])
-        fully_shard(model)
-    else:
-        model = nn.parallel.DistributedDataParallel(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+    return tiny_training.model(parallel, WIDTH)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    opt.zero_grad()
-    model(torch.randn(8, WIDTH, generator=g)).pow(2).mean().backward()
-    opt.step()
-
-
-def _flat(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every weight and moment, gathered whole (the same on every rank)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
-    for pid, st in osd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                out[f"optim.{pid}.{k}"] = v.detach().clone()
-    return out
+    tiny_training.step(model, opt, seed, WIDTH)
 
 
 def _change(model: nn.Module, opt: torch.optim.Optimizer, how: str) -> None:
