@@ -1,12 +1,12 @@
 """Forming the training world and checking that it answers: init and the warmup collective.
 
-``init_distributed`` starts the training process group with a bounded timeout, NCCL when the
-process has a CUDA device and gloo otherwise (or the backend asked for, ``cpu:gloo,cuda:nccl``
-included), or takes the group the script already made; the device follows the group's backend
-for CUDA. ``warmup_collective`` is the last step of a
-resume: an all-reduce of a known value on the *training* group (the NCCL path when training
-runs on NCCL), whose result and latency are checked. A rank that does not join within the
-timeout is named, from markers in the job's store, on every rank that waited for it.
+``init_distributed`` starts the training process group with a bounded timeout (NCCL when the
+process has a CUDA device and gloo otherwise, or the backend asked for, ``cpu:gloo,cuda:nccl``
+included), or keeps the group the script already made; the device follows the group's backend
+for CUDA. ``warmup_collective`` is the last step of a resume: an all-reduce of a known value on
+the *training* group (the NCCL path when training runs on NCCL), whose result and latency are
+checked. A rank that does not join within the timeout is named, from markers in the job's
+store, on every rank that waited for it.
 """
 
 from __future__ import annotations
