@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigMismatchError",
+    "DivergentRanksError",
     "IncompatibleCheckpointError",
     "IntegrityError",
     "LossDeviationError",
@@ -57,8 +58,28 @@ class IntegrityError(CheckpointError):
         )
 
     def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str, str]]:
-        # Errors cross ranks pickled (DCP gathers failures); keep the fields intact.
-        return (IntegrityError, (self.path, self.expected, self.actual, self.detail))
+        # Errors cross ranks pickled (DCP gathers failures); keep the class and the fields.
+        return (type(self), (self.path, self.expected, self.actual, self.detail))
+
+
+class DivergentRanksError(IntegrityError):
+    """Ranks read different bytes for one checkpoint (a manifest, a file's digest, or a file
+    one rank has and another lacks): they do not share one root, or the storage served them
+    different data. The checkpoint is not known to be damaged, so a resume neither quarantines
+    it nor falls back past it (that would quietly pick one rank's view)."""
+
+    def __init__(self, path: str, expected: str, actual: str, detail: str = "") -> None:
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+        self.detail = detail or "ranks read different bytes"
+        CheckpointError.__init__(
+            self,
+            f"{self.detail} in {path}: expected {expected}, got {actual}. The ranks do not "
+            "see the same checkpoint: every rank must read one shared directory (not a disk "
+            "of its own per node), with the same contents. Nothing was loaded from it and "
+            "nothing was quarantined; fix the storage and start again.",
+        )
 
 
 class SaveError(CheckpointError):

@@ -6,7 +6,10 @@ process of that rank fire the action when it reaches that phase (of that step, i
 - ``sigkill``: the process kills itself with SIGKILL, no cleanup (a crash, a lost node);
 - ``raise``: raises ``InjectedFaultError`` (an ordinary error on one rank);
 - ``enospc``: raises ``OSError(ENOSPC)`` (a full disk);
-- ``sleep``: sleeps ``seconds`` (a stuck write).
+- ``sleep``: sleeps ``seconds`` (a stuck write);
+- ``corrupt``: ``fault_point`` returns True, and the caller falsifies what this rank computed
+  there (a broken collective backend at ``warmup``, a rank that read different bytes at
+  ``verify``), so the checks that compare ranks are tested against a rank that is wrong.
 
 Unset, it costs one cached lookup per phase. Phases, in save order (``PHASES``):
 
@@ -18,7 +21,8 @@ Unset, it costs one cached lookup per phase. Phases, in save order (``PHASES``):
   the files and the tmp dir are fsynced), ``rename`` (before the commit rename),
   ``fsync_parent`` (renamed, before the root is fsynced), ``publish_latest`` (before
   ``latest`` is replaced), ``retention`` (victims renamed to trash, not yet removed);
-- in a resume, on every rank: ``warmup`` (before this rank joins the warmup collective).
+- in a resume, on every rank: ``verify`` (this rank's digests of the files it read, before the
+  ranks compare them), ``warmup`` (before this rank joins the warmup collective).
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["COORDINATOR_PHASES", "PHASES", "RANK_PHASES", "InjectedFaultError", "fault_point"]
+__all__ = [
+    "COORDINATOR_PHASES",
+    "PHASES",
+    "RANK_PHASES",
+    "RESUME_PHASES",
+    "InjectedFaultError",
+    "fault_point",
+]
 
 RANK_PHASES = ("prepare", "make_tmp", "stage", "write_shards", "dcp_finish")
 """Phases every rank passes in a save."""
@@ -43,8 +54,10 @@ COORDINATOR_PHASES = (
     "retention",
 )
 """Phases of a save that run on rank 0 only, after every rank's."""
-PHASES = (*RANK_PHASES, *COORDINATOR_PHASES, "warmup")
-ACTIONS = ("sigkill", "raise", "enospc", "sleep")
+RESUME_PHASES = ("verify", "warmup")
+"""Phases of a resume, on every rank."""
+PHASES = (*RANK_PHASES, *COORDINATOR_PHASES, *RESUME_PHASES)
+ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt")
 
 
 class InjectedFaultError(RuntimeError):
@@ -79,15 +92,18 @@ def _spec(raw: str | None) -> _Spec | None:
     )
 
 
-def fault_point(phase: str, rank: int, step: int | None = None) -> None:
-    """Fire the configured fault if this is its phase, rank and step; otherwise nothing."""
+def fault_point(phase: str, rank: int, step: int | None = None) -> bool:
+    """Fire the configured fault if this is its phase, rank and step; otherwise nothing.
+    Returns True only for ``corrupt``: the caller then falsifies its own result."""
     spec = _spec(os.environ.get("DCKPT_FAULT"))
     if spec is None or spec.phase != phase:
-        return
+        return False
     if (spec.rank is not None and spec.rank != rank) or (
         spec.step is not None and spec.step != step
     ):
-        return
+        return False
+    if spec.action == "corrupt":
+        return True
     where = f"injected fault at phase {phase} on rank {rank}"
     if spec.action == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -97,3 +113,4 @@ def fault_point(phase: str, rank: int, step: int | None = None) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device ({where})")
     else:
         raise InjectedFaultError(where)
+    return False

@@ -9,6 +9,7 @@ except the warmup all-reduce, whose purpose is to test that group.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigMismatchError,
+    DivergentRanksError,
     IncompatibleCheckpointError,
     IntegrityError,
     ManifestError,
@@ -35,15 +37,16 @@ from .errors import (
     StorageError,
     unwrap_dcp_error,
 )
+from .faults import fault_point
 from .layout import committed_steps, list_checkpoints, step_dir_name
 from .manifest import Manifest, check_layout, read_manifest
 from .precision import PrecisionPolicy, check_scaler
-from .resume import LossWatch, ResumeReport, check_config
+from .resume import LossWatch, ResumeReport, check_config, is_allowed
 from .state import TrainState
 from .storage.verified_files import open_verified
 from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
 from .units import human_bytes
-from .world import warmup_collective
+from .world import check_warmup, warmup_collective
 from .writer import SaveResult
 
 __all__ = ["LoadResult", "LoadingMixin"]
@@ -158,13 +161,16 @@ class LoadingMixin:
         report = ResumeReport(world_size_now=self.world_size)
         result: LoadResult | None = None
         for step in steps:
-            report.checks = []
+            report.checks, report.warnings = [], []  # this candidate's, not a skipped one's
             try:
                 result = self._load_step(step, report, True)
                 break
             except (IntegrityError, ManifestError) as exc:
-                # Only evidence of damage moves a checkpoint aside; a newer schema does not.
-                if not fallback or isinstance(exc, IncompatibleCheckpointError):
+                # Only evidence of damage moves a checkpoint aside: not a newer schema, and
+                # not ranks that disagree (that would quietly pick one rank's view).
+                if not fallback or isinstance(
+                    exc, (IncompatibleCheckpointError, DivergentRanksError)
+                ):
                     raise
                 self._quarantine(step, f"{type(exc).__name__}: {exc}")
                 # The report keeps the first sentence; quarantine/<step>.reason.txt has it all.
@@ -191,12 +197,9 @@ class LoadingMixin:
             return report
         t_loaded = time.perf_counter()
         if self.config.warmup and self._ctl.distributed:
-            latency = warmup_collective(result.manifest.save_id, self.config.timeout_s)
-            report.check(
-                "warmup all-reduce",
-                True,
-                f"{self.world_size} ranks answered, sum correct, {latency * 1000:.1f} ms",
-            )
+            mine = warmup_collective(result.manifest.save_id, self.config.timeout_s)
+            every = self._ctl.all_gather(mine)  # every rank checks every rank's sum
+            report.check("warmup all-reduce", all(r.ok for r in every), check_warmup(every))
         report.timings = {
             "load_and_verify": t_loaded - t0,
             "warmup": time.perf_counter() - t_loaded,
@@ -206,11 +209,12 @@ class LoadingMixin:
             self._loss_watch.arm(
                 result.manifest.loss, self.config.loss_watch_steps, result.path.name
             )
+            bound = self._loss_watch.bound()
             report.check(
                 "loss watch armed",
-                True,
+                math.isfinite(bound),  # a NaN bound would pass nothing
                 f"next {self.config.loss_watch_steps} losses vs saved mean "
-                f"{result.manifest.loss['mean']:.4f} (bound {self._loss_watch.bound():.4f})",
+                f"{result.manifest.loss['mean']:.4f} (bound {bound:.4f})",
             )
         if self.rank == 0:
             log.info("%s", report.format())
@@ -244,9 +248,10 @@ class LoadingMixin:
         manifest: Manifest | None = None
         reader: VerifyingReader | None = None
         failure: CheckpointError | None = None
+        laid_out = 0
         try:
             manifest = read_manifest(path)
-            check_layout(path, manifest)
+            laid_out = check_layout(path, manifest)
             reader = VerifyingReader(path, manifest.file_map())
             reader.load_metadata()
             if manifest.step != step:
@@ -255,25 +260,26 @@ class LoadingMixin:
                 )
         except CheckpointError as exc:
             failure = exc
-        self._raise_first(failure)
+        self._raise_first(failure, path / "manifest.json")
         assert manifest is not None and reader is not None
         report.world_size_saved = manifest.world_size
         report.check(
             "manifest",
-            True,
-            f"schema {manifest.schema_version}, {len(manifest.files)} files, self-digest ok, "
-            "layout ok",
+            laid_out == len(manifest.files),
+            f"schema {manifest.schema_version}, self-digest ok, {laid_out} of "
+            f"{len(manifest.files)} files laid out at their recorded sizes",
         )
         digests = self._ctl.all_gather(manifest.files_digest)
-        if len(set(digests)) != 1:
+        agree = len(set(digests)) == 1
+        if not agree:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise IntegrityError(
+            raise DivergentRanksError(
                 str(path / "manifest.json"),
-                digests[0],
-                ", ".join(f"rank {r}: {digests[r]}" for r in odd),
+                f"{digests[0]} (rank 0)",
+                ", ".join(f"{digests[r]} on rank {r}" for r in odd),
                 detail="ranks read different manifests",
             )
-        report.check("one manifest", True, f"all {self.world_size} ranks read {digests[0]}")
+        report.check("one manifest", agree, f"all {len(digests)} ranks read {digests[0]}")
         if check_cfg:
             self._check_config(manifest, path.name, report)
         saved = set(manifest.state)
@@ -307,15 +313,17 @@ class LoadingMixin:
             if inner is not exc:
                 raise inner from None
             raise CheckpointError(f"loading {path} failed: {exc}") from None
-        files_verified = self._verify_rest(path, manifest, reader)
+        files_verified, ranks_checked = self._verify_rest(path, manifest, reader)
         report.check(
             "digests",
-            True,
+            files_verified == len(manifest.files),
             f"{files_verified} of {len(manifest.files)} files hashed and matched "
-            f"({manifest.digest_algorithm}); ranks agree on every digest",
+            f"({manifest.digest_algorithm}); every rank checked the digests of all "
+            f"{ranks_checked} ranks",
         )
         self.state.load_state_dict(state_dict)
-        report.check("state", True, ", ".join(c for c in manifest.state if c != "rng"))
+        restored = [c for c in self.state.categories() if c in saved]
+        report.check("state", set(restored) == set(self.state.categories()), ", ".join(restored))
         if same_world:
             rng.restore(state_dict["rng"][f"rank_{self.rank}"])
             kinds = "python, numpy, torch" + (
@@ -372,10 +380,11 @@ class LoadingMixin:
         if self.state.scaler is None or not isinstance(recorded, dict):
             return
         try:
-            concern = check_scaler({"scale": float(recorded.get("scale", 1.0))})
+            scale = float(recorded.get("scale", 1.0))
+            concern = check_scaler({"scale": scale})
         except (TypeError, ValueError) as exc:
             raise StateMismatchError(f"{name}: {exc}") from None
-        report.check("grad scaler", True, f"scale {recorded.get('scale')}")
+        report.check("grad scaler", math.isfinite(scale) and scale > 0, f"scale {scale:g}")
         if concern:
             report.warnings.append(concern)
 
@@ -387,7 +396,7 @@ class LoadingMixin:
             )
         report.check(
             "config",
-            True,
+            all(is_allowed(c, self._allowed_changes) for c in changes),
             "identical" if not changes else f"{len(changes)} safe change(s)",
         )
         saved_mode = manifest.precision.get("mode")
@@ -406,30 +415,70 @@ class LoadingMixin:
             "from an uninterrupted run"
         )
 
-    def _verify_rest(self, path: Path, manifest: Manifest, reader: VerifyingReader) -> int:
-        """Hash the files no rank read; compare every rank's digests; return files verified."""
-        seen = self._ctl.all_gather(dict(reader.verified))
+    def _verify_rest(
+        self, path: Path, manifest: Manifest, reader: VerifyingReader
+    ) -> tuple[int, int]:
+        """Hash the files no rank read, split over the ranks; then every rank checks every
+        rank's digests (what each one's bytes hashed to) against the manifest. Returns the
+        files hashed and matched, and the ranks whose digests were checked."""
+        records = manifest.file_map()
+        read = self._ctl.all_gather(dict(reader.verified))
+        unread = sorted(set(records).difference(*read))
+        hashed: dict[str, str] = {}
         failure: CheckpointError | None = None
-        union: dict[str, str] = {}
-        for rank, digests in enumerate(seen):
-            for name, digest in digests.items():
-                if union.setdefault(name, digest) != digest:
-                    failure = IntegrityError(
-                        str(path / name), union[name], f"{digest} on rank {rank}",
-                        detail="ranks saw different bytes",
-                    )  # fmt: skip
-        unread = sorted(set(manifest.file_map()) - set(union))
         for name in unread[self.rank :: self.world_size]:
             try:  # hashes the whole file, keeps none of it; no symlink or FIFO is followed
-                open_verified(str(path / name), manifest.file_map()[name]).close()
+                with open_verified(str(path / name), records[name]) as f:
+                    hashed[name] = f.digest
             except CheckpointError as exc:
                 failure = failure or exc
         self._raise_first(failure)
-        return len(union) + len(unread)
+        mine = {**reader.verified, **hashed}
+        if fault_point("verify", self.rank) and mine:  # act as a rank that read other bytes
+            name = min(mine)
+            mine[name] = mine[name][:-1] + ("0" if mine[name][-1] != "0" else "1")
+        matched: set[str] = set()
+        for rank, digests in enumerate(self._ctl.all_gather(mine)):
+            for name, digest in sorted(digests.items()):
+                record = records.get(name)
+                if record is None or digest != record.digest:
+                    raise DivergentRanksError(
+                        str(path / name),
+                        record.digest if record is not None else "a file the manifest lists",
+                        f"{digest} on rank {rank}",
+                        detail=f"rank {rank} hashed different bytes",
+                    )
+                matched.add(name)
+        if matched != set(records):
+            missing = sorted(set(records) - matched)
+            raise IntegrityError(
+                str(path / missing[0]),
+                "hashed by some rank",
+                f"{len(missing)} file(s) hashed by none",
+                detail="file not verified",
+            )
+        return len(matched), self.world_size
 
-    def _raise_first(self, failure: CheckpointError | None) -> None:
-        """All ranks raise the first rank's failure (so every rank names the same file)."""
+    def _raise_first(self, failure: CheckpointError | None, what: Path | None = None) -> None:
+        """All ranks raise the first rank's failure (so every rank names the same file).
+
+        With ``what`` (the file every rank just read): when only some ranks failed with
+        evidence of damage, the ranks do not see the same checkpoint, and they all raise
+        ``DivergentRanksError`` naming both sides instead (never quarantined).
+        """
         failures = self._ctl.all_gather(failure)
+        failed = [r for r, exc in enumerate(failures) if exc is not None]
+        damage = (IntegrityError, ManifestError)
+        if what is not None and 0 < len(failed) < len(failures):
+            first = failures[failed[0]]
+            if isinstance(first, damage) and not isinstance(first, IncompatibleCheckpointError):
+                fine = [r for r, exc in enumerate(failures) if exc is None]
+                raise DivergentRanksError(
+                    str(what),
+                    f"the same checkpoint on every rank (rank(s) {fine} read it)",
+                    f"rank(s) {failed}: {type(first).__name__}: {str(first).split('. ')[0]}",
+                    detail="ranks see different checkpoints",
+                )
         for rank, exc in enumerate(failures):
             if exc is not None:
                 if rank != self.rank:

@@ -170,9 +170,11 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     return manifest
 
 
-def check_layout(directory: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Every listed file is a regular file of the recorded size; raises on the first that is not."""
+def check_layout(directory: str | os.PathLike[str], manifest: Manifest) -> int:
+    """Every listed file is a regular file of the recorded size; raises on the first that is
+    not. Returns the number of files checked."""
     base = Path(directory)
+    checked = 0
     for rec in manifest.files:
         path = base / rec.path
         try:
@@ -188,6 +190,8 @@ def check_layout(directory: str | os.PathLike[str], manifest: Manifest) -> None:
             raise IntegrityError(
                 str(path), f"{rec.bytes} bytes", f"{st.st_size} bytes", "size mismatch"
             )
+        checked += 1
+    return checked
 
 
 # --- parsing -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ __all__ = [
     "ResumeReport",
     "check_config",
     "config_changes",
+    "is_allowed",
 ]
 
 SAFE_CONFIG_KEYS = frozenset(
@@ -90,12 +91,17 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[Confi
     ]
 
 
+def is_allowed(change: ConfigChange, allowed: frozenset[str]) -> bool:
+    """Whether a changed key may differ on resume (by its full dotted name or its last part)."""
+    return change.key in allowed or change.key.split(".")[-1] in allowed
+
+
 def check_config(
     saved: dict[str, Any], current: dict[str, Any], allowed: frozenset[str], checkpoint: str
 ) -> list[ConfigChange]:
     """Raise ConfigMismatchError on an unsafe change; return the safe ones (to warn about)."""
     changes = config_changes(saved, current)
-    unsafe = [c for c in changes if c.key not in allowed and c.key.split(".")[-1] not in allowed]
+    unsafe = [c for c in changes if not is_allowed(c, allowed)]
     if unsafe:
         diff = "\n".join(f"    {c}" for c in changes)
         raise ConfigMismatchError(

@@ -389,7 +389,7 @@ class StagingSavePlanner(DefaultSavePlanner):
         snapshot: Snapshot,
         staged: threading.Event,
         cancelled: Callable[[], bool],
-        on_stage: Callable[[], None] | None = None,
+        on_stage: Callable[[], object] | None = None,
     ) -> None:
         # No plan caching: DCP's cache compares plans without dtypes, so a model cast between
         # two saves would commit metadata with the old dtype. Planning is cheap next to I/O.

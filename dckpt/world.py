@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,14 @@ import torch.distributed as dist
 from .errors import WorldError
 from .faults import fault_point
 
-__all__ = ["backends_by_device", "init_distributed", "training_device", "warmup_collective"]
+__all__ = [
+    "WarmupResult",
+    "backends_by_device",
+    "check_warmup",
+    "init_distributed",
+    "training_device",
+    "warmup_collective",
+]
 
 
 def backends_by_device(backend: str) -> dict[str, str]:
@@ -84,12 +92,26 @@ def _store() -> Any:
         return None
 
 
-def warmup_collective(nonce: str, timeout_s: float) -> float:
-    """All-reduce (rank + 1) over the training group; check the sum; return the latency (s)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0.0
+@dataclass(frozen=True)
+class WarmupResult:
+    """What one rank's warmup all-reduce returned, against what it must return."""
+
+    rank: int
+    value: float
+    expected: float
+    latency_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.value == self.expected
+
+
+def warmup_collective(nonce: str, timeout_s: float) -> WarmupResult:
+    """All-reduce (rank + 1) over the training group; return the sum this rank got and the
+    latency. The caller compares every rank's result (``check_warmup``): a backend broken on
+    one host returns a wrong sum there and a right one elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    fault_point("warmup", rank)
+    broken = fault_point("warmup", rank)  # True: act as a backend that sums wrong here
     store = _store()
     key = f"dckpt/warmup/{nonce}"
     if store is not None:
@@ -116,10 +138,23 @@ def warmup_collective(nonce: str, timeout_s: float) -> float:
             "that host's health."
         ) from exc
     latency = time.perf_counter() - t0
-    expected = world * (world + 1) / 2
-    if float(value.item()) != expected:
+    got = float(value.item()) + (1.0 if broken else 0.0)
+    return WarmupResult(rank=rank, value=got, expected=world * (world + 1) / 2, latency_s=latency)
+
+
+def check_warmup(results: list[WarmupResult]) -> str:
+    """Every rank's warmup result, as the report line; WorldError naming each rank whose sum
+    was wrong (raised on every rank, since every rank checks every result)."""
+    wrong = [r for r in results if not r.ok]
+    if wrong:
         raise WorldError(
-            f"warmup all-reduce returned {value.item()} instead of {expected} on rank {rank}: "
-            "the collective backend is broken on this host"
+            "warmup all-reduce returned "
+            + ", ".join(f"{r.value:g} on rank {r.rank}" for r in wrong)
+            + f" instead of {wrong[0].expected:g}: the collective backend is broken on "
+            "that host. The job must not train on it; restart it without that host."
         )
-    return latency
+    slowest = max(r.latency_s for r in results)
+    return (
+        f"{len(results)} ranks answered, sum {results[0].value:g} = {results[0].expected:g} "
+        f"on every rank, slowest {slowest * 1000:.1f} ms"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,7 +93,13 @@ def crash_and_resume_matches(tmp_path: Path, extra: list[str], nproc: int = 2) -
     resumed = torchrun_train(tmp_path / "run", *args, "--loss-log", str(log), nproc=nproc)
     assert resumed.returncode == 0, resumed.stderr
     assert f"dckpt resume: step {committed[-1]}" in resumed.stderr
-    assert "[ok  ] digests" in resumed.stderr and "[ok  ] warmup all-reduce" in resumed.stderr
+    verified = re.search(
+        r"\[ok  \] digests: (\d+) of (\d+) files hashed and matched", resumed.stderr
+    )
+    assert verified and verified[1] == verified[2] and int(verified[1]) >= 2, resumed.stderr
+    total = nproc * (nproc + 1) // 2
+    warmup = f"[ok  ] warmup all-reduce: {nproc} ranks answered, sum {total} = {total} on every"
+    assert warmup in resumed.stderr, resumed.stderr
     assert "rng           restored on every rank" in resumed.stderr
     want, got = losses(tmp_path / "ref.jsonl"), losses(log)
     assert sorted(got) == list(range(1, 11))

@@ -20,10 +20,17 @@ from ..errors import IntegrityError, StorageError
 from .digest import READ_CHUNK, format_digest, hash_stream, new_hasher, parse_digest
 from .records import FileRecord
 
-__all__ = ["open_verified", "read_verified"]
+__all__ = ["VerifiedFile", "open_verified", "read_verified", "read_verified_digest"]
 
 
-def _open_checked(path: str, record: FileRecord) -> tuple[io.FileIO, str]:
+class VerifiedFile(io.FileIO):
+    """A checkpoint file opened by ``open_verified``; ``digest`` is what its bytes hashed to
+    (equal to the manifest's record, or it would not have been returned)."""
+
+    digest: str = ""
+
+
+def _open_checked(path: str, record: FileRecord) -> tuple[VerifiedFile, str]:
     """Open ``path`` for reading without following a symlink; require a regular file of the
     recorded size (checked before anything is allocated). Returns the file and the algorithm."""
     try:
@@ -39,7 +46,7 @@ def _open_checked(path: str, record: FileRecord) -> tuple[io.FileIO, str]:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: the layout was tampered with
             raise IntegrityError(path, "a regular file", "a symlink", "wrong file type") from exc
         raise StorageError(f"cannot open {path}: {exc}; the storage failed, retry") from exc
-    f = io.FileIO(fd, "rb", closefd=True)
+    f = VerifiedFile(fd, "rb", closefd=True)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         f.close()
@@ -54,7 +61,7 @@ def _open_checked(path: str, record: FileRecord) -> tuple[io.FileIO, str]:
 
 def open_verified(
     path: str, record: FileRecord, progress: Callable[[int], None] | None = None
-) -> io.FileIO:
+) -> VerifiedFile:
     """Open ``path`` (no symlink, a regular file of the recorded size), hash all of it, and
     return it open and rewound, only if it matches: callers read the verified file through
     this same descriptor, mostly from the page cache the hashing pass just filled."""
@@ -67,6 +74,7 @@ def open_verified(
             )
         if actual != record.digest:
             raise IntegrityError(path, record.digest, actual)
+        f.digest = actual
         f.seek(0)
     except BaseException:
         f.close()
@@ -77,6 +85,11 @@ def open_verified(
 def read_verified(path: str, record: FileRecord) -> bytes:
     """Read ``path`` whole into memory and hash exactly those bytes (for small files, such as
     ``.metadata``, whose every byte is then used: nothing can change between check and use)."""
+    return read_verified_digest(path, record)[0]
+
+
+def read_verified_digest(path: str, record: FileRecord) -> tuple[bytes, str]:
+    """``read_verified``, and the digest the bytes hashed to."""
     f, algorithm = _open_checked(path, record)
     with f:
         parts: list[bytes] = []
@@ -95,4 +108,4 @@ def read_verified(path: str, record: FileRecord) -> bytes:
     actual = format_digest(algorithm, hasher)
     if actual != record.digest:
         raise IntegrityError(path, record.digest, actual)
-    return data
+    return data, actual

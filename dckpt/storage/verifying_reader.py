@@ -41,7 +41,7 @@ from torch.futures import Future
 from ..errors import IntegrityError, ManifestError, StateMismatchError
 from .records import FileRecord
 from .safe_unpickle import load_dcp_metadata
-from .verified_files import open_verified, read_verified
+from .verified_files import open_verified, read_verified, read_verified_digest
 
 __all__ = ["SafeLoadPlanner", "VerifyingReader", "open_verified", "read_verified"]
 
@@ -167,7 +167,8 @@ class VerifyingReader(FileSystemReader):
         super().__init__(path)
         self.expected = dict(expected)
         self.verified: dict[str, str] = {}
-        """Files this reader verified, relative path → digest (for cross-rank checks)."""
+        """Files this reader verified, relative path → the digest their bytes hashed to (for
+        the cross-rank check: every rank checks every other rank's digests)."""
         self._metadata: Metadata | None = None
 
     def load_metadata(self) -> Metadata:
@@ -212,8 +213,8 @@ class VerifyingReader(FileSystemReader):
 
     def _read(self, relative_path: str) -> bytes:
         record = self.listed(relative_path)
-        data = read_verified(os.path.join(str(self.path), relative_path), record)
-        self.verified[relative_path] = record.digest
+        data, digest = read_verified_digest(os.path.join(str(self.path), relative_path), record)
+        self.verified[relative_path] = digest
         return data
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -232,7 +233,7 @@ class VerifyingReader(FileSystemReader):
             record = self.listed(relative_path)
             # The whole file is hashed first; only if it matches is any tensor filled from it.
             with open_verified(os.path.join(str(self.path), relative_path), record) as f:
-                self.verified[relative_path] = record.digest
+                self.verified[relative_path] = f.digest
                 for item in sorted(items, key=lambda i: self._span(i)[0]):
                     self._load_item(f, item, planner)
         fut: Future[None] = Future()

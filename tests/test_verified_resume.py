@@ -1,0 +1,181 @@
+"""The checks that make a resume "verified", each broken on purpose on real gloo ranks.
+
+- Ranks that read different roots (each checkpoint whole and valid on its own): ``load()`` and
+  ``resume()`` refuse on every rank, naming the rank, quarantine nothing and load nothing.
+- A rank whose newest checkpoint is missing from its view of the root: the same.
+- A warmup all-reduce that returns a wrong sum on one rank: every rank refuses, naming it.
+- A rank whose digests of the files it read differ from the manifest: every rank names it.
+- Every rank gets back its own Python, NumPy and torch RNG streams.
+- The report's lines carry the values the checks computed.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from dist_harness import run_world
+from torch import nn
+
+from dckpt.layout import committed_steps, list_checkpoints
+
+pytestmark = pytest.mark.multiproc
+
+
+def _manager(root: str, seed: int = 0, **config: Any) -> tuple[Any, nn.Module]:
+    import dckpt
+
+    torch.manual_seed(seed)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = dckpt.CheckpointConfig(root=Path(root), timeout_s=60, **config)
+    return dckpt.CheckpointManager(cfg, dckpt.TrainState(model, opt)), model
+
+
+def _save(rank: int, world: int, root: str, seed: int, steps: list[int]) -> None:
+    mgr, model = _manager(root, seed)
+    with mgr:
+        for step in steps:
+            with torch.no_grad():
+                model.module.weight.add_(step)
+            mgr.save(step).result()
+
+
+def _load_from_own_root(rank: int, world: int, roots: list[str], how: str) -> dict[str, Any]:
+    """Rank r uses roots[r]: what a job whose nodes do not share one directory does."""
+    import dckpt
+
+    mgr, model = _manager(roots[rank], seed=99, lock=False)
+    before = model.module.weight.detach().clone()
+    with mgr:
+        try:
+            mgr.load() if how == "load" else mgr.resume()
+        except dckpt.CheckpointError as exc:
+            return {
+                "type": type(exc).__name__,
+                "integrity": isinstance(exc, dckpt.IntegrityError),
+                "message": str(exc),
+                "untouched": torch.equal(model.module.weight, before),
+            }
+    return {"type": None}
+
+
+def _two_roots(tmp_path: Path, second: list[int]) -> list[str]:
+    """Root A with steps 1 and 2 from one run, root B with ``second`` from another."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_world(_save, 2, str(a), 0, [1, 2])
+    run_world(_save, 2, str(b), 1, second)
+    return [str(a), str(b)]
+
+
+@pytest.mark.parametrize("how", ["load", "resume"])
+def test_ranks_that_read_different_roots_refuse_and_name_the_rank(tmp_path: Path, how: str) -> None:
+    roots = _two_roots(tmp_path, [1, 2])
+    results = run_world(_load_from_own_root, 2, roots, how)
+    for r in results:
+        assert r["type"] == "DivergentRanksError" and r["integrity"], r
+        assert "ranks read different manifests" in r["message"], r["message"]
+        assert "on rank 1" in r["message"], r["message"]
+        assert r["untouched"], "a refused load changed the model"
+    for root in roots:  # nothing quarantined, nothing lost: the checkpoints are not damaged
+        assert committed_steps(Path(root)) == [1, 2]
+        assert not (Path(root) / "quarantine").exists()
+
+
+def test_a_step_missing_from_one_ranks_root_is_refused_not_fallen_back_past(
+    tmp_path: Path,
+) -> None:
+    roots = _two_roots(tmp_path, [1])
+    results = run_world(_load_from_own_root, 2, roots, "resume")
+    for r in results:
+        assert r["type"] == "DivergentRanksError", r
+        assert "ranks see different checkpoints" in r["message"], r["message"]
+        assert "rank(s) [1]" in r["message"] and "rank(s) [0] read it" in r["message"]
+        assert r["untouched"]
+    assert committed_steps(Path(roots[0])) == [1, 2]
+    assert [e.status for e in list_checkpoints(Path(roots[0]))] == ["committed", "committed"]
+
+
+def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
+    import dckpt
+
+    mgr, _ = _manager(root)
+    with mgr:
+        try:
+            report = mgr.resume()
+        except dckpt.CheckpointError as exc:
+            return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "report": report.format()}
+
+
+def test_a_warmup_that_sums_wrong_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    run_world(_save, 2, str(tmp_path), 0, [1])
+    fault = {"DCKPT_FAULT": "phase=warmup,rank=1,action=corrupt"}
+    results = run_world(_resume, 2, str(tmp_path), env=fault)
+    for r in results:
+        assert r["type"] == "WorldError", r
+        assert "warmup all-reduce returned 4 on rank 1 instead of 3" in r["message"], r
+    ok = run_world(_resume, 2, str(tmp_path))  # the same root, a healthy backend
+    for r in ok:
+        assert (
+            "[ok  ] warmup all-reduce: 2 ranks answered, sum 3 = 3 on every rank" in (r["report"])
+        ), r
+
+
+def test_a_rank_whose_digests_differ_is_named_by_every_rank(tmp_path: Path) -> None:
+    run_world(_save, 2, str(tmp_path), 0, [1])
+    fault = {"DCKPT_FAULT": "phase=verify,rank=1,action=corrupt"}
+    results = run_world(_resume, 2, str(tmp_path), env=fault)
+    for r in results:
+        assert r["type"] == "DivergentRanksError", r
+        assert "rank 1 hashed different bytes" in r["message"], r["message"]
+    assert committed_steps(tmp_path) == [1]
+    assert not (tmp_path / "quarantine").exists()
+
+
+def test_the_report_carries_what_each_check_computed(tmp_path: Path) -> None:
+    run_world(_save, 2, str(tmp_path), 0, [1])
+    files = len(list((tmp_path / "step-00000001").glob("*.distcp"))) + 1  # + .metadata
+    (r0, _) = run_world(_resume, 2, str(tmp_path))
+    report = r0["report"]
+    assert f"[ok  ] digests: {files} of {files} files hashed and matched (xxh3_128)" in report
+    assert "every rank checked the digests of all 2 ranks" in report
+    assert f"{files} of {files} files laid out at their recorded sizes" in report
+    assert "[ok  ] one manifest: all 2 ranks read xxh3_128:" in report
+    assert "[ok  ] state: model, optimizer, progress" in report
+
+
+# --- RNG, per rank ---------------------------------------------------------------------------
+
+
+def _draw(rank: int, n: int) -> list[float]:
+    """Draws from every generator; rank-dependent amounts keep the ranks' streams apart."""
+    out: list[float] = []
+    for _ in range(n * (rank + 1)):
+        out += [random.random(), float(np.random.rand()), float(torch.rand(1))]
+    return out
+
+
+def _rng_roundtrip(rank: int, world: int, root: str, phase: str) -> list[float]:
+    random.seed(100 + rank)
+    np.random.seed(200 + rank)
+    torch.manual_seed(300 + rank)
+    mgr, _ = _manager(root)
+    with mgr:
+        if phase == "save":
+            _draw(rank, 3)  # each rank moves its generators a different distance
+            mgr.save(1).result()
+            return _draw(rank, 2)  # what must come next after a resume
+        mgr.resume()
+        return _draw(rank, 2)
+
+
+def test_each_rank_gets_back_its_own_python_numpy_and_torch_rng(tmp_path: Path) -> None:
+    expected = run_world(_rng_roundtrip, 2, str(tmp_path), "save")
+    assert expected[0] != expected[1][: len(expected[0])]  # the ranks' streams differ
+    resumed = run_world(_rng_roundtrip, 2, str(tmp_path), "resume")
+    assert resumed == expected
