@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test lint typecheck unit faults bench bench-quick clean
+.PHONY: install demo test lint typecheck unit faults mutants bench bench-quick clean
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ test: lint typecheck unit
 # are kept in build/faults.json for the notes.
 faults: $(STAMP)
 	DCKPT_FAULTS_JSON=build/faults.json $(BIN)/python -m pytest -q -m faults tests
+
+# Mutation probes (not part of `make test`: minutes): deliberate bugs in a copy of the
+# package, each of which the tests must catch; prints killed or survived per mutant.
+mutants: $(STAMP)
+	$(BIN)/python tests/mutation_probe.py --json build/mutation.json
 
 bench: $(STAMP)
 	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[bench]"

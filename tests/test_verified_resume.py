@@ -179,3 +179,71 @@ def test_each_rank_gets_back_its_own_python_numpy_and_torch_rng(tmp_path: Path) 
     assert expected[0] != expected[1][: len(expected[0])]  # the ranks' streams differ
     resumed = run_world(_rng_roundtrip, 2, str(tmp_path), "resume")
     assert resumed == expected
+
+
+# --- what the loader itself never reads, and damage found before anything is loaded ----------
+
+
+def _add_listed_file(step: Path, name: str, data: bytes) -> None:
+    """A file the manifest lists but DCP's metadata never refers to (so no rank reads it for
+    the load), re-sealed the way dckpt seals a manifest."""
+    import dataclasses
+
+    from dckpt.manifest import read_manifest, write_manifest
+    from dckpt.storage.digest import hash_file
+    from dckpt.storage.records import FileRecord
+
+    (step / name).write_bytes(data)
+    manifest = read_manifest(step)
+    digest, size = hash_file(step / name, manifest.digest_algorithm)
+    files = (*manifest.files, FileRecord(path=name, bytes=size, digest=digest, rank=0))
+    write_manifest(step, dataclasses.replace(manifest, files=tuple(sorted(files))))
+
+
+def test_a_damaged_file_no_rank_reads_is_still_caught(tmp_path: Path) -> None:
+    run_world(_save, 2, str(tmp_path), 0, [1, 2])
+    step2 = tmp_path / "step-00000002"
+    _add_listed_file(step2, "notes.bin", bytes(range(256)) * 64)
+    (ok,) = run_world(_resume, 2, str(tmp_path))[:1]
+    files = len(list(step2.glob("*.distcp"))) + 2  # + .metadata + notes.bin
+    assert f"[ok  ] digests: {files} of {files} files hashed and matched" in ok["report"], ok
+    data = bytearray((step2 / "notes.bin").read_bytes())
+    data[1000] ^= 0x10
+    (step2 / "notes.bin").write_bytes(bytes(data))
+    (r0, _) = run_world(_resume, 2, str(tmp_path))
+    assert "dckpt resume: step 1" in r0["report"], r0
+    assert "skipped step 2 (quarantined): IntegrityError: digest mismatch" in r0["report"]
+    assert "notes.bin" in r0["report"]
+
+
+def _load_damaged(rank: int, world: int, root: str) -> dict[str, Any]:
+    import dckpt
+
+    mgr, model = _manager(root, seed=99)
+    before = model.module.weight.detach().clone()
+    with mgr:
+        try:
+            mgr.load()
+        except dckpt.IntegrityError as exc:
+            return {"error": str(exc), "untouched": torch.equal(model.module.weight, before)}
+    return {"error": None}
+
+
+def test_a_truncated_file_is_refused_before_any_tensor_is_filled(tmp_path: Path) -> None:
+    """The layout check (every file there, at its recorded size) runs before DCP loads
+    anything: a truncated shard leaves the model as it was, whichever file holds what."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run_world(_save, 2, str(tmp_path), 0, [1])
+    step = tmp_path / "step-00000001"
+    where = {
+        index.fqn: info.relative_path
+        for index, info in FileSystemReader(step).read_metadata().storage_data.items()
+    }
+    first = where["model.weight"]  # read first; damage another file, read after it
+    victim = next(p for p in sorted(step.glob("*.distcp")) if p.name != first)
+    with victim.open("r+b") as f:
+        f.truncate(victim.stat().st_size - 7)
+    for r in run_world(_load_damaged, 2, str(tmp_path)):
+        assert r["error"] is not None and "size mismatch" in r["error"], r
+        assert r["untouched"], "tensors were filled before the damage was found"

@@ -1,0 +1,241 @@
+"""Mutation probes: one deliberate bug at a time in a copy of dckpt; the tests that guard it
+must fail ("killed"). A mutant that survives is a check no test proves.
+
+    .venv/bin/python tests/mutation_probe.py                 # every mutant, then a table
+    .venv/bin/python tests/mutation_probe.py --only warmup   # the mutants whose name has it
+    .venv/bin/python tests/mutation_probe.py --list
+
+Not part of ``make test`` (it takes minutes). Each mutant names a file, an exact snippet that
+must occur there once, its replacement, and the tests to run. The copy holds ``dckpt/``,
+``tests/``, ``launch/``, ``bench/`` and ``pyproject.toml``; the tests run inside it with
+``PYTHONPATH`` pointing at it, so they and every process they start import the mutant (checked
+before each run). First the chosen tests run once unmutated: a mutant only counts as killed by
+tests that pass without it. ``--json`` writes the table for the notes.
+
+To add a probe, append a ``Mutant``; keep its tests few and fast (those that should catch it).
+Equivalent mutants are left out: a report line's ``ok`` computed from a count that the code
+has already enforced by raising cannot be caught, and says nothing about the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VR = "tests/test_verified_resume.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant(
+        "resume: the cross-rank manifest agreement always passes",
+        "dckpt/loading.py",
+        "agree = len(set(digests)) == 1",
+        "agree = True",
+        (f"{VR}::test_ranks_that_read_different_roots_refuse_and_name_the_rank",),
+    ),
+    Mutant(
+        "resume: ranks that disagree are quarantined and fallen back past",
+        "dckpt/loading.py",
+        "exc, (IncompatibleCheckpointError, DivergentRanksError)",
+        "exc, (IncompatibleCheckpointError,)",
+        (f"{VR}::test_a_step_missing_from_one_ranks_root_is_refused_not_fallen_back_past",),
+    ),
+    Mutant(
+        "resume: the warmup sum is never checked",
+        "dckpt/world.py",
+        "        return self.value == self.expected",
+        "        return True",
+        (f"{VR}::test_a_warmup_that_sums_wrong_on_one_rank_is_refused_on_every_rank",),
+    ),
+    Mutant(
+        "resume: the cross-rank digest check always passes",
+        "dckpt/loading.py",
+        "if record is None or digest != record.digest:",
+        "if record is None:",
+        (f"{VR}::test_a_rank_whose_digests_differ_is_named_by_every_rank",),
+    ),
+    Mutant(
+        "resume: files no rank read are never hashed",
+        "dckpt/loading.py",
+        "for name in unread[self.rank :: self.world_size]:",
+        "for name in unread[:0]:",
+        (f"{VR}::test_a_damaged_file_no_rank_reads_is_still_caught",),
+    ),
+    Mutant(
+        "load: a file's digest is never compared with the manifest",
+        "dckpt/storage/verified_files.py",
+        "        if actual != record.digest:\n"
+        "            raise IntegrityError(path, record.digest, actual)\n"
+        "        f.digest",
+        "        f.digest",
+        (
+            "tests/test_multiproc_roundtrip.py::test_flipped_byte_in_any_shard_fails_load_naming_the_file",
+        ),
+    ),
+    Mutant(
+        "load: the layout check (sizes before reading) is skipped",
+        "dckpt/loading.py",
+        "laid_out = check_layout(path, manifest)",
+        "laid_out = len(manifest.files)",
+        (f"{VR}::test_a_truncated_file_is_refused_before_any_tensor_is_filled",),
+    ),
+    Mutant(
+        "resume: NumPy's RNG is not restored",
+        "dckpt/rng.py",
+        "    np.random.set_state(",
+        "    (lambda _state: None)(",
+        (f"{VR}::test_each_rank_gets_back_its_own_python_numpy_and_torch_rng",),
+    ),
+    Mutant(
+        "resume: Python's RNG is not restored",
+        "dckpt/rng.py",
+        '    random.setstate((int(state["python_version"]), mt, gauss))',
+        '    (int(state["python_version"]), mt, gauss)',
+        (f"{VR}::test_each_rank_gets_back_its_own_python_numpy_and_torch_rng",),
+    ),
+    Mutant(
+        "save: CPU tensors are not copied in save() (the live state is written)",
+        "dckpt/stager.py",
+        "                buf.copy_(src)\n                st.host_bytes",
+        "                buf = src\n                st.host_bytes",
+        ("tests/test_snapshot.py::test_by_default_a_checkpoint_holds_the_state_of_save_time",),
+    ),
+    Mutant(
+        "save: the overlap version guard compares nothing",
+        "dckpt/stager.py",
+        "if any(obj._version != version for obj, version in watched):",
+        "if False:",
+        (
+            "tests/test_snapshot.py::test_with_overlap_a_checkpoint_is_the_save_time_state_or_the_save_fails",
+        ),
+    ),
+    Mutant(
+        "save: later saves copy what the previous plan gave another rank",
+        "dckpt/stager.py",
+        "if mine is not None and fqn not in mine:",
+        "if False:",
+        ("tests/test_snapshot.py::test_later_saves_copy_only_what_this_rank_writes",),
+    ),
+    Mutant(
+        "commit: rank 0 commits although a rank reported a failure",
+        "dckpt/coordinator.py",
+        "        if failed:\n            shutil.rmtree(tmp_dir, ignore_errors=True)\n",
+        "        if False:\n            shutil.rmtree(tmp_dir, ignore_errors=True)\n",
+        ("tests/test_async.py::test_write_failing_on_one_rank_fails_the_save_everywhere",),
+    ),
+    Mutant(
+        "commit: the root is not fsynced after the commit rename",
+        "dckpt/commit.py",
+        '            fault_point("fsync_parent", 0, step)\n            fsync_dir(base)',
+        '            fault_point("fsync_parent", 0, step)',
+        ("tests/faults/test_power_loss.py::test_every_durable_prefix_leaves_a_consistent_root",),
+    ),
+    Mutant(
+        "retention: the newest checkpoint is not protected",
+        "dckpt/retention.py",
+        "newest = {c.step for c in ordered[-1:]}",
+        "newest: set[int] = set()",
+        ("tests/test_retention_lock.py::test_policy_keeps_newest_last_milestones_pins_and_best",),
+    ),
+)
+
+
+def _copy_repo(dst: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
+    for name in ("dckpt", "tests", "launch", "bench"):
+        shutil.copytree(REPO / name, dst / name, ignore=ignore)
+    shutil.copy2(REPO / "pyproject.toml", dst / "pyproject.toml")
+
+
+def _run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(copy), "DCKPT_ALLOW_SKIPS": "1"}
+    which = subprocess.run(
+        [sys.executable, "-c", "import dckpt; print(dckpt.__file__)"],
+        capture_output=True, text=True, env=env, cwd=copy, check=True,
+    )  # fmt: skip
+    if not which.stdout.strip().startswith(str(copy)):
+        raise SystemExit(f"the copy is not what gets imported: {which.stdout.strip()}")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, cwd=copy, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return -1, time.perf_counter() - t0, "timed out"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return proc.returncode, time.perf_counter() - t0, lines[-1] if lines else proc.stderr[-200:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", nargs="*", default=[], help="mutants whose name contains one of these")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per test run")
+    p.add_argument("--json", default=None, help="also write the table here")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or any(o in m.name for o in args.only)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}\n    {m.path}; tests: {' '.join(m.tests)}")
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="dckpt-mutants-"))
+    rows: list[dict[str, object]] = []
+    try:
+        base = work / "base"
+        _copy_repo(base)
+        every = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        rc, secs, last = _run_tests(base, every, args.timeout)
+        print(f"unmutated: {'pass' if rc == 0 else 'FAIL'} in {secs:.0f} s ({last})", flush=True)
+        if rc != 0:
+            print("the chosen tests fail without any mutant: fix that first", file=sys.stderr)
+            return 2
+        for i, m in enumerate(chosen):
+            copy = work / f"m{i}"
+            _copy_repo(copy)
+            target = copy / m.path
+            text = target.read_text()
+            if text.count(m.old) != 1:
+                rows.append({"mutant": m.name, "verdict": "STALE (snippet not found once)"})
+                print(f"STALE    {m.name}", flush=True)
+                continue
+            target.write_text(text.replace(m.old, m.new))
+            rc, secs, last = _run_tests(copy, m.tests, args.timeout)
+            verdict = "killed" if rc != 0 else "SURVIVED"
+            rows.append({"mutant": m.name, "verdict": verdict, "seconds": round(secs, 1),
+                         "tests": list(m.tests), "last_line": last})  # fmt: skip
+            print(f"{verdict:<8} {secs:5.0f} s  {m.name}  ({last})", flush=True)
+            shutil.rmtree(copy, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    killed = sum(r["verdict"] == "killed" for r in rows)
+    print("\n| mutant | verdict |\n|---|---|")
+    for r in rows:
+        print(f"| {r['mutant']} | {r['verdict']} |")
+    print(f"\n{killed} of {len(rows)} mutants killed")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if killed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
