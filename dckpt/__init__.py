@@ -19,7 +19,6 @@ _EXPORTS = {
     "CheckpointManager": "manager",
     "CheckpointNotFoundError": "errors",
     "ConfigMismatchError": "errors",
-    "DivergentRanksError": "errors",
     "GlobalBatchSampler": "data",
     "IntegrityError": "errors",
     "LoadResult": "manager",
@@ -42,7 +41,6 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "ConfigMismatchError",
-    "DivergentRanksError",
     "GlobalBatchSampler",
     "IntegrityError",
     "LoadResult",
@@ -66,7 +64,6 @@ if TYPE_CHECKING:
     from .errors import CheckpointError as CheckpointError
     from .errors import CheckpointNotFoundError as CheckpointNotFoundError
     from .errors import ConfigMismatchError as ConfigMismatchError
-    from .errors import DivergentRanksError as DivergentRanksError
     from .errors import IntegrityError as IntegrityError
     from .errors import LossDeviationError as LossDeviationError
     from .errors import ManifestError as ManifestError

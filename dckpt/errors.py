@@ -17,7 +17,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigMismatchError",
-    "DivergentRanksError",
     "IncompatibleCheckpointError",
     "IntegrityError",
     "LossDeviationError",
@@ -44,42 +43,37 @@ class ManifestError(CheckpointError):
 
 
 class IntegrityError(CheckpointError):
-    """A file's bytes do not match the digest or size its manifest recorded."""
+    """A file's bytes do not match the digest or size its manifest recorded.
 
-    def __init__(self, path: str, expected: str, actual: str, detail: str = "") -> None:
+    ``divergent`` marks the case where the ranks read different bytes for one checkpoint (a
+    manifest, a file's digest, or a file one rank has and another lacks): they do not share
+    one root, or the storage served them different data. The checkpoint is not known to be
+    damaged, so a resume neither quarantines it nor falls back past it (that would quietly
+    pick one rank's view).
+    """
+
+    def __init__(
+        self, path: str, expected: str, actual: str, detail: str = "", divergent: bool = False
+    ) -> None:
         self.path = path
         self.expected = expected
         self.actual = actual
         self.detail = detail or "digest mismatch"
-        super().__init__(
-            f"{self.detail} in {path}: expected {expected}, got {actual}. The file is damaged or "
-            "was changed after commit; do not load it. Resume from an older checkpoint "
-            "(dckpt ls) or re-save, and check the storage for bit rot."
+        self.divergent = divergent
+        advice = (
+            "The ranks do not see the same checkpoint: every rank must read one shared "
+            "directory (not a disk of its own per node), with the same contents. Nothing was "
+            "loaded from it and nothing was quarantined; fix the storage and start again."
+            if divergent
+            else "The file is damaged or was changed after commit; do not load it. Resume "
+            "from an older checkpoint (dckpt ls) or re-save, and check the storage for bit rot."
         )
+        super().__init__(f"{self.detail} in {path}: expected {expected}, got {actual}. {advice}")
 
-    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str, str]]:
-        # Errors cross ranks pickled (DCP gathers failures); keep the class and the fields.
-        return (type(self), (self.path, self.expected, self.actual, self.detail))
-
-
-class DivergentRanksError(IntegrityError):
-    """Ranks read different bytes for one checkpoint (a manifest, a file's digest, or a file
-    one rank has and another lacks): they do not share one root, or the storage served them
-    different data. The checkpoint is not known to be damaged, so a resume neither quarantines
-    it nor falls back past it (that would quietly pick one rank's view)."""
-
-    def __init__(self, path: str, expected: str, actual: str, detail: str = "") -> None:
-        self.path = path
-        self.expected = expected
-        self.actual = actual
-        self.detail = detail or "ranks read different bytes"
-        CheckpointError.__init__(
-            self,
-            f"{self.detail} in {path}: expected {expected}, got {actual}. The ranks do not "
-            "see the same checkpoint: every rank must read one shared directory (not a disk "
-            "of its own per node), with the same contents. Nothing was loaded from it and "
-            "nothing was quarantined; fix the storage and start again.",
-        )
+    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str, str, bool]]:
+        # Errors cross ranks pickled (DCP gathers failures); keep the fields intact.
+        fields = (self.path, self.expected, self.actual, self.detail, self.divergent)
+        return (IntegrityError, fields)
 
 
 class SaveError(CheckpointError):

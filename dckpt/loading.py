@@ -29,7 +29,6 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigMismatchError,
-    DivergentRanksError,
     IncompatibleCheckpointError,
     IntegrityError,
     ManifestError,
@@ -168,9 +167,8 @@ class LoadingMixin:
             except (IntegrityError, ManifestError) as exc:
                 # Only evidence of damage moves a checkpoint aside: not a newer schema, and
                 # not ranks that disagree (that would quietly pick one rank's view).
-                if not fallback or isinstance(
-                    exc, (IncompatibleCheckpointError, DivergentRanksError)
-                ):
+                divergent = isinstance(exc, IntegrityError) and exc.divergent
+                if not fallback or divergent or isinstance(exc, IncompatibleCheckpointError):
                     raise
                 self._quarantine(step, f"{type(exc).__name__}: {exc}")
                 # The report keeps the first sentence; quarantine/<step>.reason.txt has it all.
@@ -273,11 +271,12 @@ class LoadingMixin:
         agree = len(set(digests)) == 1
         if not agree:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise DivergentRanksError(
+            raise IntegrityError(
                 str(path / "manifest.json"),
-                f"{digests[0]} (rank 0)",
-                ", ".join(f"{digests[r]} on rank {r}" for r in odd),
+                digests[0],
+                ", ".join(f"rank {r}: {digests[r]}" for r in odd),
                 detail="ranks read different manifests",
+                divergent=True,
             )
         report.check("one manifest", agree, f"all {len(digests)} ranks read {digests[0]}")
         if check_cfg:
@@ -442,11 +441,12 @@ class LoadingMixin:
             for name, digest in sorted(digests.items()):
                 record = records.get(name)
                 if record is None or digest != record.digest:
-                    raise DivergentRanksError(
+                    raise IntegrityError(
                         str(path / name),
                         record.digest if record is not None else "a file the manifest lists",
                         f"{digest} on rank {rank}",
                         detail=f"rank {rank} hashed different bytes",
+                        divergent=True,
                     )
                 matched.add(name)
         if matched != set(records):
@@ -463,8 +463,8 @@ class LoadingMixin:
         """All ranks raise the first rank's failure (so every rank names the same file).
 
         With ``what`` (the file every rank just read): when only some ranks failed with
-        evidence of damage, the ranks do not see the same checkpoint, and they all raise
-        ``DivergentRanksError`` naming both sides instead (never quarantined).
+        evidence of damage, the ranks do not see the same checkpoint, and they all raise a
+        divergent ``IntegrityError`` naming both sides instead (never quarantined).
         """
         failures = self._ctl.all_gather(failure)
         failed = [r for r, exc in enumerate(failures) if exc is not None]
@@ -473,11 +473,12 @@ class LoadingMixin:
             first = failures[failed[0]]
             if isinstance(first, damage) and not isinstance(first, IncompatibleCheckpointError):
                 fine = [r for r, exc in enumerate(failures) if exc is None]
-                raise DivergentRanksError(
+                raise IntegrityError(
                     str(what),
                     f"the same checkpoint on every rank (rank(s) {fine} read it)",
                     f"rank(s) {failed}: {type(first).__name__}: {str(first).split('. ')[0]}",
                     detail="ranks see different checkpoints",
+                    divergent=True,
                 )
         for rank, exc in enumerate(failures):
             if exc is not None:

@@ -148,10 +148,12 @@ def check_warmup(results: list[WarmupResult]) -> str:
     wrong = [r for r in results if not r.ok]
     if wrong:
         raise WorldError(
-            "warmup all-reduce returned "
-            + ", ".join(f"{r.value:g} on rank {r.rank}" for r in wrong)
-            + f" instead of {wrong[0].expected:g}: the collective backend is broken on "
-            "that host. The job must not train on it; restart it without that host."
+            "; ".join(
+                f"warmup all-reduce returned {r.value} instead of {r.expected} on rank {r.rank}"
+                for r in wrong
+            )
+            + ": the collective backend is broken on that host. The job must not train on it;"
+            " restart it without that host."
         )
     slowest = max(r.latency_s for r in results)
     return (
