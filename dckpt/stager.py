@@ -126,8 +126,6 @@ class StagingStats:
     """Copied host-to-host in save()."""
     deferred_bytes: int = 0
     """Copied after save() returned (``overlap_staging``), before the next optimizer step."""
-    other_rank_bytes: int = 0
-    """Not copied: DCP's plan has another rank write these replicated tensors."""
     alloc_bytes: int = 0
     alloc_s: float = 0.0
     """New staging buffers (the first save, or after the state changed shape)."""
@@ -216,11 +214,6 @@ class Stager:
         self._device: dict[str, torch.Tensor] = {}
         self._plan: tuple[tuple[Any, ...], frozenset[str]] | None = None
         self._streams: dict[torch.device, Any] = {}
-
-    @property
-    def bytes_allocated(self) -> int:
-        """Host and device bytes held in staging buffers."""
-        return sum(_nbytes(b) for b in (*self._host.values(), *self._device.values()))
 
     def _budget(self, device: torch.device) -> int:
         """Device buffer bytes on ``device``: the configured budget, or (decided at the first
@@ -313,8 +306,7 @@ class Stager:
             out[fqn] = value
             src = _local(value).detach()
             if mine is not None and fqn not in mine:
-                st.other_rank_bytes += _nbytes(src)  # another rank writes it: never read here
-                continue
+                continue  # another rank writes it: never read here
             buf = self._to_device_buffer(fqn, src, used, st) if src.is_cuda else None
             if buf is not None:
                 snap.staged[fqn] = ("device", buf)
