@@ -78,15 +78,24 @@ def _save_then_change(
     return outcome
 
 
+def _each_change(
+    rank: int, world: int, root: str, parallel: str, hows: list[str], overlap: bool
+) -> dict[str, dict[str, Any]]:
+    """``_save_then_change`` once per change, each into a root of its own, in one world."""
+    return {
+        how: _save_then_change(rank, world, f"{root}/{how}", parallel, how, overlap) for how in hows
+    }
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-@pytest.mark.parametrize("how", ["step", "inplace", "data", "local"])
 def test_by_default_a_checkpoint_holds_the_state_of_save_time(
-    tmp_path: Path, parallel: str, how: str
+    tmp_path: Path, parallel: str
 ) -> None:
-    results = run_world(_save_then_change, 2, str(tmp_path), parallel, how, False)
-    for r in results:
-        assert r["error"] is None, r["error"]
-        assert r["wrong"] == [], f"changes made after save() reached the checkpoint: {r['wrong']}"
+    hows = ["step", "inplace", "data", "local"]
+    for per_rank in run_world(_each_change, 2, str(tmp_path), parallel, hows, False):
+        for how, r in per_rank.items():
+            assert r["error"] is None, (how, r["error"])
+            assert r["wrong"] == [], f"{how}: changes made after save() reached the checkpoint"
 
 
 # With overlap, the copies are taken in the background; the fault makes them wait a second, so
@@ -94,24 +103,24 @@ def test_by_default_a_checkpoint_holds_the_state_of_save_time(
 # an in-place edit through the parameter or its local shard is caught by version counters.
 # (A write through .data bypasses every version counter: the documented limit of overlap.)
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-@pytest.mark.parametrize("how", ["step", "inplace", "local"])
 def test_with_overlap_a_checkpoint_is_the_save_time_state_or_the_save_fails(
-    tmp_path: Path, parallel: str, how: str
+    tmp_path: Path, parallel: str
 ) -> None:
     fault = {"DCKPT_FAULT": "phase=stage,action=sleep,seconds=1,step=1"}
-    results = run_world(_save_then_change, 2, str(tmp_path), parallel, how, True, env=fault)
+    hows = ["step", "inplace", "local"]
+    results = run_world(_each_change, 2, str(tmp_path), parallel, hows, True, env=fault)
     from dckpt.layout import committed_steps
 
-    if how == "step":
-        for r in results:
-            assert r["error"] is None and r["wrong"] == [], r
-        assert committed_steps(tmp_path) == [1]
-    else:
-        for r in results:
-            assert r["error"] is not None, f"a torn snapshot was committed: {r}"
-            assert "changed in place after save() returned" in r["error"], r["error"]
-        assert committed_steps(tmp_path) == []
-        assert not list(tmp_path.glob("*.tmp-*"))
+    for per_rank in results:
+        assert per_rank["step"]["error"] is None and per_rank["step"]["wrong"] == []
+        for how in ("inplace", "local"):
+            error = per_rank[how]["error"]
+            assert error is not None, f"{how}: a torn snapshot was committed: {per_rank[how]}"
+            assert "changed in place after save() returned" in error, error
+    assert committed_steps(tmp_path / "step") == [1]
+    for how in ("inplace", "local"):
+        assert committed_steps(tmp_path / how) == []
+        assert not list((tmp_path / how).glob("*.tmp-*"))
 
 
 def _three_saves(rank: int, world: int, root: str, parallel: str) -> dict[str, Any]:

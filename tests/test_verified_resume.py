@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -64,17 +65,33 @@ def _load_from_own_root(rank: int, world: int, roots: list[str], how: str) -> di
     return {"type": None}
 
 
-def _two_roots(tmp_path: Path, second: list[int]) -> list[str]:
-    """Root A with steps 1 and 2 from one run, root B with ``second`` from another."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    run_world(_save, 2, str(a), 0, [1, 2])
-    run_world(_save, 2, str(b), 1, second)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two roots, each with steps 1 and 2, from two runs (different weights): read-only."""
+    base = tmp_path_factory.mktemp("saved")
+    run_world(_save, 2, str(base / "a"), 0, [1, 2])
+    run_world(_save, 2, str(base / "b"), 1, [1, 2])
+    return base / "a", base / "b"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _two_roots(saved: tuple[Path, Path], tmp_path: Path, drop_b: int | None = None) -> list[str]:
+    """Private copies of both roots; ``drop_b`` removes that step from the second."""
+    a, b = _copy(saved[0], tmp_path / "a"), _copy(saved[1], tmp_path / "b")
+    if drop_b is not None:
+        shutil.rmtree(b / f"step-{drop_b:08d}")
     return [str(a), str(b)]
 
 
 @pytest.mark.parametrize("how", ["load", "resume"])
-def test_ranks_that_read_different_roots_refuse_and_name_the_rank(tmp_path: Path, how: str) -> None:
-    roots = _two_roots(tmp_path, [1, 2])
+def test_ranks_that_read_different_roots_refuse_and_name_the_rank(
+    saved: tuple[Path, Path], tmp_path: Path, how: str
+) -> None:
+    roots = _two_roots(saved, tmp_path)
     results = run_world(_load_from_own_root, 2, roots, how)
     for r in results:
         assert r["type"] == "IntegrityError" and r["divergent"], r
@@ -87,9 +104,9 @@ def test_ranks_that_read_different_roots_refuse_and_name_the_rank(tmp_path: Path
 
 
 def test_a_step_missing_from_one_ranks_root_is_refused_not_fallen_back_past(
-    tmp_path: Path,
+    saved: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    roots = _two_roots(tmp_path, [1])
+    roots = _two_roots(saved, tmp_path, drop_b=2)
     results = run_world(_load_from_own_root, 2, roots, "resume")
     for r in results:
         assert r["type"] == "IntegrityError" and r["divergent"], r
@@ -116,35 +133,41 @@ def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"type": None, "report": report.format()}
 
 
-def test_a_warmup_that_sums_wrong_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
-    run_world(_save, 2, str(tmp_path), 0, [1])
+def test_a_warmup_that_sums_wrong_on_one_rank_is_refused_on_every_rank(
+    saved: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root = _copy(saved[0], tmp_path / "root")
     fault = {"DCKPT_FAULT": "phase=warmup,rank=1,action=corrupt"}
-    results = run_world(_resume, 2, str(tmp_path), env=fault)
+    results = run_world(_resume, 2, str(root), env=fault)
     for r in results:
         assert r["type"] == "WorldError", r
         assert "warmup all-reduce returned 4.0 instead of 3.0 on rank 1" in r["message"], r
-    ok = run_world(_resume, 2, str(tmp_path))  # the same root, a healthy backend
+    ok = run_world(_resume, 2, str(root))  # the same root, a healthy backend
     for r in ok:
         assert (
             "[ok  ] warmup all-reduce: 2 ranks answered, sum 3 = 3 on every rank" in (r["report"])
         ), r
 
 
-def test_a_rank_whose_digests_differ_is_named_by_every_rank(tmp_path: Path) -> None:
-    run_world(_save, 2, str(tmp_path), 0, [1])
+def test_a_rank_whose_digests_differ_is_named_by_every_rank(
+    saved: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root = _copy(saved[0], tmp_path / "root")
     fault = {"DCKPT_FAULT": "phase=verify,rank=1,action=corrupt"}
-    results = run_world(_resume, 2, str(tmp_path), env=fault)
+    results = run_world(_resume, 2, str(root), env=fault)
     for r in results:
         assert r["type"] == "IntegrityError", r
         assert "rank 1 hashed different bytes" in r["message"] and r["divergent"], r
-    assert committed_steps(tmp_path) == [1]
-    assert not (tmp_path / "quarantine").exists()
+    assert committed_steps(root) == [1, 2]
+    assert not (root / "quarantine").exists()
 
 
-def test_the_report_carries_what_each_check_computed(tmp_path: Path) -> None:
-    run_world(_save, 2, str(tmp_path), 0, [1])
-    files = len(list((tmp_path / "step-00000001").glob("*.distcp"))) + 1  # + .metadata
-    (r0, _) = run_world(_resume, 2, str(tmp_path))
+def test_the_report_carries_what_each_check_computed(
+    saved: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root = _copy(saved[0], tmp_path / "root")
+    files = len(list((root / "step-00000002").glob("*.distcp"))) + 1  # + .metadata
+    (r0, _) = run_world(_resume, 2, str(root))
     report = r0["report"]
     assert f"[ok  ] digests: {files} of {files} files hashed and matched (xxh3_128)" in report
     assert "every rank checked the digests of all 2 ranks" in report
@@ -204,17 +227,19 @@ def _add_listed_file(step: Path, name: str, data: bytes) -> None:
     write_manifest(step, dataclasses.replace(manifest, files=tuple(sorted(files))))
 
 
-def test_a_damaged_file_no_rank_reads_is_still_caught(tmp_path: Path) -> None:
-    run_world(_save, 2, str(tmp_path), 0, [1, 2])
-    step2 = tmp_path / "step-00000002"
+def test_a_damaged_file_no_rank_reads_is_still_caught(
+    saved: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root = _copy(saved[0], tmp_path / "root")
+    step2 = root / "step-00000002"
     _add_listed_file(step2, "notes.bin", bytes(range(256)) * 64)
-    (ok,) = run_world(_resume, 2, str(tmp_path))[:1]
+    (ok,) = run_world(_resume, 2, str(root))[:1]
     files = len(list(step2.glob("*.distcp"))) + 2  # + .metadata + notes.bin
     assert f"[ok  ] digests: {files} of {files} files hashed and matched" in ok["report"], ok
     data = bytearray((step2 / "notes.bin").read_bytes())
     data[1000] ^= 0x10
     (step2 / "notes.bin").write_bytes(bytes(data))
-    (r0, _) = run_world(_resume, 2, str(tmp_path))
+    (r0, _) = run_world(_resume, 2, str(root))
     assert "dckpt resume: step 1" in r0["report"], r0
     assert "skipped step 2 (quarantined): IntegrityError: digest mismatch" in r0["report"]
     assert "notes.bin" in r0["report"]
@@ -233,13 +258,15 @@ def _load_damaged(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"error": None}
 
 
-def test_a_truncated_file_is_refused_before_any_tensor_is_filled(tmp_path: Path) -> None:
+def test_a_truncated_file_is_refused_before_any_tensor_is_filled(
+    saved: tuple[Path, Path], tmp_path: Path
+) -> None:
     """The layout check (every file there, at its recorded size) runs before DCP loads
     anything: a truncated shard leaves the model as it was, whichever file holds what."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    run_world(_save, 2, str(tmp_path), 0, [1])
-    step = tmp_path / "step-00000001"
+    root = _copy(saved[0], tmp_path / "root")
+    step = root / "step-00000002"  # the newest: what load() takes
     where = {
         index.fqn: info.relative_path
         for index, info in FileSystemReader(step).read_metadata().storage_data.items()
@@ -248,6 +275,6 @@ def test_a_truncated_file_is_refused_before_any_tensor_is_filled(tmp_path: Path)
     victim = next(p for p in sorted(step.glob("*.distcp")) if p.name != first)
     with victim.open("r+b") as f:
         f.truncate(victim.stat().st_size - 7)
-    for r in run_world(_load_damaged, 2, str(tmp_path)):
+    for r in run_world(_load_damaged, 2, str(root)):
         assert r["error"] is not None and "size mismatch" in r["error"], r
         assert r["untouched"], "tensors were filled before the damage was found"
