@@ -124,13 +124,19 @@ class Pending:
 
     def track(self, future: Any) -> Pending:
         """An asynchronous save: durable when ``future`` completes (stamped by a callback)."""
-        self.durable = None
 
         def stamp(_f: Any) -> None:
             self.durable = time.perf_counter()
 
+        self.until(future.result)  # before the callback: a done future stamps at once
         future.add_done_callback(stamp)
-        self._wait = future.result
+        return self
+
+    def until(self, wait: Callable[[], None]) -> Pending:
+        """An asynchronous save: durable once ``wait`` returned (it sets ``durable`` itself,
+        or the callback of ``track`` does)."""
+        self.durable = None
+        self._wait = wait
         return self
 
     def finish(self) -> float:
@@ -177,8 +183,7 @@ class Savers:
                     "timings": read_manifest(result.path).timings,
                 }
 
-            pending.durable, pending._wait = None, done
-            return pending
+            return pending.until(done)
         if method == "torch_save":
             path.mkdir(parents=True)
             with open(path / "state.pt", "wb") as f:
