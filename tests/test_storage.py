@@ -4,8 +4,10 @@ single-process CheckpointManager round trip with a real flipped byte."""
 from __future__ import annotations
 
 import copy
+import fcntl
 import os
 import pickle
+import random
 import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
+from torch.utils.serialization import config as serialization_config
 
 import dckpt
 from dckpt.errors import CheckpointNotFoundError, IntegrityError, ManifestError
@@ -34,6 +37,7 @@ from dckpt.storage import (
     hash_file,
     read_verified,
 )
+from dckpt.storage.direct_file import DirectFile, open_for_write
 from dckpt.storage.safe_unpickle import load_dcp_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -194,6 +198,41 @@ def test_writer_never_overwrites_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises((RuntimeError, CheckpointException), match="already exists"):
         save_dcp({"other": torch.ones(2)}, ckpt)
     assert {n: (ckpt / n).read_bytes() for n in os.listdir(ckpt)} == before
+
+
+# --- direct I/O ---------------------------------------------------------------------------------
+
+
+def test_direct_file_writes_the_exact_bytes_whatever_the_write_pattern(tmp_path: Path) -> None:
+    data = os.urandom(9_000_017)
+    rng = random.Random(5)
+    path = tmp_path / "f"
+    f = open_for_write(path, direct=True)
+    assert isinstance(f, DirectFile)  # tmp_path is ext4 here: the page cache is bypassed
+    assert fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_DIRECT
+    done = 0
+    while done < len(data):
+        n = rng.choice([1, 63, 4096, 5000, 1 << 20, 5 << 20])
+        f.write(data[done : done + n])
+        done = min(done + n, len(data))
+        assert f.tell() == done
+        if rng.random() < 0.3:  # a tail written and cut mid-file, then overwritten by more
+            os.fsync(f.fileno())
+            assert path.stat().st_size == done
+    f.close()
+    assert path.read_bytes() == data
+
+
+def test_direct_and_buffered_shards_are_identical_and_crc_is_restored(tmp_path: Path) -> None:
+    state = sample_state()
+    digests = {}
+    for direct in (True, False):
+        writer = HashingWriter(tmp_path / str(direct), direct=direct)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        digests[direct] = {r.path: r.digest for r in writer.records() if r.path.endswith("distcp")}
+    assert digests[True] == digests[False] and digests[True]
+    assert (tmp_path / "True" / SHARD).read_bytes() == (tmp_path / "False" / SHARD).read_bytes()
+    assert serialization_config.save.compute_crc32 is True  # only off while dckpt writes
 
 
 # --- read_verified ----------------------------------------------------------------------------
