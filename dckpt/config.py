@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from .retention import RetentionPolicy
 from .storage.digest import ALGORITHMS
@@ -28,7 +29,17 @@ class CheckpointConfig:
             the watchdog declares it stuck (a hung write, a dead rank): it logs which rank and
             phase, and the next ``save()`` raises. None: ``4 * timeout_s + 30``.
         io_threads: writer threads per rank (DCP's ``thread_count``); one file per thread.
-        async_save: write in the background; ``save()`` returns once the state is staged.
+        direct_io: write shard files with ``O_DIRECT`` where the file system allows it
+            (elsewhere, e.g. tmpfs, buffered): no page-cache copy, a fraction of the CPU a
+            buffered write takes from the training steps. The price: a load right after a
+            save on the same node reads from the disk, not from the page cache.
+        async_save: ``True``: write in the background; ``save()`` returns once the state is
+            staged. ``False``: ``save()`` returns once the checkpoint is committed. ``"auto"``
+            (default): in the background, unless that costs the training loop more than a
+            synchronous save. The cost is read from the loop's step times (see
+            dckpt.step_clock); when the background write holds the loop below
+            ``SLOW_PACE`` of its pace, one save is made synchronously to compare, and the
+            cheaper way is kept for the rest of the run (logged once, on rank 0).
         overlap_staging: let ``save()`` return before the parameters and optimizer state that
             go to host memory are copied; the copy completes before the next
             ``optimizer.step()`` (a step pre-hook waits for it). Off by default: it rests on
@@ -59,7 +70,8 @@ class CheckpointConfig:
     timeout_s: float = 600.0
     save_timeout_s: float | None = None
     io_threads: int = 1
-    async_save: bool = True
+    direct_io: bool = True
+    async_save: bool | Literal["auto"] = "auto"
     overlap_staging: bool = False
     device_staging_bytes: int | None = None
     if_busy: str = "wait"
@@ -114,8 +126,13 @@ class CheckpointConfig:
             raise ValueError(f"loss_watch_steps must be >= 1, got {self.loss_watch_steps}")
         if self.if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
-        if self.overlap_staging and not self.async_save:
-            object.__setattr__(self, "overlap_staging", False)  # nothing to overlap with
+        if self.async_save not in (True, False, "auto"):
+            raise ValueError(f"async_save must be True, False or 'auto', got {self.async_save!r}")
+        if self.overlap_staging and self.async_save is False:
+            raise ValueError(
+                "overlap_staging=True needs a background save (async_save True or 'auto'): a "
+                "synchronous save has nothing to overlap the copy with"
+            )
         if self.device_staging_bytes is not None and self.device_staging_bytes < 0:
             raise ValueError(
                 f"device_staging_bytes must be >= 0 (0 turns device staging off), got "

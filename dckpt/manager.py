@@ -13,9 +13,14 @@ Save protocol (``save``), called by every rank with the same step, in the same o
    ``HashingWriter`` (a digest per file, computed as bytes go out);
 4. ``Coordinator.finish_save``: digests gathered to rank 0, manifest written, atomic commit,
    outcome broadcast. An error on any rank fails the save on all ranks and commits nothing.
-``save()`` returns after step 2, or after the commit (``async_save=False``). With
+``save()`` returns after step 2, or after the commit (a synchronous save). With
 ``overlap_staging`` the deferred copies are complete before the next ``optimizer.step()``
-runs: an optimizer step pre-hook calls ``before_optimizer_step()``.
+runs: an optimizer step pre-hook calls ``before_optimizer_step()``. The same hook times every
+step (``step_clock.StepClock``): rank 0 reads from the step times what each save cost the
+loop, beyond its stall, for the save line and the manifest. With ``async_save="auto"``
+(``save_mode.SaveMode``), rank 0 decides from those costs whether saves run in the
+background; while it is undecided (the first few saves), ``save()`` broadcasts rank 0's plan
+on dckpt's control group before step 2.
 
 Load protocol (``load``), after draining any save in flight:
 1. rank 0 chooses the step (newest committed, or the one asked for) and broadcasts it;
@@ -56,9 +61,11 @@ from .lock import LockError, RunLock
 from .precision import PrecisionPolicy
 from .preemption import Preemption
 from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport
+from .save_mode import SaveMode
 from .saving import SaveJob, SavingMixin
 from .stager import Snapshot, Stager, Watch, watch_versions
 from .state import TrainState
+from .step_clock import StepClock
 from .stopping import StoppingMixin
 from .units import human_bytes
 from .writer import BackgroundWriter, SaveHandle, SaveResult
@@ -143,6 +150,8 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         self._progress = Progress(self._io)
         self._stager = Stager(config.device_staging_bytes)
         self._writer = BackgroundWriter()
+        self._clock = StepClock()
+        self._mode = SaveMode(config.async_save)
         self._saves = 0
         self._closed = False
         self._broken: str | None = None
@@ -182,9 +191,9 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             self._io.close()
             raise failure
         self._hook: Any = None
-        if config.overlap_staging and state.optimizer is not None:
+        if state.optimizer is not None:
             self._hook = state.optimizer.register_step_pre_hook(
-                lambda _opt, _args, _kwargs: self.before_optimizer_step()
+                lambda _opt, _args, _kwargs: self._on_optimizer_step()
             )
 
     # --- saving -----------------------------------------------------------------------------
@@ -221,7 +230,7 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         t0 = time.perf_counter()
         self._writer.raise_if_failed()
         in_flight = self._writer.current
-        if self.config.if_busy == "skip" and self.config.async_save:
+        if self.config.if_busy == "skip" and self._mode.asynchronous:
             busy = self._ctl.all_gather(in_flight is not None)
             if any(busy):
                 return self._skip(step, busy)
@@ -235,6 +244,14 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
                     in_flight.step,
                 )
             self._writer.raise_if_failed()
+        if self._mode.deciding:  # async_save="auto", first saves: rank 0 measured, all follow
+            mine = self._mode.plan() if self.rank == 0 else None
+            plan = self._ctl.broadcast(mine)
+            assert plan is not None  # rank 0 always sends one
+            self._mode.apply(plan)
+            if self.rank == 0 and plan.message:
+                log.info("dckpt: %s", plan.message)
+        asynchronous = self._mode.asynchronous
 
         self._saves += 1
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -266,7 +283,7 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
                 }
             if self.rank == 0:
                 self._check_free_space(step, state_dict)
-            if self.config.async_save:
+            if asynchronous:
                 snapshot = self._stager.snapshot(state_dict, self._deferred_storages())
             else:  # the caller waits for the commit: write the live state
                 snapshot = self._stager.live(state_dict)
@@ -281,20 +298,24 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             epoch=epoch,
             milestone=milestone,
             extra=extra,
+            asynchronous=asynchronous,
         )
+        self._clock.save_started(t0)
         self._writer.submit(
             handle,
             lambda h: self._write(h, job),
             deadline_s=self.config.watchdog_s,
             describe_stuck=lambda: self._progress.lagging(save_id),
         )
-        if not self.config.async_save:
+        if not asynchronous:
             try:
                 handle.result()
             except BaseException:
                 self._writer.clear_failed()  # delivered here; the next save() starts clean
                 raise
-        handle.stall_s = time.perf_counter() - t0
+        now = time.perf_counter()
+        handle.stall_s = now - t0
+        self._clock.save_returned(t0, now)
         return handle
 
     def _check_free_space(self, step: int, state_dict: dict[str, Any]) -> None:
@@ -318,6 +339,11 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
                 human_bytes(free),
                 self.root,
             )
+
+    def _on_optimizer_step(self) -> None:
+        self._clock.tick()
+        if self.config.overlap_staging:
+            self.before_optimizer_step()
 
     def before_optimizer_step(self) -> None:
         """Block until the save in flight has its copy of the state (with ``overlap_staging``,
@@ -367,7 +393,7 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         """Tensors whose copy may wait until the next optimizer step (``overlap_staging``):
         only what the hooked optimizer changes, its parameters and its state."""
         opt = self.state.optimizer
-        if opt is None or self._hook is None:
+        if opt is None or not self.config.overlap_staging:
             return {}
         tensors = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         for per_param in opt.state.values():

@@ -29,8 +29,10 @@ from .faults import fault_point
 from .housekeeping import apply_retention
 from .manifest import Manifest
 from .precision import PrecisionPolicy
+from .save_mode import SaveMode
 from .stager import Snapshot, Stager, StagingSavePlanner
 from .state import TrainState
+from .step_clock import LoopCost, StepClock
 from .storage.hashing_writer import HashingWriter
 from .units import describe_staging, human_bytes
 from .writer import SaveHandle, SaveResult
@@ -50,6 +52,7 @@ class SaveJob:
     epoch: int
     milestone: bool
     extra: dict[str, Any]
+    asynchronous: bool
 
 
 class SavingMixin:
@@ -67,6 +70,8 @@ class SavingMixin:
     _progress: Progress
     _coordinator: Coordinator
     _stager: Stager
+    _clock: StepClock
+    _mode: SaveMode
     _device: int | None
     _broken: str | None
     _last_save_bytes: int
@@ -99,6 +104,7 @@ class SavingMixin:
             ) from exc
         finally:
             handle.staged.set()
+            self._clock.save_ended(handle.started)
         self._progress.clear(job.save_id)
         return result
 
@@ -150,6 +156,7 @@ class SavingMixin:
             algorithm=self.config.digest,
             rank=self.rank,
             thread_count=self.config.io_threads,
+            direct=self.config.direct_io,
             on_written=lambda: self._written(save_id, step),
         )
         error = None
@@ -190,9 +197,12 @@ class SavingMixin:
         )
 
         def build(reports: list[RankReport]) -> Manifest:
-            # rank 0's stall as known at commit time
-            sync = not self.config.async_save
-            extra["stall_s"] = time.perf_counter() - t0 if sync else handle.stall_s
+            # rank 0's stall, and what the save cost its loop, as known at commit time
+            now = time.perf_counter()
+            extra["stall_s"] = handle.stall_s if job.asynchronous else now - t0
+            cost = self._clock.cost(t0, extra["stall_s"], now)
+            self._mode.record(job.asynchronous, cost)
+            extra["cost"] = cost
             manifest = self._manifest(
                 step=step,
                 epoch=job.epoch,
@@ -217,7 +227,7 @@ class SavingMixin:
         handle.past_commit = True
         assert outcome.path is not None
         commit_s = time.perf_counter() - t0
-        stall_s = commit_s if not self.config.async_save else handle.stall_s
+        stall_s = handle.stall_s if job.asynchronous else commit_s
         result = SaveResult(
             step=step,
             path=Path(outcome.path),
@@ -229,17 +239,18 @@ class SavingMixin:
         self._last_save_bytes, self._last_committed_step = result.bytes, step
         if self.rank == 0:
             timings = extra.get("timings", {})
+            cost: LoopCost = extra["cost"]
             log.info(
-                "dckpt: saved step %d | %s in %d files | stall %.3f s | committed in %.3f s | "
+                "dckpt: saved step %d | %s in %d files | %s | committed in %.3f s | "
                 "%s/s | %s digests | %s | %s",
                 step,
                 human_bytes(result.bytes),
                 result.files,
-                result.stall_s,
+                cost.phrase(result.commit_s),
                 result.commit_s,
                 human_bytes(result.bytes / max(result.commit_s, 1e-9)),
                 self.config.digest,
-                describe_staging(timings) if self.config.async_save else "live state written",
+                describe_staging(timings) if job.asynchronous else "live state written",
                 result.path,
             )
             if self.config.retention.enabled:
@@ -290,6 +301,7 @@ class SavingMixin:
             metric=extra["metric"],
             timings={
                 "stall_s": extra.get("stall_s", 0.0),
+                **(extra["cost"].timings() if "cost" in extra else {}),
                 **_merge_timings(reports),
                 "to_commit_s": time.perf_counter() - t0,
             },

@@ -121,8 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--async",
         dest="async_save",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="save in the background (default) or block until each save is committed",
+        default=None,
+        help="save in the background, or block until each save is committed; default: "
+        "decided from the measured cost (async_save='auto')",
     )
     p.add_argument(
         "--preemption",
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = dckpt.CheckpointConfig(
         root=Path(args.ckpt_dir),
-        async_save=args.async_save,
+        async_save="auto" if args.async_save is None else args.async_save,
         keep_last=args.keep_last,
         milestone_every=args.milestone_every,
     )

@@ -1,7 +1,10 @@
 """``dckpt plan``: recovery planning from a checkpoint's measured timings, or from flags.
 
-With ROOT, the checkpoint's size, its write time (``timings.write_s``), its stall and its time
-to commit come from the newest (or ``--step``) manifest; flags override any of them.
+With ROOT, the checkpoint's size, its write time (``timings.write_s``), what the save cost the
+training loop and its time to commit come from the newest (or ``--step``) manifest; flags
+override any of them. The cost per save is ``timings.training_slowed_s`` (the stall plus the
+slowdown of the steps beside the background write, read from step times; see
+dckpt.step_clock) where the save measured it, else the stall alone.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         measured["bytes"] = manifest.total_bytes
         if t.get("write_s"):
             measured["write_gbps"] = manifest.total_bytes / t["write_s"] / 1e9
-        measured["stall_s"] = t.get("stall_s", t.get("to_commit_s", 0.0))
+        measured["stall_s"] = t.get(
+            "training_slowed_s", t.get("stall_s", t.get("to_commit_s", 0.0))
+        )
         measured["commit_s"] = t.get("to_commit_s", 0.0)
     size = args.bytes if args.bytes is not None else measured.get("bytes")
     write = args.write_gbps or measured.get("write_gbps")
@@ -71,12 +76,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"inputs": inputs.__dict__, "plan": result.as_dict()}, indent=1))
         return EXIT_OK
     rows = [
-        ("checkpoint", f"{human(inputs.checkpoint_bytes)}, stall {inputs.stall_s:.3f} s, "
+        ("checkpoint", f"{human(inputs.checkpoint_bytes)}, costs training {inputs.stall_s:.3f} s, "
          f"commit {inputs.commit_s:.2f} s, write {inputs.write_gbps:.2f} GB/s, "
          f"read {inputs.read_gbps:.2f} GB/s" + ("" if args.read_gbps else " (assumed = write)")),
         ("job MTBF", f"{_duration(result.job_mtbf_s)} ({inputs.nodes} nodes x "
          f"{inputs.mtbf_node_hours:g} h each)"),
-        ("save every", f"{_duration(result.interval_s)} (Young-Daly: sqrt(2 x stall x MTBF))"),
+        ("save every", f"{_duration(result.interval_s)} (Young-Daly: sqrt(2 x cost x MTBF))"),
         ("lost per failure", f"{_duration(result.expected_work_lost_s)} of work "
          "(half an interval + time to commit)"),
         ("RTO", f"{_duration(result.rto_s)} (size / read bandwidth + "

@@ -24,6 +24,7 @@ from rich.table import Table
 from ..errors import IntegrityError, ManifestError
 from ..layout import CheckpointEntry, list_checkpoints, pinned_steps
 from ..manifest import read_manifest
+from ..step_clock import describe_cost
 from ..units import describe_staging
 from ..verify import VerifyResult, read_verification, record_verification, verify_checkpoint
 from .common import (
@@ -241,6 +242,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             ", ".join(
                 f"{k} {v:.3f}" for k, v in sorted(manifest.timings.items()) if k.endswith("_s")
             ),
+        ),
+        (
+            "save cost",
+            describe_cost(manifest.timings, manifest.timings.get("to_commit_s", 0.0))
+            or "not measured",
         ),
         ("staging", describe_staging(manifest.timings)),
         ("config", json.dumps(manifest.config, sort_keys=True)),
