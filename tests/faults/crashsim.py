@@ -34,8 +34,11 @@ simulated final tree (names, kinds, sizes) with the real one.
 
 Limits: truncation is exact at the synced length (no page granularity, no reordered blocks, no
 stale data other than zeros); write(2) is taken to append (the offset of each descriptor is not
-tracked; pwrite/pwritev use their explicit offset); a file rewritten in place (truncated or
-overwritten below its length) raises ``SimulationError``; so does a RENAME_EXCHANGE whose two
+tracked; pwrite/pwritev use their explicit offset); bytes past a file's synced length may be
+overwritten or cut off again before its next fsync (dckpt's direct writes pad the last block,
+then truncate, and a later write rewrites that block): they were never durable, and the final
+tree holds what they became; a file rewritten in place below its synced length (truncated or
+overwritten) raises ``SimulationError``; so does a RENAME_EXCHANGE whose two
 entries are in different directories (when each half would become durable is file-system specific)
 or one of whose names is missing, and so does RENAME_WHITEOUT; hard links, symlinks, mmap writes,
 copy_file_range, sendfile and fallocate are not modelled (the final-tree check catches any that
@@ -485,12 +488,12 @@ class CrashSim:
             if op.offset is None:
                 self._set_length(op, node, old + op.nbytes)
             else:
-                if op.offset < old:
+                if op.offset < self._synced_length(node):
                     raise SimulationError(f"op {op.index}: {op.path} is overwritten in place")
-                self._set_length(op, node, op.offset + op.nbytes)
+                self._set_length(op, node, max(old, op.offset + op.nbytes))
         elif op.kind == "truncate":
             node = self._resolve(op.path, op)
-            if op.nbytes < r.length[node]:
+            if op.nbytes < self._synced_length(node):
                 raise SimulationError(f"op {op.index}: {op.path} is truncated in place")
             self._set_length(op, node, op.nbytes)
         elif op.kind == "fsync":
@@ -499,6 +502,15 @@ class CrashSim:
                 self._synced_dirs[op.index] = node
             else:
                 r.file_syncs.setdefault(node, []).append((op.index, r.length[node]))
+
+    def _synced_length(self, node: int) -> int:
+        """The length a file had at its last fsync so far (its initial length if it existed
+        before the run): the bytes below it are durable and must not change."""
+        syncs = self._r.file_syncs.get(node)
+        if syncs:
+            return syncs[-1][1]
+        source = self._r.nodes[node].source
+        return self._r.nodes[node].initial_length if source is not None else 0
 
     # -- crash states --
 
