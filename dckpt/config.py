@@ -30,16 +30,16 @@ class CheckpointConfig:
             phase, and the next ``save()`` raises. None: ``4 * timeout_s + 30``.
         io_threads: writer threads per rank (DCP's ``thread_count``); one file per thread.
         direct_io: write shard files with ``O_DIRECT`` where the file system allows it
-            (elsewhere, e.g. tmpfs, buffered): no page-cache copy, a fraction of the CPU a
+            (buffered where it refuses it): no page-cache copy, a fraction of the CPU a
             buffered write takes from the training steps. The price: a load right after a
             save on the same node reads from the disk, not from the page cache.
         async_save: ``True``: write in the background; ``save()`` returns once the state is
             staged. ``False``: ``save()`` returns once the checkpoint is committed. ``"auto"``
             (default): in the background, unless that costs the training loop more than a
             synchronous save. The cost is read from the loop's step times (see
-            dckpt.step_clock); when the background write holds the loop below
-            ``SLOW_PACE`` of its pace, one save is made synchronously to compare, and the
-            cheaper way is kept for the rest of the run (logged once, on rank 0).
+            dckpt.step_clock); when the background write holds the steps below 70% of
+            their pace (``save_mode.SLOW_PACE``), one save is made synchronously to compare,
+            and the cheaper way is kept for the rest of the run (logged on rank 0).
         overlap_staging: let ``save()`` return before the parameters and optimizer state that
             go to host memory are copied; the copy completes before the next
             ``optimizer.step()`` (a step pre-hook waits for it). Off by default: it rests on
