@@ -81,7 +81,7 @@ class LoopCost:
         """The save line's part: ``stall 0.080 s, training slowed 0.41 s over the 1.2 s write``."""
         head = f"stall {self.stall_s:.3f} s"
         if self.slowed_s is None:
-            return f"{head}, training slowdown not measured ({self.why_not})"
+            return f"{head}, training slowdown not measured {self.why_not}"
         if self.background_s <= 0 or self.speed is None:
             return f"{head}, training slowed {self.slowed_s:.3f} s"
         return (
@@ -196,11 +196,12 @@ class StepClock:
                 steps=0,
             )
         if fit is None:
-            why = (
-                "no optimizer steps seen"
-                if self._seen == 0
-                else "not enough steps yet, or every step overlapped a write alike"
-            )
+            if self._seen == 0:
+                why = "(no optimizer step seen)"
+            elif len(self._steps) < MIN_STEPS:
+                why = f"yet ({len(self._steps)} of {MIN_STEPS} steps timed)"
+            else:
+                why = "(every step overlapped a write alike: saves closer together than a write)"
             return LoopCost(
                 slowed_s=None,
                 stall_s=stall_s,

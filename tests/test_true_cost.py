@@ -124,7 +124,10 @@ def test_synchronous_cost_is_the_stall_and_unmeasured_says_why() -> None:
     assert cost.slowed_s == 1.5 and "training slowed 1.500 s" in cost.phrase(1.5)
     background = clock.cost(10.0, 0.1, 11.0)
     assert background.slowed_s is None and background.timings() == {}
-    assert "not measured (no optimizer steps seen)" in background.phrase(1.0)
+    assert "training slowdown not measured (no optimizer step seen)" in background.phrase(1.0)
+    for _ in range(3):
+        clock.tick()
+    assert "not measured yet (1 of 4 steps timed)" in clock.cost(10.0, 0.1, 11.0).phrase(1.0)
 
 
 def _cost(slowed: float, speed: float, background: float = 1.0) -> LoopCost:
