@@ -47,9 +47,8 @@ class SaveMode:
     """The ``async_save`` setting and, for ``"auto"``, the decision; see the module docstring."""
 
     def __init__(self, setting: bool | str) -> None:
-        self.auto = setting == "auto"
         self.asynchronous = setting is not False
-        self.deciding = self.auto
+        self.deciding = setting == "auto"
         self._background: list[LoopCost] = []
         self._trial: LoopCost | None = None
         self._trying = False

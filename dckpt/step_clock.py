@@ -21,7 +21,9 @@ seconds in the background then cost the loop::
 
     cost = stall + (1 - r) * W            ("training slowed": what the loop lost in all)
 
-A synchronous save has ``W = 0``: its cost is its stall. Saves so close together that every
+The slope is kept within [0, 1]: a write never speeds the loop up, and a cost above
+``stall + W`` (effects that outlast the write) is not attributed to it. A synchronous save has
+``W = 0``: its cost is its stall. Saves so close together that every
 step overlaps a write about equally leave the slope undetermined; then the last measured slope
 is used, and before there is one the save line says the cost was not measured, and why.
 
@@ -40,7 +42,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["LoopCost", "StepClock"]
+__all__ = ["LoopCost", "StepClock", "describe_cost"]
 
 MIN_STEPS = 4
 """Step intervals needed for a fit."""

@@ -1,0 +1,77 @@
+"""bench/true_cost.py's arithmetic: a cost per save read from step records, the ratios and the
+verdicts, on step records whose truth is known (running it for real takes minutes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("true_cost", REPO / "bench" / "true_cost.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["true_cost"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trainer(extra: float, printed: float | None, save_every: int = 2) -> dict[str, Any]:
+    """Step records of a loop at 1 s per step whose saves each add ``extra`` seconds."""
+    times, t = {}, 100.0
+    for step in range(1, 21):
+        times[step] = t
+        t += 1.0 + (extra if step % save_every == 0 else 0.0)
+    saves = {s: (0.05, printed) for s in range(save_every, 21, save_every)}
+    return {"times": times, "printed": saves, "decision": ["kept"], "bytes": 1000}
+
+
+def _doc(bench: ModuleType, *, async_extra: float, async_printed: float) -> dict[str, Any]:
+    args = bench.parse_args(["--steps", "20", "--save-every", "2"])
+    first, last, saves = bench.window(args)
+    rounds = [
+        {
+            "none": _trainer(0.0, None),
+            "sync": _trainer(0.6, 0.6),
+            "async": _trainer(async_extra, async_printed),
+            "auto": _trainer(async_extra, async_printed),
+            "dcp": {"seconds": [1.0, 1.2, 0.8], "disk_s": [0.5, 0.5, 0.5], "bytes": 1000},
+        }
+    ]
+    run = bench.h.Run(base_dir="")
+    return dict(bench.summarize(args, rounds, first, last, saves, run))
+
+
+def test_cost_per_save_is_read_from_the_step_records(bench: ModuleType) -> None:
+    args = bench.parse_args(["--steps", "20", "--save-every", "2"])
+    assert bench.window(args) == (6, 20, [6, 8, 10, 12, 14, 16, 18])
+    doc = _doc(bench, async_extra=0.3, async_printed=0.3)
+    f = doc["figures"]
+    assert f["sync_cost_s"] == pytest.approx(0.6)
+    assert f["async_cost_s"] == pytest.approx(0.3)
+    assert f["dcp_save_s"] == pytest.approx(1.0)
+    assert f["async_per_dcp"] == pytest.approx(0.3) and f["async_per_sync"] == pytest.approx(0.5)
+    assert f["reported_per_measured"] == pytest.approx(1.0)
+    assert f["step_s_none"] == pytest.approx(1.0)
+    assert [t["pass"] for t in doc["targets"]] == [True, True, True]
+    text = bench.render(doc)
+    assert "| dckpt, background | 0.300 s | 0.30 |" in text and "PASS" in text
+
+
+def test_a_cost_over_the_limits_and_a_wrong_printed_figure_fail(bench: ModuleType) -> None:
+    doc = _doc(bench, async_extra=0.7, async_printed=0.2)
+    verdicts = {t["target"]: t["pass"] for t in doc["targets"]}
+    assert verdicts == {
+        "async cost / dcp.save": False,
+        "async cost / sync cost": False,
+        "reported / measured (async)": False,
+    }
+    assert "FAIL" in bench.render(doc)
