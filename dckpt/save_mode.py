@@ -12,7 +12,8 @@ broadcasts rank 0's plan so every rank saves the same way:
 3. otherwise the next save is synchronous, and its cost (its stall: the loop does nothing else)
    is set against the median background cost; the cheaper way is kept for the rest of the run.
 
-Invariants: the decision is logged once, with both figures; ``async_save=True`` or ``False``
+Invariants: the decision is logged once, with both figures (a synchronous trial is announced
+before it runs); ``async_save=True`` or ``False``
 never changes; only rank 0's measurements count (its loop moves in step with the others); the
 plan is broadcast only while undecided (the first few saves), so later saves run no collective.
 """
@@ -74,7 +75,7 @@ class SaveMode:
                 final=True,
                 message=(
                     f"the cost of background saves could not be measured in {GIVE_UP_AFTER} "
-                    "saves (it needs optimizer steps with no save in flight between saves): "
+                    "saves (it needs optimizer steps that a write overlaps by different amounts): "
                     "saving in the background (async_save='auto')"
                 ),
             )

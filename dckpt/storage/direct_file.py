@@ -16,7 +16,8 @@ writes continue from the same block, so it may be called at any point.
 
 Invariants:
 - the file's bytes are exactly the bytes given to ``write``, in order; ``tell`` counts them;
-- a file system that refuses ``O_DIRECT`` (tmpfs, some network file systems) gets a buffered
+- a file system that refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some network file systems,
+  FUSE) gets a buffered
   file instead (``open_for_write``); one that accepts the flag but refuses an aligned write
   drops the flag on that descriptor and continues buffered;
 - bounce buffers are pooled per process and reused across files and saves (warm pages), at
