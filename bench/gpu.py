@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _harness import CHUNK, GB, evict, write_file
 
 import dckpt
-from dckpt.manifest import read_manifest
+from dckpt.root.manifest import read_manifest
 
 METHODS = ("dckpt", "dcp_save", "dcp_async_thread", "dcp_async_process", "torch_save")
 

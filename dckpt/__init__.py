@@ -19,20 +19,20 @@ _EXPORTS = {
     "CheckpointManager": "manager",
     "CheckpointNotFoundError": "errors",
     "ConfigMismatchError": "errors",
-    "GlobalBatchSampler": "data",
+    "GlobalBatchSampler": "train.data",
     "IntegrityError": "errors",
     "LoadResult": "manager",
     "LossDeviationError": "errors",
     "ManifestError": "errors",
-    "PrecisionPolicy": "precision",
-    "ResumeReport": "resume",
+    "PrecisionPolicy": "train.precision",
+    "ResumeReport": "load.report",
     "SaveError": "errors",
     "SaveHandle": "manager",
     "SaveResult": "manager",
     "StateMismatchError": "errors",
-    "TrainState": "state",
+    "TrainState": "train.state",
     "WorldError": "errors",
-    "init_distributed": "world",
+    "init_distributed": "dist.world",
 }
 
 __all__ = [
@@ -60,7 +60,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .config import CheckpointConfig as CheckpointConfig
-    from .data import GlobalBatchSampler as GlobalBatchSampler
+    from .dist.world import init_distributed as init_distributed
     from .errors import CheckpointError as CheckpointError
     from .errors import CheckpointNotFoundError as CheckpointNotFoundError
     from .errors import ConfigMismatchError as ConfigMismatchError
@@ -70,14 +70,14 @@ if TYPE_CHECKING:
     from .errors import SaveError as SaveError
     from .errors import StateMismatchError as StateMismatchError
     from .errors import WorldError as WorldError
+    from .load.report import ResumeReport as ResumeReport
     from .manager import CheckpointManager as CheckpointManager
     from .manager import LoadResult as LoadResult
     from .manager import SaveHandle as SaveHandle
     from .manager import SaveResult as SaveResult
-    from .precision import PrecisionPolicy as PrecisionPolicy
-    from .resume import ResumeReport as ResumeReport
-    from .state import TrainState as TrainState
-    from .world import init_distributed as init_distributed
+    from .train.data import GlobalBatchSampler as GlobalBatchSampler
+    from .train.precision import PrecisionPolicy as PrecisionPolicy
+    from .train.state import TrainState as TrainState
 
 
 def __getattr__(name: str) -> Any:

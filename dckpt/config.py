@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .retention import RetentionPolicy
+from .root.retention import RetentionPolicy
 from .storage.digest import ALGORITHMS
 
 __all__ = ["CheckpointConfig"]

@@ -49,26 +49,28 @@ import torch
 import xxhash
 from torch.distributed.tensor import DTensor
 
-from . import rng
-from .comm import Comm, Progress
-from .commit import recover
 from .config import CheckpointConfig
-from .coordinator import Coordinator
+from .dist.comm import Comm, Progress
 from .errors import CheckpointError, SaveError, WorldError
 from .faults import fault_point
-from .loading import LoadingMixin, LoadResult
-from .lock import LockError, RunLock
-from .precision import PrecisionPolicy
+from .load.config_check import SAFE_CONFIG_KEYS
+from .load.loss_watch import LossWatch
+from .load.report import ResumeReport
+from .load.resumer import LoadingMixin, LoadResult
 from .preemption import Preemption
-from .resume import SAFE_CONFIG_KEYS, LossWatch, ResumeReport
-from .save_mode import SaveMode
-from .saving import SaveJob, SavingMixin
-from .stager import Snapshot, Stager, Watch, watch_versions
-from .state import TrainState
-from .step_clock import StepClock
+from .root.commit import recover
+from .root.lock import LockError, RunLock
+from .save.background import BackgroundWriter, SaveHandle, SaveResult
+from .save.coordinator import Coordinator
+from .save.mode import SaveMode
+from .save.pipeline import SaveJob, SavingMixin
+from .save.stager import Snapshot, Stager, Watch, watch_versions
+from .save.step_clock import StepClock
 from .stopping import StoppingMixin
+from .train import rng
+from .train.precision import PrecisionPolicy
+from .train.state import TrainState
 from .units import human_bytes
-from .writer import BackgroundWriter, SaveHandle, SaveResult
 
 __all__ = ["CheckpointManager", "LoadResult", "ResumeReport", "SaveHandle", "SaveResult"]
 

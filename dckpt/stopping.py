@@ -10,10 +10,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from .comm import Comm
+from .dist.comm import Comm
 from .errors import CheckpointError, SaveError
 from .preemption import DEFAULT_SIGNALS, Preemption
-from .writer import BackgroundWriter, SaveHandle, SaveResult
+from .save.background import BackgroundWriter, SaveHandle, SaveResult
 
 __all__ = ["StoppingMixin"]
 

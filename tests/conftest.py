@@ -81,7 +81,7 @@ def losses(log: Path) -> dict[int, float]:
 def crash_and_resume_matches(tmp_path: Path, extra: list[str], nproc: int = 2) -> None:
     """The example trainer SIGKILLed after step 8 of 10 (saving every 3rd step) and started
     again logs the same losses, bit for bit, as a run that never stopped."""
-    from dckpt.layout import committed_steps
+    from dckpt.root.layout import committed_steps
 
     args = ["--steps", "10", "--save-every", "3", *extra]
     ref = torchrun_train(

@@ -98,7 +98,7 @@ def resume_world(
     rank: int, world: int, roots: list[str], width: int = WIDTH
 ) -> list[dict[str, Any]]:
     """A restart of each root in turn: resume, compare with the checkpoint, save one more."""
-    from dckpt.offline import load_flat
+    from dckpt.load.offline import load_flat
 
     out: list[dict[str, Any]] = []
     for root in roots:
@@ -133,8 +133,8 @@ Baseline = dict[int, dict[str, Any]]
 
 
 def capture(root: Path) -> Baseline:
-    from dckpt.layout import committed_steps, step_dir_name
-    from dckpt.offline import load_flat
+    from dckpt.load.offline import load_flat
+    from dckpt.root.layout import committed_steps, step_dir_name
 
     return {s: load_flat(root / step_dir_name(s)) for s in committed_steps(root)}
 
@@ -162,9 +162,9 @@ def check(root: Path, baseline: Baseline, *, may_drop: frozenset[int] = frozense
 
     ``may_drop``: steps the fault's scenario deletes on purpose (retention victims).
     """
-    from dckpt.layout import committed_steps, read_latest, step_dir_name
-    from dckpt.offline import load_flat
-    from dckpt.verify import verify_checkpoint
+    from dckpt.load.offline import load_flat
+    from dckpt.root.layout import committed_steps, read_latest, step_dir_name
+    from dckpt.root.verify import verify_checkpoint
 
     result = Check()
     committed = committed_steps(root)

@@ -33,8 +33,8 @@ def _back_to_back(rank: int, world: int, root: str, n: int, if_busy: str) -> lis
 def test_fifty_back_to_back_saves_commit_and_verify(tmp_path: Path, if_busy: str) -> None:
     saved = run_world(_back_to_back, 2, str(tmp_path), 50, if_busy, timeout=240)
     assert saved[0] == saved[1], "ranks disagreed on which saves were skipped"
-    from dckpt.layout import committed_steps
-    from dckpt.verify import verify_checkpoint
+    from dckpt.root.layout import committed_steps
+    from dckpt.root.verify import verify_checkpoint
 
     steps = committed_steps(tmp_path)
     assert steps == saved[0]
@@ -77,7 +77,7 @@ def test_write_failing_on_one_rank_fails_the_save_everywhere(tmp_path: Path) -> 
     for r in results:
         assert "step 2" in r["raised"] and "injected fault" in r["raised"], r["raised"]
         assert r["loaded"] == 1 and r["exact"]
-    from dckpt.layout import committed_steps
+    from dckpt.root.layout import committed_steps
 
     assert committed_steps(tmp_path) == [1]
     assert not list(tmp_path.glob("*.tmp-*"))
@@ -95,8 +95,8 @@ def _save_close_exit(rank: int, world: int, root: str) -> None:
 
 def test_close_drains_the_save_in_flight(tmp_path: Path) -> None:
     run_world(_save_close_exit, 2, str(tmp_path))
-    from dckpt.layout import committed_steps, read_latest
-    from dckpt.verify import verify_checkpoint
+    from dckpt.root.layout import committed_steps, read_latest
+    from dckpt.root.verify import verify_checkpoint
 
     assert committed_steps(tmp_path) == [9]
     assert read_latest(tmp_path) == "step-00000009"
@@ -123,7 +123,7 @@ def test_a_parameter_changed_before_its_copy_fails_the_save_not_the_snapshot(
         with pytest.raises(dckpt.SaveError):
             mgr.wait()  # the same error, latched for the next call, raised once
         assert mgr.wait() is None
-    from dckpt.layout import committed_steps
+    from dckpt.root.layout import committed_steps
 
     assert committed_steps(tmp_path) == [1]
 

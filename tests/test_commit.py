@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dckpt.commit import RenameCommit, new_tmp_dir, quarantine, recover
-from dckpt.layout import (
+from dckpt.root.commit import RenameCommit, new_tmp_dir, quarantine, recover
+from dckpt.root.layout import (
     LATEST_FILE,
     QUARANTINE_DIR,
     committed_steps,
@@ -18,7 +18,7 @@ from dckpt.layout import (
     read_latest,
     step_dir_name,
 )
-from dckpt.manifest import MANIFEST_FILE, Manifest, read_manifest, write_manifest
+from dckpt.root.manifest import MANIFEST_FILE, Manifest, read_manifest, write_manifest
 from dckpt.storage.digest import hash_file
 from dckpt.storage.records import FileRecord
 
@@ -125,16 +125,16 @@ def test_a_rollback_moves_the_abandoned_newer_branch_to_quarantine(tmp_path: Pat
 def test_commit_same_step_twice_replaces_whole(
     tmp_path: Path, swap: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dckpt.commit
+    import dckpt.root.commit
 
     swapped: list[bool] = []
-    real_exchange = dckpt.commit.exchange
+    real_exchange = dckpt.root.commit.exchange
 
     def spy(a: Path, b: Path) -> bool:
         swapped.append(real_exchange(a, b) if swap == "exchange" else False)
         return swapped[-1]
 
-    monkeypatch.setattr(dckpt.commit, "exchange", spy)
+    monkeypatch.setattr(dckpt.root.commit, "exchange", spy)
     first = commit(tmp_path, 5, b"first")
     (first / "only-in-first.bin").write_bytes(b"x")  # stands for a file the re-save lacks
     old_save_id = read_manifest(first).save_id
@@ -154,7 +154,7 @@ def test_commit_same_step_twice_replaces_whole(
 
 
 def test_exchange_swaps_two_directories(tmp_path: Path) -> None:
-    from dckpt.commit import exchange
+    from dckpt.root.commit import exchange
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()

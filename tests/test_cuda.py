@@ -16,7 +16,7 @@ from dist_harness import run_world
 from torch import nn
 
 import dckpt
-from dckpt.manifest import read_manifest
+from dckpt.root.manifest import read_manifest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -31,7 +31,7 @@ import psutil
 import pytest
 import yaml
 
-from dckpt.layout import committed_steps
+from dckpt.root.layout import committed_steps
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"

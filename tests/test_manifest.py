@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from dckpt import manifest as manifest_mod
+from dckpt.root import manifest as manifest_mod
 from dckpt.errors import IntegrityError, ManifestError
-from dckpt.manifest import (
+from dckpt.root.manifest import (
     MANIFEST_FILE,
     SCHEMA_VERSION,
     Manifest,

@@ -93,7 +93,7 @@ def test_roundtrip_is_bit_exact(tmp_path: Path, world: int, parallel: str) -> No
     results = run_world(_roundtrip, world, str(tmp_path), parallel)
     assert results[0]["tensors"] > 10
     step_dir = tmp_path / "step-00000007"
-    import dckpt.manifest as mf
+    import dckpt.root.manifest as mf
 
     manifest = mf.read_manifest(step_dir)
     names = {f.path for f in manifest.files}

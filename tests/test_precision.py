@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dckpt
-from dckpt.precision import check_scaler
+from dckpt.train.precision import check_scaler
 
 
 def test_bf16_autocast_on_cpu_computes_in_bf16_and_keeps_fp32_weights() -> None:
@@ -79,7 +79,7 @@ def test_the_manager_refuses_fp16_without_a_scaler_and_a_half_model(tmp_path: Pa
 
 
 def test_the_manifest_records_the_policy_and_the_scaler_state(tmp_path: Path) -> None:
-    from dckpt.manifest import read_manifest
+    from dckpt.root.manifest import read_manifest
 
     policy = dckpt.PrecisionPolicy(mode="fp16")
     model = nn.Linear(4, 2)

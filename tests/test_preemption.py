@@ -21,8 +21,8 @@ import pytest
 from conftest import dckpt_cli, torchrun_start, torchrun_train, torchrun_workers
 from dist_harness import run_world
 
-from dckpt.layout import committed_steps
-from dckpt.verify import verify_checkpoint
+from dckpt.root.layout import committed_steps
+from dckpt.root.verify import verify_checkpoint
 
 pytestmark = pytest.mark.multiproc
 

@@ -14,7 +14,8 @@ from dist_harness import run_world
 from torch import nn
 
 import dckpt
-from dckpt.resume import LossWatch, check_config, config_changes
+from dckpt.load.config_check import check_config, config_changes
+from dckpt.load.loss_watch import LossWatch
 
 # --- multi-process ---------------------------------------------------------------------------
 

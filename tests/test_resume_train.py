@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import crash_and_resume_matches, losses, torchrun_train
 
-from dckpt.layout import committed_steps, list_checkpoints
+from dckpt.root.layout import committed_steps, list_checkpoints
 
 pytestmark = pytest.mark.multiproc
 

@@ -109,7 +109,7 @@ def test_with_overlap_a_checkpoint_is_the_save_time_state_or_the_save_fails(
     fault = {"DCKPT_FAULT": "phase=stage,action=sleep,seconds=1,step=1"}
     hows = ["step", "inplace", "local"]
     results = run_world(_each_change, 2, str(tmp_path), parallel, hows, True, env=fault)
-    from dckpt.layout import committed_steps
+    from dckpt.root.layout import committed_steps
 
     for per_rank in results:
         assert per_rank["step"]["error"] is None and per_rank["step"]["wrong"] == []
@@ -128,7 +128,7 @@ def _three_saves(rank: int, world: int, root: str, parallel: str) -> dict[str, A
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import dckpt
-    from dckpt.manifest import read_manifest
+    from dckpt.root.manifest import read_manifest
 
     model, opt = _model(parallel)
     seen: list[dict[str, Any]] = []

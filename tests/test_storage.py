@@ -28,7 +28,7 @@ from torch.utils.serialization import config as serialization_config
 
 import dckpt
 from dckpt.errors import CheckpointNotFoundError, IntegrityError, ManifestError
-from dckpt.manifest import MANIFEST_FILE, read_manifest
+from dckpt.root.manifest import MANIFEST_FILE, read_manifest
 from dckpt.storage import (
     FileRecord,
     HashingWriter,

@@ -19,8 +19,8 @@ import pytest
 from conftest import dckpt_cli
 from dist_harness import run_world
 
-from dckpt.save_mode import PROBE_SAVES, SaveMode
-from dckpt.step_clock import LoopCost, StepClock, describe_cost
+from dckpt.save.mode import PROBE_SAVES, SaveMode
+from dckpt.save.step_clock import LoopCost, StepClock, describe_cost
 
 
 class Loop:

@@ -49,8 +49,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, torchrun_train
 
-from dckpt.layout import committed_steps, list_checkpoints
-from dckpt.verify import verify_checkpoint
+from dckpt.root.layout import committed_steps, list_checkpoints
+from dckpt.root.verify import verify_checkpoint
 
 pytestmark = [pytest.mark.multiproc]
 

@@ -22,7 +22,7 @@ import torch
 from dist_harness import run_world
 from torch import nn
 
-from dckpt.layout import committed_steps, list_checkpoints
+from dckpt.root.layout import committed_steps, list_checkpoints
 
 pytestmark = pytest.mark.multiproc
 
@@ -216,7 +216,7 @@ def _add_listed_file(step: Path, name: str, data: bytes) -> None:
     the load), re-sealed the way dckpt seals a manifest."""
     import dataclasses
 
-    from dckpt.manifest import read_manifest, write_manifest
+    from dckpt.root.manifest import read_manifest, write_manifest
     from dckpt.storage.digest import hash_file
     from dckpt.storage.records import FileRecord
 

@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from ..layout import is_dckpt_root, list_checkpoints
+from ..root.layout import is_dckpt_root, list_checkpoints
 from ..units import human_bytes
 
 __all__ = [

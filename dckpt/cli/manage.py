@@ -13,10 +13,10 @@ import socket
 
 from rich.table import Table
 
-from ..commit import pin, unpin
-from ..housekeeping import apply_retention, plan_retention
-from ..layout import LOCK_FILE, read_small_file
-from ..retention import RetentionPolicy
+from ..root.commit import pin, unpin
+from ..root.layout import LOCK_FILE, read_small_file
+from ..root.retention import RetentionPolicy
+from ..root.upkeep import apply_retention, plan_retention
 from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
 
 __all__ = ["cmd_gc", "cmd_pin", "cmd_unpin"]

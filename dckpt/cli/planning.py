@@ -15,9 +15,9 @@ import json
 import psutil
 
 from ..errors import IntegrityError, ManifestError
-from ..manifest import read_manifest
-from ..plan import PlanInputs, plan
+from ..root.manifest import read_manifest
 from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, committed_dir, fail, human, out, root_arg
+from .plan_model import PlanInputs, plan
 
 __all__ = ["cmd_plan"]
 

@@ -22,11 +22,11 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Table
 
 from ..errors import IntegrityError, ManifestError
-from ..layout import CheckpointEntry, list_checkpoints, pinned_steps
-from ..manifest import read_manifest
-from ..step_clock import describe_cost
+from ..root.layout import CheckpointEntry, list_checkpoints, pinned_steps
+from ..root.manifest import read_manifest
+from ..root.verify import VerifyResult, read_verification, record_verification, verify_checkpoint
+from ..save.step_clock import describe_cost
 from ..units import describe_staging
-from ..verify import VerifyResult, read_verification, record_verification, verify_checkpoint
 from .common import (
     EXIT_INTEGRITY,
     EXIT_OK,

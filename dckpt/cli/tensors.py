@@ -16,8 +16,8 @@ from typing import Any
 from rich.table import Table
 
 from ..errors import CheckpointError, IntegrityError, ManifestError
-from ..manifest import read_manifest
-from ..resume import config_changes
+from ..load.config_check import config_changes
+from ..root.manifest import read_manifest
 from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, committed_dir, fail, human, out, root_arg
 
 __all__ = ["cmd_diff", "cmd_export"]
@@ -26,7 +26,7 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _load(step_dir: Path, prefix: str) -> dict[str, Any]:
-    from ..offline import load_flat
+    from ..load.offline import load_flat
 
     try:
         return load_flat(step_dir, prefix)

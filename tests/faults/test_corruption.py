@@ -35,9 +35,9 @@ from fault_kit import Trials, capture, check, failed, fresh_root, resume_world, 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dckpt.errors import CheckpointError
-from dckpt.layout import QUARANTINE_DIR, committed_steps, step_dir_name
-from dckpt.manifest import MANIFEST_FILE, read_manifest, write_manifest
-from dckpt.offline import load_flat
+from dckpt.load.offline import load_flat
+from dckpt.root.layout import QUARANTINE_DIR, committed_steps, step_dir_name
+from dckpt.root.manifest import MANIFEST_FILE, read_manifest, write_manifest
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 

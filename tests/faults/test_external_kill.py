@@ -22,7 +22,7 @@ import pytest
 from conftest import torchrun_start, torchrun_train, torchrun_workers
 from fault_kit import Trials, capture, check
 
-from dckpt.layout import committed_steps
+from dckpt.root.layout import committed_steps
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 

@@ -80,7 +80,7 @@ def filling_world(rank: int, world: int, root: str, steps: list[int]) -> dict[st
 def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(
     small_disk: Any, size: str, fits: int, fault_trials: Trials
 ) -> None:
-    from dckpt.layout import committed_steps
+    from dckpt.root.layout import committed_steps
 
     root = small_disk("disk", size) / "root"
     out = run_world(filling_world, 2, str(root), [1, 2], timeout=120)

@@ -1,7 +1,7 @@
 """Hostile checkpoints (fault 11): crafted by someone who can write the checkpoint root.
 
 The attacker knows the format: the manifest's ``self_digest`` is not a MAC, so every crafted
-manifest here is re-sealed with dckpt.manifest's own functions (files re-hashed,
+manifest here is re-sealed with dckpt.root.manifest's own functions (files re-hashed,
 ``files_digest`` and ``self_digest`` recomputed) and the test reaches the checks behind the
 digests. Each trial crafts step 2 (the newest) of a private copy of a root where 2 real ranks
 saved steps 1 and 2, or a record beside it, then checks:
@@ -20,7 +20,7 @@ quarantines step 2 with a reason saying what was wrong, or, where only something
 checkpoints was crafted, resumes step 2; either way bit-exact, and ``fault_kit.check`` holds.
 
 A second test crafts the run lock (a FIFO, a symlink out of the root) for ``dckpt gc``, which
-reads it; the training job's own lock (dckpt.lock) is not covered here.
+reads it; the training job's own lock (dckpt.root.lock) is not covered here.
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from dckpt.errors import CheckpointError
-from dckpt.layout import LATEST_FILE, LOCK_FILE, QUARANTINE_DIR, committed_steps, step_dir_name
-from dckpt.manifest import MANIFEST_FILE, read_manifest, write_manifest
-from dckpt.offline import load_flat
+from dckpt.load.offline import load_flat
+from dckpt.root.layout import LATEST_FILE, LOCK_FILE, QUARANTINE_DIR, committed_steps, step_dir_name
+from dckpt.root.manifest import MANIFEST_FILE, read_manifest, write_manifest
+from dckpt.root.verify import VERIFIED_DIR
 from dckpt.storage.digest import hash_file
 from dckpt.storage.safe_unpickle import load_dcp_metadata
-from dckpt.verify import VERIFIED_DIR
 
 pytestmark = [
     pytest.mark.faults,

@@ -20,7 +20,7 @@ from dist_harness import run_world
 from fault_kit import Trials, capture, check, failed, fresh_root, resume_world, saving_world
 
 from dckpt.faults import COORDINATOR_PHASES, RANK_PHASES
-from dckpt.layout import committed_steps, list_checkpoints, step_dir_name
+from dckpt.root.layout import committed_steps, list_checkpoints, step_dir_name
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 

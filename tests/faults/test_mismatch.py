@@ -29,7 +29,7 @@ from fault_kit import (
     saving_world,
 )
 
-from dckpt.layout import QUARANTINE_DIR, committed_steps
+from dckpt.root.layout import QUARANTINE_DIR, committed_steps
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 

@@ -37,7 +37,7 @@ def raising_world(rank: int, world: int, root: str, cases: list[tuple[str, int, 
     import torch.distributed as dist
 
     import dckpt
-    from dckpt.layout import committed_steps
+    from dckpt.root.layout import committed_steps
 
     model, opt, sched = build(rank)
     mgr = manager(root, model, opt, sched, keep_last=3)

@@ -36,7 +36,7 @@ from fault_kit import (
     saving_world,
 )
 
-from dckpt.layout import committed_steps, read_latest, step_dir_name
+from dckpt.root.layout import committed_steps, read_latest, step_dir_name
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 

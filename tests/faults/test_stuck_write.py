@@ -77,7 +77,7 @@ def test_a_stuck_write_is_named_by_the_watchdog_and_the_next_save_raises(
         why.append(f"rank 1's next save took {r1['next_save_s']:.1f} s to raise")
     if not r1["after"].startswith("WorldError"):
         why.append(f"rank 1's save after that was not refused: {r1['after']!r}")
-    from dckpt.layout import committed_steps
+    from dckpt.root.layout import committed_steps
 
     if committed_steps(root) != [1]:
         why.append(f"committed: {committed_steps(root)}, expected [1]")
@@ -101,7 +101,7 @@ def test_a_save_declared_stuck_never_lands_later(
     import torch
 
     import dckpt
-    from dckpt.layout import committed_steps
+    from dckpt.root.layout import committed_steps
 
     model = torch.nn.Linear(8, 8)
     state = dckpt.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -19,23 +19,23 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from . import __version__
-from .comm import DECIDED, Comm, Progress
-from .commit import new_tmp_dir
-from .config import CheckpointConfig
+from .. import __version__
+from ..config import CheckpointConfig
+from ..dist.comm import DECIDED, Comm, Progress
+from ..errors import SaveError, describe_os_error, unwrap_dcp_error
+from ..faults import fault_point
+from ..root.commit import new_tmp_dir
+from ..root.manifest import Manifest
+from ..root.upkeep import apply_retention
+from ..storage.hashing_writer import HashingWriter
+from ..train.precision import PrecisionPolicy
+from ..train.state import TrainState
+from ..units import describe_staging, human_bytes
+from .background import SaveHandle, SaveResult
 from .coordinator import Coordinator, RankReport
-from .errors import SaveError, describe_os_error, unwrap_dcp_error
-from .faults import fault_point
-from .housekeeping import apply_retention
-from .manifest import Manifest
-from .precision import PrecisionPolicy
-from .save_mode import SaveMode
+from .mode import SaveMode
 from .stager import Snapshot, Stager, StagingSavePlanner
-from .state import TrainState
 from .step_clock import LoopCost, StepClock
-from .storage.hashing_writer import HashingWriter
-from .units import describe_staging, human_bytes
-from .writer import SaveHandle, SaveResult
 
 __all__ = ["SaveJob", "SavingMixin"]
 

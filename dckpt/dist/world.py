@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import WorldError
-from .faults import fault_point
+from ..errors import WorldError
+from ..faults import fault_point
 
 __all__ = [
     "WarmupResult",

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import IncompatibleCheckpointError, IntegrityError, ManifestError, StorageError
-from .storage.digest import ALGORITHMS, digest_of_digests, new_hasher, parse_digest
-from .storage.records import FileRecord
+from ..errors import IncompatibleCheckpointError, IntegrityError, ManifestError, StorageError
+from ..storage.digest import ALGORITHMS, digest_of_digests, new_hasher, parse_digest
+from ..storage.records import FileRecord
 
 __all__ = [
     "MANIFEST_FILE",

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from .errors import CheckpointError, unwrap_dcp_error
-from .manifest import check_layout, read_manifest
-from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
+from ..errors import CheckpointError, unwrap_dcp_error
+from ..root.manifest import check_layout, read_manifest
+from ..storage.verifying_reader import SafeLoadPlanner, VerifyingReader
 
 __all__ = ["load_flat"]
 

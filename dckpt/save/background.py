@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError, SaveError
+from ..errors import CheckpointError, SaveError
 
 __all__ = ["BackgroundWriter", "SaveHandle", "SaveResult"]
 

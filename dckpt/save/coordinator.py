@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .comm import Comm
-from .commit import RenameCommit
-from .errors import SaveError, describe_os_error
-from .faults import fault_point
-from .manifest import Manifest, write_manifest
-from .storage.records import FileRecord
+from ..dist.comm import Comm
+from ..errors import SaveError, describe_os_error
+from ..faults import fault_point
+from ..root.commit import RenameCommit
+from ..root.manifest import Manifest, write_manifest
+from ..storage.records import FileRecord
 
 __all__ = ["Coordinator", "RankReport"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .layout import LOCK_FILE, read_small_file
 
 __all__ = ["LockError", "RunLock"]

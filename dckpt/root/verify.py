@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import IntegrityError, ManifestError, StorageError
+from ..errors import IntegrityError, ManifestError, StorageError
+from ..storage.records import FileRecord
+from ..storage.verified_files import open_verified
 from .layout import read_small_file
 from .manifest import Manifest, check_layout, read_manifest
-from .storage.records import FileRecord
-from .storage.verified_files import open_verified
 
 __all__ = [
     "FileProblem",
@@ -117,8 +117,8 @@ def verify_checkpoint(
 
 
 def _check_metadata(step_dir: Path, manifest: Manifest) -> list[FileProblem]:
-    from .errors import CheckpointError
-    from .storage.verifying_reader import VerifyingReader  # imports torch: only when asked
+    from ..errors import CheckpointError
+    from ..storage.verifying_reader import VerifyingReader  # imports torch: only when asked
 
     try:
         VerifyingReader(step_dir, manifest.file_map()).load_metadata()

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .faults import fault_point
+from ..faults import fault_point
 from .layout import (
     LATEST_FILE,
     PINS_DIR,

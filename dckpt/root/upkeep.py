@@ -11,8 +11,8 @@ import logging
 import os
 from pathlib import Path
 
+from ..errors import IntegrityError, ManifestError
 from .commit import delete_checkpoints
-from .errors import IntegrityError, ManifestError
 from .layout import committed_steps, pinned_steps, step_dir_name
 from .manifest import read_manifest
 from .retention import Candidate, Decision, RetentionPolicy, decide

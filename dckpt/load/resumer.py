@@ -21,11 +21,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from . import rng
-from .comm import Comm
-from .commit import quarantine
-from .config import CheckpointConfig
-from .errors import (
+from ..config import CheckpointConfig
+from ..dist.comm import Comm
+from ..dist.world import check_warmup, warmup_collective
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigMismatchError,
@@ -36,17 +35,20 @@ from .errors import (
     StorageError,
     unwrap_dcp_error,
 )
-from .faults import fault_point
-from .layout import committed_steps, list_checkpoints, step_dir_name
-from .manifest import Manifest, check_layout, read_manifest
-from .precision import PrecisionPolicy, check_scaler
-from .resume import LossWatch, ResumeReport, check_config, is_allowed
-from .state import TrainState
-from .storage.verified_files import open_verified
-from .storage.verifying_reader import SafeLoadPlanner, VerifyingReader
-from .units import human_bytes
-from .world import check_warmup, warmup_collective
-from .writer import SaveResult
+from ..faults import fault_point
+from ..root.commit import quarantine
+from ..root.layout import committed_steps, list_checkpoints, step_dir_name
+from ..root.manifest import Manifest, check_layout, read_manifest
+from ..save.background import SaveResult
+from ..storage.verified_files import open_verified
+from ..storage.verifying_reader import SafeLoadPlanner, VerifyingReader
+from ..train import rng
+from ..train.precision import PrecisionPolicy, check_scaler
+from ..train.state import TrainState
+from ..units import human_bytes
+from .config_check import check_config, is_allowed
+from .loss_watch import LossWatch
+from .report import ResumeReport
 
 __all__ = ["LoadResult", "LoadingMixin"]
 

@@ -63,8 +63,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from .errors import SaveError
-from .units import human_bytes
+from ..errors import SaveError
+from ..units import human_bytes
 
 __all__ = [
     "Snapshot",

@@ -1,0 +1,68 @@
+"""The resume report: the step resumed from, every check and its result, what was skipped.
+
+A ``CandidateReport`` is built for each checkpoint a resume tries, so checks and warnings of a
+skipped candidate never leak into the one finally loaded; ``ResumeReport`` is what the user
+gets: the chosen candidate's findings plus the list of skipped steps. Logged as one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Check", "ResumeReport"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class ResumeReport:
+    """What a resume did: the step, every check and its result, what was skipped and why."""
+
+    step: int | None = None
+    path: Path | None = None
+    world_size_saved: int | None = None
+    world_size_now: int = 1
+    checks: list[Check] = field(default_factory=list)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    rng: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def resumed(self) -> bool:
+        return self.step is not None
+
+    def check(self, name: str, ok: bool, detail: str = "") -> None:
+        self.checks.append(Check(name, ok, detail))
+
+    def format(self) -> str:
+        if not self.resumed and not self.skipped:
+            return "dckpt resume: no committed checkpoint; starting from scratch"
+        lines = [
+            f"dckpt resume: step {self.step} from {self.path}"
+            if self.resumed
+            else "dckpt resume: no checkpoint could be loaded"
+        ]
+        if self.world_size_saved is not None:
+            lines.append(
+                f"  world size    saved {self.world_size_saved}, now {self.world_size_now}"
+            )
+        for c in self.checks:
+            mark = "ok  " if c.ok else "FAIL"
+            lines.append(f"  [{mark}] {c.name}" + (f": {c.detail}" if c.detail else ""))
+        if self.rng:
+            lines.append(f"  rng           {self.rng}")
+        for step, why in self.skipped:
+            lines.append(f"  skipped step {step} (quarantined): {why}")
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        if self.timings:
+            parts = ", ".join(f"{k} {v:.3f} s" for k, v in self.timings.items())
+            lines.append(f"  timings       {parts}")
+        return "\n".join(lines)
