@@ -20,7 +20,9 @@ _EXPORTS = {
     "CheckpointNotFoundError": "errors",
     "ConfigMismatchError": "errors",
     "GlobalBatchSampler": "train.data",
+    "IncompatibleCheckpointError": "errors",
     "IntegrityError": "errors",
+    "LockError": "errors",
     "LoadResult": "manager",
     "LossDeviationError": "errors",
     "ManifestError": "errors",
@@ -30,6 +32,7 @@ _EXPORTS = {
     "SaveHandle": "manager",
     "SaveResult": "manager",
     "StateMismatchError": "errors",
+    "StorageError": "errors",
     "TrainState": "train.state",
     "WorldError": "errors",
     "init_distributed": "dist.world",
@@ -42,8 +45,10 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigMismatchError",
     "GlobalBatchSampler",
+    "IncompatibleCheckpointError",
     "IntegrityError",
     "LoadResult",
+    "LockError",
     "LossDeviationError",
     "ManifestError",
     "PrecisionPolicy",
@@ -52,6 +57,7 @@ __all__ = [
     "SaveHandle",
     "SaveResult",
     "StateMismatchError",
+    "StorageError",
     "TrainState",
     "WorldError",
     "__version__",
@@ -64,11 +70,14 @@ if TYPE_CHECKING:
     from .errors import CheckpointError as CheckpointError
     from .errors import CheckpointNotFoundError as CheckpointNotFoundError
     from .errors import ConfigMismatchError as ConfigMismatchError
+    from .errors import IncompatibleCheckpointError as IncompatibleCheckpointError
     from .errors import IntegrityError as IntegrityError
+    from .errors import LockError as LockError
     from .errors import LossDeviationError as LossDeviationError
     from .errors import ManifestError as ManifestError
     from .errors import SaveError as SaveError
     from .errors import StateMismatchError as StateMismatchError
+    from .errors import StorageError as StorageError
     from .errors import WorldError as WorldError
     from .load.report import ResumeReport as ResumeReport
     from .manager import CheckpointManager as CheckpointManager

@@ -11,10 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .root.retention import RetentionPolicy
+from .root.retention import BestMode, RetentionPolicy
 from .storage.digest import ALGORITHMS
 
-__all__ = ["CheckpointConfig"]
+__all__ = ["CheckpointConfig", "IfBusy", "LossWatchAction"]
+
+IfBusy = Literal["wait", "skip"]
+"""What ``save()`` does while the previous save is still writing."""
+LossWatchAction = Literal["warn", "raise", "off"]
+"""What a loss above the bound does after a resume."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +42,8 @@ class CheckpointConfig:
             staged. ``False``: ``save()`` returns once the checkpoint is committed. ``"auto"``
             (default): in the background, unless that costs the training loop more than a
             synchronous save. The cost is read from the loop's step times (see
-            dckpt.step_clock); when the background write holds the steps below 70% of
-            their pace (``save_mode.SLOW_PACE``), one save is made synchronously to compare,
+            dckpt.save.step_clock); when the background write holds the steps below 70% of
+            their pace (``dckpt.save.mode.SLOW_PACE``), one save is made synchronously to compare,
             and the cheaper way is kept for the rest of the run (logged on rank 0).
         overlap_staging: let ``save()`` return before the parameters and optimizer state that
             go to host memory are copied; the copy completes before the next
@@ -74,15 +79,15 @@ class CheckpointConfig:
     async_save: bool | Literal["auto"] = "auto"
     overlap_staging: bool = False
     device_staging_bytes: int | None = None
-    if_busy: str = "wait"
+    if_busy: IfBusy = "wait"
     fallback: bool = True
     warmup: bool = True
-    loss_watch: str = "warn"
+    loss_watch: LossWatchAction = "warn"
     loss_watch_steps: int = 5
     keep_last: int | None = None
     milestone_every: int | None = None
     best_k: int = 0
-    best_mode: str = "min"
+    best_mode: BestMode = "min"
     lock: bool = True
     lock_lease_s: float = 300.0
 

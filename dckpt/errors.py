@@ -19,12 +19,14 @@ __all__ = [
     "ConfigMismatchError",
     "IncompatibleCheckpointError",
     "IntegrityError",
+    "LockError",
     "LossDeviationError",
     "ManifestError",
     "SaveError",
     "StateMismatchError",
     "StorageError",
     "WorldError",
+    "add_note",
     "describe_os_error",
     "unwrap_dcp_error",
 ]
@@ -97,6 +99,10 @@ class StateMismatchError(CheckpointError):
     whole category of state): the model or setup changed, the checkpoint is not damaged."""
 
 
+class LockError(CheckpointError):
+    """Another live job holds the checkpoint root."""
+
+
 class StorageError(CheckpointError):
     """The storage failed to serve a file (EIO, EMFILE, ESTALE, EACCES ...): the checkpoint
     is not known to be damaged, so it is never quarantined for this; retry or fix the storage."""
@@ -104,6 +110,15 @@ class StorageError(CheckpointError):
 
 class IncompatibleCheckpointError(ManifestError):
     """The checkpoint was written by a newer dckpt (unknown schema): upgrade dckpt to read it."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc``: shown under its traceback (Python 3.11+ ``add_note``); on
+    3.10, where tracebacks show no notes, appended to a one-argument message instead."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]} {note}",)
 
 
 def unwrap_dcp_error(exc: BaseException) -> BaseException:

@@ -11,7 +11,7 @@ process of that rank fire the action when it reaches that phase (of that step, i
   there (a broken collective backend at ``warmup``, a rank that read different bytes at
   ``verify``), so the checks that compare ranks are tested against a rank that is wrong.
 
-Unset, it costs one cached lookup per phase. Phases, in save order (``PHASES``):
+Unset, it costs one cached lookup per phase. Phases (dckpt.phases.Phase), in save order:
 
 - on every rank: ``prepare`` (state dict taken, in ``save()``), ``make_tmp`` (background, before
   the tmp dir is made), ``stage`` (before the deferred copies are taken), ``write_shards`` (this
@@ -34,6 +34,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from .phases import Phase
+
 __all__ = [
     "COORDINATOR_PHASES",
     "PHASES",
@@ -43,20 +45,13 @@ __all__ = [
     "fault_point",
 ]
 
-RANK_PHASES = ("prepare", "make_tmp", "stage", "write_shards", "dcp_finish")
+RANK_PHASES = tuple(p.value for p in Phase if p.side == "rank")
 """Phases every rank passes in a save."""
-COORDINATOR_PHASES = (
-    "write_manifest",
-    "fsync_shards",
-    "rename",
-    "fsync_parent",
-    "publish_latest",
-    "retention",
-)
+COORDINATOR_PHASES = tuple(p.value for p in Phase if p.side == "coordinator")
 """Phases of a save that run on rank 0 only, after every rank's."""
-RESUME_PHASES = ("verify", "warmup")
+RESUME_PHASES = tuple(p.value for p in Phase if p.side == "resume")
 """Phases of a resume, on every rank."""
-PHASES = (*RANK_PHASES, *COORDINATOR_PHASES, *RESUME_PHASES)
+PHASES = tuple(p.value for p in Phase)
 ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt")
 
 
@@ -92,11 +87,11 @@ def _spec(raw: str | None) -> _Spec | None:
     )
 
 
-def fault_point(phase: str, rank: int, step: int | None = None) -> bool:
+def fault_point(phase: Phase | str, rank: int, step: int | None = None) -> bool:
     """Fire the configured fault if this is its phase, rank and step; otherwise nothing.
     Returns True only for ``corrupt``: the caller then falsifies its own result."""
     spec = _spec(os.environ.get("DCKPT_FAULT"))
-    if spec is None or spec.phase != phase:
+    if spec is None or spec.phase != (phase.value if isinstance(phase, Phase) else phase):
         return False
     if (spec.rank is not None and spec.rank != rank) or (
         spec.step is not None and spec.step != step

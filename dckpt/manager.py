@@ -1,34 +1,17 @@
 """CheckpointManager: the one object a training script holds.
 
-Save protocol (``save``), called by every rank with the same step, in the same order:
-1. the previous save, if still writing, is waited for (or, with ``if_busy="skip"``, all ranks
-   agree to skip this one); its error, if it failed, is raised here;
-2. foreground: the state dict is taken and the ``Stager`` takes this rank's snapshot: CPU
-   tensors copied now, CUDA tensors copied on the training stream (queued, so ordered before
-   whatever the loop queues next), non-tensor values deep-copied (see stager.py); no
-   collective runs on the training group, and none at all in the foreground;
-3. background (``writer.BackgroundWriter``), on dckpt's own gloo group: all ranks agree that
-   step 2 succeeded everywhere; ``dcp.save`` plans, drains device buffers to pinned host
-   memory (and, with ``overlap_staging``, takes the copies it deferred), and writes through
-   ``HashingWriter`` (a digest per file, computed as bytes go out);
-4. ``Coordinator.finish_save``: digests gathered to rank 0, manifest written, atomic commit,
-   outcome broadcast. An error on any rank fails the save on all ranks and commits nothing.
-``save()`` returns after step 2, or after the commit (a synchronous save). With
-``overlap_staging`` the deferred copies are complete before the next ``optimizer.step()``
-runs: an optimizer step pre-hook calls ``before_optimizer_step()``. The same hook times every
-step (``step_clock.StepClock``): rank 0 reads from the step times what each save cost the
-loop, beyond its stall, for the save line and the manifest. With ``async_save="auto"``
-(``save_mode.SaveMode``), rank 0 decides from those costs whether saves run in the
-background; while it is undecided (the first few saves), ``save()`` broadcasts rank 0's plan
-on dckpt's control group before step 2.
+It keeps the guards (a closed manager, bad arguments) and the lifetime (dckpt's two process
+groups, the run lock, crash recovery at start, the optimizer step hook) and delegates the rest
+to collaborators built here with explicit parts:
 
-Load protocol (``load``), after draining any save in flight:
-1. rank 0 chooses the step (newest committed, or the one asked for) and broadcasts it;
-2. every rank reads and validates the manifest (schema, safe paths, self-digest), checks the
-   layout (regular files of the recorded sizes) and verifies ``.metadata``; a failure on any
-   rank is raised on every rank; the ranks compare manifest digests;
-3. DCP loads through ``VerifyingReader``: each file this rank reads is hashed as it is read and
-   must match the manifest, before any tensor is filled from it.
+- ``save`` -> ``dckpt.save.saver.Saver`` and ``dckpt.save.pipeline.SavePipeline``, whose
+  docstring is the save protocol;
+- ``load``, ``resume``, ``latest_step``, ``observe`` -> ``dckpt.load.resumer.Resumer``, whose
+  docstring is the resume protocol;
+- ``watch_preemption``, ``preempted`` -> ``dckpt.preemption.PreemptionStop``.
+
+Two groups, created in the same order on every rank: *ctl* for foreground calls (load, skip
+and mode decisions, preemption) and *io* for the background save, so they never interleave.
 """
 
 from __future__ import annotations
@@ -37,40 +20,33 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
-import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import torch
-import xxhash
-from torch.distributed.tensor import DTensor
-
 from .config import CheckpointConfig
-from .dist.comm import Comm, Progress
-from .errors import CheckpointError, SaveError, WorldError
-from .faults import fault_point
+from .dist.comm import Comm
+from .dist.progress import Progress
+from .errors import CheckpointError, LockError
 from .load.config_check import SAFE_CONFIG_KEYS
 from .load.loss_watch import LossWatch
 from .load.report import ResumeReport
-from .load.resumer import LoadingMixin, LoadResult
-from .preemption import Preemption
-from .root.commit import recover
-from .root.lock import LockError, RunLock
-from .save.background import BackgroundWriter, SaveHandle, SaveResult
-from .save.coordinator import Coordinator
+from .load.resumer import LoadResult, Resumer
+from .preemption import DEFAULT_SIGNALS, Preemption, PreemptionStop
+from .root.commit import RenameCommit
+from .root.lock import RunLock
+from .root.upkeep import recover
+from .save.handle import SaveHandle, SaveResult
 from .save.mode import SaveMode
-from .save.pipeline import SaveJob, SavingMixin
-from .save.stager import Snapshot, Stager, Watch, watch_versions
+from .save.pipeline import SavePipeline
+from .save.saver import Saver
+from .save.stager import Stager
 from .save.step_clock import StepClock
-from .stopping import StoppingMixin
-from .train import rng
 from .train.precision import PrecisionPolicy
 from .train.state import TrainState
-from .units import human_bytes
 
 __all__ = ["CheckpointManager", "LoadResult", "ResumeReport", "SaveHandle", "SaveResult"]
 
@@ -87,7 +63,7 @@ def _ensure_visible_logging() -> None:
         log.setLevel(logging.INFO)
 
 
-class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
+class CheckpointManager:
     """Saves and loads one run's checkpoints under a root; see the module docstring.
 
     Args:
@@ -139,31 +115,13 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
                     "precision fp16 needs a GradScaler in the TrainState (its state is part of "
                     "every checkpoint): TrainState(..., scaler=policy.make_scaler(device_type))"
                 )
-        self._allowed_changes = SAFE_CONFIG_KEYS | frozenset(allow_config_changes)
         self._loss_watch = LossWatch()
         _ensure_visible_logging()
-        # Two groups, created in the same order on every rank: foreground calls (load, skip
-        # decisions) never interleave with the background save's collectives.
         self._ctl = Comm(config.timeout_s)
         self._io = Comm(config.timeout_s)
         self.rank = self._ctl.rank
         self.world_size = self._ctl.world_size
-        self._coordinator = Coordinator(self._io, self.root)
-        self._progress = Progress(self._io)
-        self._stager = Stager(config.device_staging_bytes)
-        self._writer = BackgroundWriter()
-        self._clock = StepClock()
-        self._mode = SaveMode(config.async_save)
-        self._saves = 0
         self._closed = False
-        self._broken: str | None = None
-        self._last_save_bytes = 0
-        self._last_committed_step: int | None = None
-        self._preemption: Preemption | None = None
-        self._device: int | None = None
-        # The background save bounds each of its own waits by timeout_s and names a late rank
-        # when one expires; joining it waits for that to happen, with a margin, never forever.
-        self._join_timeout = config.watchdog_s
         self.run_id = str(
             self._ctl.broadcast(
                 run_id
@@ -172,16 +130,60 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
                 or uuid.uuid4().hex
             )
         )
+        self._lock = self._open_root()
+        strategy = RenameCommit()
+        clock, mode, progress = StepClock(), SaveMode(config.async_save), Progress(self._io)
+        pipeline = SavePipeline(
+            io=self._io,
+            progress=progress,
+            strategy=strategy,
+            config=config,
+            state=state,
+            precision=precision,
+            run_id=self.run_id,
+            run_config=self.run_config,
+            stager=Stager(config.device_staging_bytes),
+            clock=clock,
+            mode=mode,
+        )
+        self._saver = Saver(
+            ctl=self._ctl,
+            pipeline=pipeline,
+            progress=progress,
+            config=config,
+            state=state,
+            clock=clock,
+            mode=mode,
+        )
+        self._resumer = Resumer(
+            ctl=self._ctl,
+            config=config,
+            state=state,
+            precision=precision,
+            run_config=self.run_config,
+            allowed_changes=SAFE_CONFIG_KEYS | frozenset(allow_config_changes),
+            loss_watch=self._loss_watch,
+        )
+        self._stop = PreemptionStop(self._ctl, self._saver)
+        self._hook: Any = None
+        if state.optimizer is not None:  # times every step; waits for deferred copies
+            self._hook = state.optimizer.register_step_pre_hook(
+                lambda _opt, _args, _kwargs: self._saver.on_optimizer_step()
+            )
+
+    def _open_root(self) -> RunLock | None:
+        """Rank 0 makes the root, takes the run lock and recovers from crashed saves; every
+        rank raises rank 0's failure (after releasing dckpt's groups)."""
         failure: CheckpointError | None = None
-        self._lock: RunLock | None = None
+        lock: RunLock | None = None
         if self.rank == 0:
             try:
                 if self.root.exists() and not self.root.is_dir():
                     raise CheckpointError(f"{self.root} exists and is not a directory")
                 self.root.mkdir(parents=True, exist_ok=True)
-                if config.lock:
-                    self._lock = RunLock(self.root, self.run_id, config.lock_lease_s)
-                    self._lock.acquire()
+                if self.config.lock:
+                    lock = RunLock(self.root, self.run_id, self.config.lock_lease_s)
+                    lock.acquire()
                 recover(self.root)
             except LockError as exc:
                 failure = exc
@@ -192,11 +194,7 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             self._ctl.close()
             self._io.close()
             raise failure
-        self._hook: Any = None
-        if state.optimizer is not None:
-            self._hook = state.optimizer.register_step_pre_hook(
-                lambda _opt, _args, _kwargs: self._on_optimizer_step()
-            )
+        return lock
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -221,131 +219,9 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if metric is not None and not math.isfinite(metric):
             raise ValueError(f"metric must be a finite number (best-k ranks by it), got {metric}")
-        self._raise_if_stuck()
-        if self._broken is not None:
-            self._writer.raise_if_failed()  # the detailed error first, naming the late rank
-            raise WorldError(
-                f"an earlier save failed inside a collective ({self._broken}); dckpt's process "
-                "group cannot recover from that. Restart the job: it resumes from the last "
-                "committed checkpoint."
-            )
-        t0 = time.perf_counter()
-        self._writer.raise_if_failed()
-        in_flight = self._writer.current
-        if self.config.if_busy == "skip" and self._mode.asynchronous:
-            busy = self._ctl.all_gather(in_flight is not None)
-            if any(busy):
-                return self._skip(step, busy)
-        if in_flight is not None:
-            self._writer.join(self._join_timeout)
-            if self.rank == 0:
-                log.info(
-                    "dckpt: save of step %d waits for step %d to finish writing "
-                    "(saving faster than the disk; see if_busy='skip')",
-                    step,
-                    in_flight.step,
-                )
-            self._writer.raise_if_failed()
-        if self._mode.deciding:  # async_save="auto", first saves: rank 0 measured, all follow
-            mine = self._mode.plan() if self.rank == 0 else None
-            plan = self._ctl.broadcast(mine)
-            assert plan is not None  # rank 0 always sends one
-            self._mode.apply(plan)
-            if self.rank == 0 and plan.message:
-                log.info("dckpt: %s", plan.message)
-        asynchronous = self._mode.asynchronous
-
-        self._saves += 1
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._device = torch.cuda.current_device()
-        save_id = xxhash.xxh3_128_hexdigest(f"{self.run_id}:{step}:{self._saves}".encode())
-        handle = SaveHandle(step, t0)
-        self.state.step = step
-        if epoch is not None:
-            self.state.epoch = epoch
-        epoch = self.state.epoch
-        loss = self._loss_watch.summary()
-        every = self.config.milestone_every
-        milestone = milestone or (every is not None and step % every == 0)
-        extra: dict[str, Any] = {
-            "loss": loss,
-            "metric": {} if metric is None else {"value": float(metric)},
-        }
-        snapshot: Snapshot | None = None
-        error: str | None = None
-        try:
-            state_dict = self.state.state_dict()
-            # Taken now, at the point the training loop will continue from after a resume.
-            state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
-            if state_dict.get("scaler"):  # recorded in the manifest: readable without torch
-                scale = float(state_dict["scaler"]["scale"])
-                extra["scaler"] = {
-                    "scale": scale if math.isfinite(scale) else str(scale),  # JSON has no NaN
-                    "growth_tracker": int(state_dict["scaler"].get("_growth_tracker", 0)),
-                }
-            if self.rank == 0:
-                self._check_free_space(step, state_dict)
-            if asynchronous:
-                snapshot = self._stager.snapshot(state_dict, self._deferred_storages())
-            else:  # the caller waits for the commit: write the live state
-                snapshot = self._stager.live(state_dict)
-            fault_point("prepare", self.rank, step)
-        except Exception as exc:
-            error = f"taking the state dict failed: {exc!r}"
-
-        job = SaveJob(
-            save_id=save_id,
-            snapshot=snapshot,
-            error=error,
-            epoch=epoch,
-            milestone=milestone,
-            extra=extra,
-            asynchronous=asynchronous,
+        return self._saver.save(
+            step, epoch=epoch, milestone=milestone, metric=metric, loss=self._loss_watch.summary()
         )
-        self._clock.save_started(t0)
-        self._writer.submit(
-            handle,
-            lambda h: self._write(h, job),
-            deadline_s=self.config.watchdog_s,
-            describe_stuck=lambda: self._progress.lagging(save_id),
-        )
-        if not asynchronous:
-            try:
-                handle.result()
-            except BaseException:
-                self._writer.clear_failed()  # delivered here; the next save() starts clean
-                raise
-        now = time.perf_counter()
-        handle.stall_s = now - t0
-        self._clock.save_returned(t0, now)
-        return handle
-
-    def _check_free_space(self, step: int, state_dict: dict[str, Any]) -> None:
-        """Warn before staging when the root's file system cannot hold this save.
-
-        The estimate is the previous save's size, or (first save) the bytes of the tensors in
-        this state dict, with each sharded tensor counted for the whole world.
-        """
-        need = self._last_save_bytes or _tensor_bytes(state_dict, self.world_size)
-        try:
-            free = shutil.disk_usage(self.root).free
-        except OSError:
-            return
-        if need > free:
-            log.warning(
-                "dckpt: step %d needs about %s but only %s is free on %s: the save will "
-                "likely fail with 'no space left on device' (older checkpoints stay intact). "
-                "Free space or lower keep_last.",
-                step,
-                human_bytes(need),
-                human_bytes(free),
-                self.root,
-            )
-
-    def _on_optimizer_step(self) -> None:
-        self._clock.tick()
-        if self.config.overlap_staging:
-            self.before_optimizer_step()
 
     def before_optimizer_step(self) -> None:
         """Block until the save in flight has its copy of the state (with ``overlap_staging``,
@@ -354,53 +230,67 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
         With ``overlap_staging``, call it yourself before any in-place change of parameters or
         optimizer state that does not happen inside ``optimizer.step()``.
         """
-        handle = self._writer.current
-        if handle is not None:
-            handle.wait_staged(self._join_timeout)
+        self._saver.before_optimizer_step()
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight is committed; raise if any earlier save failed."""
-        self._raise_if_stuck()
-        if self._broken is not None:
-            self._writer.raise_if_failed()
-            raise SaveError(f"{self._broken}; restart the job")
-        handle = self._writer.current
-        self._writer.join(self._join_timeout)
-        self._writer.raise_if_failed()
-        return handle.result() if handle is not None else None
+        return self._saver.wait()
 
-    def _raise_if_stuck(self) -> None:
-        """After the watchdog gave up on a save: raise its error once, then refuse to save
-        (the stuck thread may still hold dckpt's group and its files)."""
-        stuck = self._writer.stuck
-        if stuck is not None and self._broken is None:
-            self._broken = f"the save of step {stuck.step} got stuck and never finished"
-            self._writer.raise_if_failed()
+    # --- loading ----------------------------------------------------------------------------
 
-    def _skip(self, step: int, busy: list[bool]) -> SaveHandle:
-        handle = SaveHandle(step, time.perf_counter())
-        handle.skipped = True
-        handle._finish(None, None)
-        if self.rank == 0:
-            ranks = [r for r, b in enumerate(busy) if b]
-            log.warning(
-                "dckpt: skipped the save of step %d: the previous save is still writing on "
-                "rank(s) %s (if_busy='skip')",
-                step,
-                ranks,
-            )
-        return handle
+    def latest_step(self) -> int | None:
+        """The newest committed step under the root (as rank 0 sees it), or None."""
+        self._check_open()
+        self.wait()
+        return self._resumer.latest_step()
 
-    def _deferred_storages(self) -> Watch:
-        """Tensors whose copy may wait until the next optimizer step (``overlap_staging``):
-        only what the hooked optimizer changes, its parameters and its state."""
-        opt = self.state.optimizer
-        if opt is None or not self.config.overlap_staging:
-            return {}
-        tensors = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        for per_param in opt.state.values():
-            tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-        return watch_versions(tensors)
+    def load(self, step: int | None = None) -> LoadResult:
+        """Load the newest committed checkpoint (or ``step``) into the state, fully verified.
+
+        No fallback and no config check: that is ``resume()``. Raises CheckpointNotFoundError
+        when there is nothing to load, ManifestError or IntegrityError when the checkpoint must
+        not be trusted (nothing is loaded silently).
+        """
+        self._check_open()
+        self.wait()
+        return self._resumer.load(step)
+
+    def resume(self, *, fallback: bool | None = None) -> ResumeReport:
+        """Resume from the newest checkpoint that passes every check; see dckpt.load.resumer.
+
+        Returns the ResumeReport (``report.resumed`` is False on a fresh start) after logging it
+        as one block. A checkpoint whose bytes or manifest are bad is quarantined and the next
+        older one is tried, unless ``fallback`` is False (default: the config's). Raises
+        ConfigMismatchError on an unsafe config change, StateMismatchError when the model does
+        not fit the checkpoint, WorldError when the warmup collective fails.
+        """
+        self._check_open()
+        self.wait()
+        return self._resumer.resume(self.config.fallback if fallback is None else fallback)
+
+    def observe(self, loss: float) -> None:
+        """Record this step's loss: kept for the manifest, and checked after a resume."""
+        self._resumer.observe(loss)
+
+    # --- preemption -------------------------------------------------------------------------
+
+    def watch_preemption(
+        self, signals: Sequence[str] = DEFAULT_SIGNALS, *, deadline_s: float = 120.0
+    ) -> Preemption:
+        """Make ``signals`` request a final save instead of killing the process; see
+        ``preempted``. ``deadline_s``: the longest the final save may take (leave it below the
+        scheduler's grace period, e.g. SLURM's ``--signal=USR1@120``). Main thread only."""
+        self._check_open()
+        return self._stop.watch(signals, deadline_s)
+
+    def preempted(self, step: int) -> bool:
+        """True once any rank received a preemption signal, after ``step`` was saved.
+
+        A collective: every rank calls it after every step. When it returns True the step is
+        committed (SaveError otherwise) and the script should close the manager and exit 0.
+        """
+        self._check_open()  # after close() the collective would land on the training group
+        return self._stop.preempted(step, self.save)
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -413,27 +303,19 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
             return
         self._closed = True
         try:
-            if self._writer.stuck is not None:
-                log.error(
-                    "dckpt: closing with the save of step %d still stuck in the background; "
-                    "this process may not exit until its storage answers",
-                    self._writer.stuck.step,
-                )
-            else:
-                self._writer.join(self._join_timeout)
+            self._saver.drain()
         finally:
             if self._hook is not None:
                 self._hook.remove()
-            if self._preemption is not None:
-                self._preemption.uninstall()
+            self._stop.uninstall()
             if self._lock is not None:
-                if self._writer.stuck is not None:
+                if self._saver.stuck is not None:
                     self._lock.abandon()  # the stuck write may still land: keep others out
                 else:
                     self._lock.release()
             self._io.close()
             self._ctl.close()
-        self._writer.raise_if_failed()
+        self._saver.raise_if_failed()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -457,16 +339,3 @@ class CheckpointManager(SavingMixin, LoadingMixin, StoppingMixin):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
-
-
-def _tensor_bytes(obj: Any, world_size: int) -> int:
-    """Bytes of the tensors in a nested state dict; a DTensor's local shard counts world-wide."""
-    if isinstance(obj, DTensor):
-        return int(obj.to_local().nbytes) * world_size
-    if isinstance(obj, torch.Tensor):
-        return int(obj.nbytes)
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v, world_size) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v, world_size) for v in obj)
-    return 0

@@ -1,6 +1,7 @@
 """Preemption: a signal asks the run to stop; the ranks agree on one step, save it, exit 0.
 
-Protocol (``CheckpointManager.watch_preemption`` and ``CheckpointManager.preempted``):
+``Preemption`` is the local half (signal handlers that set a flag); ``PreemptionStop`` is the
+collective half the manager delegates ``watch_preemption`` and ``preempted`` to. Protocol:
 
 1. ``Preemption.install`` (main thread) makes SIGTERM and SIGUSR1 (by default) only set a
    flag and remember which signal came and when. Nothing else runs inside the handler: no I/O,
@@ -21,6 +22,7 @@ The handlers are restored by ``uninstall`` (the manager's ``close`` calls it).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -29,7 +31,14 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-__all__ = ["Preemption"]
+from .dist.comm import Comm
+from .errors import CheckpointError, SaveError
+from .save.handle import SaveHandle, SaveResult
+from .save.saver import Saver
+
+__all__ = ["Preemption", "PreemptionStop"]
+
+log = logging.getLogger("dckpt")
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -81,3 +90,87 @@ class Preemption:
     def requested(self) -> bool:
         """Whether this rank received a preemption signal."""
         return self._flag
+
+
+class PreemptionStop:
+    """The collective half: agree on a step, save it once, within the deadline."""
+
+    def __init__(self, ctl: Comm, saver: Saver) -> None:
+        self._ctl = ctl
+        self._saver = saver
+        self.rank = ctl.rank
+        self._preemption: Preemption | None = None
+
+    def watch(self, signals: Sequence[str], deadline_s: float) -> Preemption:
+        """Install the handlers (main thread only), replacing earlier ones."""
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        self._preemption = Preemption(signals, deadline_s)
+        self._preemption.install()
+        return self._preemption
+
+    def uninstall(self) -> None:
+        if self._preemption is not None:
+            self._preemption.uninstall()
+
+    def preempted(self, step: int, save: Callable[[int], SaveHandle]) -> bool:
+        """Steps 2-3 of the protocol: True once any rank received a signal, after ``step``
+        was saved with ``save`` (the manager's, so the final save is an ordinary one)."""
+        watch = self._preemption
+        if watch is None:
+            return False
+        if not self._ctl.any(watch.requested):
+            return False
+        t0 = time.perf_counter()
+        who = self._ctl.all_gather(watch.received)
+        senders = ", ".join(f"{name} on rank {r}" for r, name in enumerate(who) if name)
+        result = self._final_save(step, t0 + watch.deadline_s, save)
+        took = time.perf_counter() - t0
+        if self.rank == 0:
+            log.warning(
+                "dckpt: preempted (%s): the ranks agreed on step %d; final checkpoint %s in "
+                "%.2f s (deadline %.0f s); exit now, the next start resumes from it",
+                senders,
+                step,
+                result.path if result is not None else "(already committed)",
+                took,
+                watch.deadline_s,
+            )
+        return True
+
+    def _final_save(
+        self, step: int, deadline: float, save: Callable[[int], SaveHandle]
+    ) -> SaveResult | None:
+        ticket = self._saver.current
+        in_flight = SaveHandle(ticket) if ticket is not None else None
+        if in_flight is not None and in_flight.step == step:
+            return self._within(in_flight, deadline)
+        if in_flight is not None:  # an older save: let it finish first, it may be the fallback
+            try:
+                self._within(in_flight, deadline)
+            except SaveError as exc:
+                if not in_flight.done():  # still writing at the deadline: no room for ours
+                    raise
+                log.error("dckpt: the save in flight failed during preemption: %s", exc)
+            self._saver.clear_failed()
+        if self._saver.last_committed_step == step:
+            return None
+        if deadline - time.perf_counter() <= 0:
+            raise SaveError(f"no time left before the preemption deadline to save step {step}")
+        return self._within(save(step), deadline)
+
+    @staticmethod
+    def _within(handle: SaveHandle, deadline: float) -> SaveResult:
+        """The handle's result, or SaveError once the deadline passes or the save fails."""
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0 and not handle.done():
+            raise SaveError(f"no time left before the preemption deadline for step {handle.step}")
+        try:
+            return handle.result(timeout=max(remaining, 0.0))
+        except CheckpointError as exc:
+            late = not handle.done()
+            raise SaveError(
+                f"the preemption save of step {handle.step} "
+                + ("did not commit before the deadline" if late else "failed")
+                + f": {exc}. The newest committed checkpoint is what the next start resumes from."
+            ) from exc

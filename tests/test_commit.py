@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dckpt.root.commit import RenameCommit, new_tmp_dir, quarantine, recover
+from dckpt.root.commit import RenameCommit
+from dckpt.root.durable import publish_latest
 from dckpt.root.layout import (
     LATEST_FILE,
     QUARANTINE_DIR,
@@ -19,6 +20,7 @@ from dckpt.root.layout import (
     step_dir_name,
 )
 from dckpt.root.manifest import MANIFEST_FILE, Manifest, read_manifest, write_manifest
+from dckpt.root.upkeep import quarantine, recover
 from dckpt.storage.digest import hash_file
 from dckpt.storage.records import FileRecord
 
@@ -27,7 +29,7 @@ HEX = "0123456789abcdef" * 2
 
 def stage(root: Path, step: int, payload: bytes = b"shard", *, manifest: bool = True) -> Path:
     """A tmp dir as the coordinator leaves it just before commit: shard files, then manifest."""
-    tmp = new_tmp_dir(root, step, uuid.uuid4().hex)
+    tmp = RenameCommit().tmp_location(root, step, uuid.uuid4().hex)
     tmp.mkdir(parents=True)
     (tmp / "__0_0.distcp").write_bytes(payload)
     digest, size = hash_file(tmp / "__0_0.distcp", "xxh3_128")
@@ -47,7 +49,7 @@ def stage(root: Path, step: int, payload: bytes = b"shard", *, manifest: bool = 
 
 def commit(root: Path, step: int, payload: bytes = b"shard") -> Path:
     tmp = stage(root, step, payload)
-    final = RenameCommit().commit(root, tmp, step)
+    final = RenameCommit().finalize(root, tmp, step)
     assert not tmp.exists()
     return final
 
@@ -71,8 +73,8 @@ def test_step_dir_name() -> None:
         step_dir_name(-1)
 
 
-def test_new_tmp_dir_is_named_for_step_and_save() -> None:
-    assert new_tmp_dir(Path("/r"), 7, HEX) == Path(f"/r/step-00000007.tmp-{HEX}")
+def test_tmp_location_is_named_for_step_and_save() -> None:
+    assert RenameCommit().tmp_location(Path("/r"), 7, HEX) == Path(f"/r/step-00000007.tmp-{HEX}")
 
 
 # --- commit -----------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ def test_committed_dir_appears_only_after_commit(tmp_path: Path) -> None:
     assert read_latest(tmp_path) is None
     assert [(e.step, e.status) for e in list_checkpoints(tmp_path)] == [(1, "incomplete")]
 
-    result = RenameCommit().commit(tmp_path, tmp, 1)
+    result = RenameCommit().finalize(tmp_path, tmp, 1)
 
     assert result == final
     assert not tmp.exists()
@@ -170,7 +172,7 @@ def test_commit_refuses_tmp_dir_without_manifest(tmp_path: Path) -> None:
     commit(tmp_path, 1)
     tmp = stage(tmp_path, 2, manifest=False)
     with pytest.raises(ValueError, match=MANIFEST_FILE):
-        RenameCommit().commit(tmp_path, tmp, 2)
+        RenameCommit().finalize(tmp_path, tmp, 2)
     assert tmp.is_dir()  # left for recover, not renamed
     assert not (tmp_path / "step-00000002").exists()
     assert committed_steps(tmp_path) == [1]
@@ -181,7 +183,7 @@ def test_commit_refuses_manifest_that_is_a_directory(tmp_path: Path) -> None:
     tmp = stage(tmp_path, 2, manifest=False)
     (tmp / MANIFEST_FILE).mkdir()
     with pytest.raises(ValueError, match=MANIFEST_FILE):
-        RenameCommit().commit(tmp_path, tmp, 2)
+        RenameCommit().finalize(tmp_path, tmp, 2)
     assert not (tmp_path / "step-00000002").exists()
 
 
@@ -191,18 +193,18 @@ def test_commit_refuses_dirs_that_are_not_tmp_dirs_of_this_root(tmp_path: Path) 
     root.mkdir()
     foreign = stage(other_root, 1)
     with pytest.raises(ValueError, match="not a dckpt tmp dir"):
-        RenameCommit().commit(root, foreign, 1)
+        RenameCommit().finalize(root, foreign, 1)
     plain = root / "step-00000001"
     plain.mkdir()
     with pytest.raises(ValueError, match="not a dckpt tmp dir"):
-        RenameCommit().commit(root, plain, 1)
+        RenameCommit().finalize(root, plain, 1)
     assert foreign.is_dir()
     assert committed_steps(root) == []
 
 
 def test_publish_latest_removes_latest_when_nothing_committed(tmp_path: Path) -> None:
     (tmp_path / LATEST_FILE).write_text("step-00000009\n")
-    RenameCommit.publish_latest(tmp_path)
+    publish_latest(tmp_path)
     assert not (tmp_path / LATEST_FILE).exists()
 
 

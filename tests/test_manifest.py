@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from dckpt.root import manifest as manifest_mod
 from dckpt.errors import IntegrityError, ManifestError
+from dckpt.root import manifest as manifest_mod
 from dckpt.root.manifest import (
     MANIFEST_FILE,
     SCHEMA_VERSION,

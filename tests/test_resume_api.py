@@ -165,6 +165,30 @@ def test_resume_on_an_empty_root_is_a_fresh_start(tmp_path: Path) -> None:
     mgr.close()
 
 
+def test_a_skipped_checkpoints_checks_and_warnings_stay_out_of_the_report(
+    tmp_path: Path,
+) -> None:
+    """Step 2 was saved with log_every 2: its config check warns, then its damaged shard skips
+    it. Step 1, saved with today's config, is what loads: its report has no config warning."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    state = dckpt.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, every in ((1, 1), (2, 2)):
+        with dckpt.CheckpointManager(tmp_path, state, run_config={"log_every": every}) as mgr:
+            mgr.save(step).result()
+    shard = next((tmp_path / "step-00000002").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-20] ^= 0x80
+    shard.write_bytes(bytes(data))
+    with dckpt.CheckpointManager(tmp_path, state, run_config={"log_every": 1}) as mgr:
+        report = mgr.resume()
+    assert report.step == 1 and [s for s, _ in report.skipped] == [2]
+    assert report.warnings == [], report.warnings  # step 2's "log_every: 2 -> 1" is not here
+    config = [c for c in report.checks if c.name == "config"]
+    assert len(config) == 1 and config[0].detail == "identical"
+    assert "config changed" not in report.format()
+
+
 def test_rng_is_restored_exactly_in_one_process(tmp_path: Path) -> None:
     mgr, _ = _tiny(tmp_path)
     random.seed(5), np.random.seed(5), torch.manual_seed(5)

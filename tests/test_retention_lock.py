@@ -17,9 +17,9 @@ from conftest import dckpt_cli, torchrun_train
 from torch import nn
 
 import dckpt
-from dckpt.root.commit import delete_checkpoints, recover
 from dckpt.root.layout import committed_steps, list_checkpoints
 from dckpt.root.retention import Candidate, RetentionPolicy, decide
+from dckpt.root.upkeep import delete_checkpoints, recover
 
 
 def _manager(root: Path, **config: object) -> dckpt.CheckpointManager:
@@ -73,7 +73,7 @@ def test_a_crash_between_rename_to_trash_and_delete_leaves_nothing_committed(
             mgr.save(step).result()
     env = {**os.environ, "DCKPT_FAULT": "phase=retention,action=sigkill"}
     code = (
-        "import sys; from dckpt.root.commit import delete_checkpoints as d; d(sys.argv[1], [1, 2])"
+        "import sys; from dckpt.root.upkeep import delete_checkpoints as d; d(sys.argv[1], [1, 2])"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=False)
     assert proc.returncode == -9  # killed after the renames, before the deletes

@@ -194,7 +194,7 @@ def _auto_run(rank: int, world: int, root: str) -> dict[str, Any]:
             tiny_training.step(net, opt, step, width=512)
             if step % 2 == 0:
                 manager.save(step)
-                modes.append(manager._mode.asynchronous)
+                modes.append(manager._saver.asynchronous)
     return {"modes": modes, "log": records}
 
 

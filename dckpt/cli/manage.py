@@ -1,6 +1,6 @@
 """``dckpt gc``, ``pin`` and ``unpin``: retention run by hand, and exemptions from it.
 
-``gc`` applies the same policy as a training job (dckpt.retention): it never deletes the newest
+``gc`` applies the same policy as a training job (dckpt.root.retention): it never deletes the newest
 checkpoint, a milestone or a pinned one, and deletes by renaming to a trash name first. It
 refuses to run while a live job holds the root's lock, unless ``--force``.
 """
@@ -13,10 +13,9 @@ import socket
 
 from rich.table import Table
 
-from ..root.commit import pin, unpin
 from ..root.layout import LOCK_FILE, read_small_file
 from ..root.retention import RetentionPolicy
-from ..root.upkeep import apply_retention, plan_retention
+from ..root.upkeep import apply_retention, pin, plan_retention, unpin
 from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
 
 __all__ = ["cmd_gc", "cmd_pin", "cmd_unpin"]

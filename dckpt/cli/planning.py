@@ -4,7 +4,7 @@ With ROOT, the checkpoint's size, its write time (``timings.write_s``), what the
 training loop and its time to commit come from the newest (or ``--step``) manifest; flags
 override any of them. The cost per save is ``timings.training_slowed_s`` (the stall plus the
 slowdown of the steps beside the background write, read from step times; see
-dckpt.step_clock) where the save measured it, else the stall alone.
+dckpt.save.step_clock) where the save measured it, else the stall alone.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..errors import WorldError
 from ..faults import fault_point
+from ..phases import Phase
 
 __all__ = [
     "WarmupResult",
@@ -111,7 +112,7 @@ def warmup_collective(nonce: str, timeout_s: float) -> WarmupResult:
     latency. The caller compares every rank's result (``check_warmup``): a backend broken on
     one host returns a wrong sum there and a right one elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    broken = fault_point("warmup", rank)  # True: act as a backend that sums wrong here
+    broken = fault_point(Phase.WARMUP, rank)  # True: act as a backend that sums wrong here
     store = _store()
     key = f"dckpt/warmup/{nonce}"
     if store is not None:

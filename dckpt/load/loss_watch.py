@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import TYPE_CHECKING
 
 from ..errors import LossDeviationError
+
+if TYPE_CHECKING:
+    from ..config import LossWatchAction
 
 __all__ = ["LossWatch"]
 
@@ -48,7 +52,7 @@ class LossWatch:
         mean, std = self._saved["mean"], self._saved.get("std", 0.0)
         return mean + max(self.sigma * std, self.rel * abs(mean))
 
-    def observe(self, loss: float, action: str) -> str | None:
+    def observe(self, loss: float, action: LossWatchAction) -> str | None:
         """Record ``loss``; while armed, return a message if it deviates (raise if asked)."""
         self._recent.append(loss)
         if not self.armed:

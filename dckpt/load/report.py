@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Check", "ResumeReport"]
+__all__ = ["CandidateReport", "Check", "ResumeReport"]
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,24 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+
+
+@dataclass
+class CandidateReport:
+    """What the checks found in one checkpoint a resume tried; thrown away if it is skipped."""
+
+    step: int
+    path: Path
+    world_size_saved: int | None = None
+    checks: list[Check] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    rng: str = ""
+
+    def check(self, name: str, ok: bool, detail: str = "") -> None:
+        self.checks.append(Check(name, ok, detail))
+
+    def warn(self, text: str) -> None:
+        self.warnings.append(text)
 
 
 @dataclass
@@ -33,6 +51,24 @@ class ResumeReport:
     warnings: list[str] = field(default_factory=list)
     rng: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, chosen: CandidateReport | None, skipped: list[tuple[int, str]], world_size_now: int
+    ) -> ResumeReport:
+        """The report of a resume that loaded ``chosen`` (None: nothing) after ``skipped``."""
+        if chosen is None:
+            return cls(world_size_now=world_size_now, skipped=list(skipped))
+        return cls(
+            step=chosen.step,
+            path=chosen.path,
+            world_size_saved=chosen.world_size_saved,
+            world_size_now=world_size_now,
+            checks=list(chosen.checks),
+            skipped=list(skipped),
+            warnings=list(chosen.warnings),
+            rng=chosen.rng,
+        )
 
     @property
     def resumed(self) -> bool:

@@ -8,10 +8,10 @@
       step-00000400.trash-<hex>/    being deleted by retention (renamed first: never loadable)
       quarantine/step-00001100/     failed verification, kept for forensics
       pins/step-00001000            an empty file: that step is pinned (retention keeps it)
-      .dckpt-lock                   the run lock (dckpt.lock)
+      .dckpt-lock                   the run lock (dckpt.root.lock)
 
 Only names that match these patterns are dckpt's; nothing else under ROOT is ever touched.
-This module reads; dckpt.commit is the only writer of these names.
+This module reads; dckpt.root.commit and dckpt.root.upkeep are the only writers of these names.
 """
 
 from __future__ import annotations

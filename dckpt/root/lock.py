@@ -25,16 +25,12 @@ from pathlib import Path
 
 import psutil
 
-from ..errors import CheckpointError
+from ..errors import LockError
 from .layout import LOCK_FILE, read_small_file
 
-__all__ = ["LockError", "RunLock"]
+__all__ = ["RunLock"]
 
 log = logging.getLogger("dckpt")
-
-
-class LockError(CheckpointError):
-    """Another live job holds the checkpoint root."""
 
 
 @dataclass(frozen=True)

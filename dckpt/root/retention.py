@@ -17,8 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["Candidate", "Decision", "RetentionPolicy", "decide"]
+__all__ = ["BestMode", "Candidate", "Decision", "RetentionPolicy", "decide"]
+
+BestMode = Literal["min", "max"]
+"""Whether a lower (``min``) or higher (``max``) metric is better, for ``best_k``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +31,7 @@ class RetentionPolicy:
 
     keep_last: int | None = None
     best_k: int = 0
-    best_mode: str = "min"
+    best_mode: BestMode = "min"
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 2:

@@ -1,25 +1,163 @@
-"""Retention carried out: read the facts from a root, decide (dckpt.retention), delete.
+"""Root upkeep: what happens to checkpoints besides their commit.
 
-Used after every committed save (by rank 0, on the writer thread) and by ``dckpt gc``. Only
-committed checkpoints are candidates; a manifest that cannot be read makes its checkpoint a
-keeper (never delete what cannot be judged).
+- ``recover`` undoes what a crash can leave, at every start (rank 0): abandoned tmp dirs are
+  removed, a replaced copy whose successor never landed is renamed back, an interrupted delete
+  is finished, and a dangling ``latest`` is repointed;
+- ``quarantine`` moves a committed checkpoint that failed verification (or was superseded by a
+  rollback) to ``quarantine/`` with the reason;
+- ``delete_checkpoints`` renames to a trash name first, so a crash mid-delete never leaves a
+  half-deleted directory that looks committed;
+- ``pin``/``unpin`` mark steps retention must keep; ``plan_retention``/``apply_retention``
+  carry out the pure decision of dckpt.root.retention (after every committed save, and
+  ``dckpt gc``). A manifest that cannot be read makes its checkpoint a keeper.
+
+Knows directories and files only, never tensors.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import uuid
 from pathlib import Path
 
 from ..errors import IntegrityError, ManifestError
-from .commit import delete_checkpoints
-from .layout import committed_steps, pinned_steps, step_dir_name
-from .manifest import read_manifest
+from ..faults import fault_point
+from ..phases import Phase
+from .durable import fsync_dir, publish_latest
+from .layout import (
+    LATEST_FILE,
+    PINS_DIR,
+    QUARANTINE_DIR,
+    REPLACED_RE,
+    STEP_RE,
+    TMP_RE,
+    TRASH_RE,
+    committed_steps,
+    pinned_steps,
+    step_dir_name,
+)
+from .manifest import MANIFEST_FILE, read_manifest
 from .retention import Candidate, Decision, RetentionPolicy, decide
 
-__all__ = ["apply_retention", "plan_retention"]
+__all__ = [
+    "apply_retention",
+    "delete_checkpoints",
+    "pin",
+    "plan_retention",
+    "quarantine",
+    "recover",
+    "unpin",
+]
 
 log = logging.getLogger("dckpt")
+
+
+def recover(root: str | os.PathLike[str]) -> list[str]:
+    """Clean up after crashed saves; returns one line per action taken (also logged)."""
+    base = Path(root)
+    actions: list[str] = []
+    for child in sorted(base.iterdir()):
+        ours = any(r.fullmatch(child.name) for r in (TMP_RE, TRASH_RE, REPLACED_RE))
+        if child.is_symlink() and ours:  # dckpt never makes these links: drop, never follow
+            child.unlink()
+            actions.append(f"removed the symlink {child.name}")
+            continue
+        if child.is_symlink() or not child.is_dir():
+            continue
+        if TMP_RE.fullmatch(child.name):
+            shutil.rmtree(child, ignore_errors=True)
+            actions.append(f"removed abandoned save {child.name}")
+        elif TRASH_RE.fullmatch(child.name):
+            shutil.rmtree(child, ignore_errors=True)
+            actions.append(f"finished deleting {child.name}")
+        elif m := REPLACED_RE.fullmatch(child.name):
+            final = base / f"step-{m.group(1)}"
+            if not final.exists() and (child / MANIFEST_FILE).is_file():
+                os.rename(child, final)
+                actions.append(f"restored {final.name}: its re-save never committed")
+            else:
+                shutil.rmtree(child, ignore_errors=True)
+                actions.append(f"removed superseded copy {child.name}")
+    for child in base.glob(f"{LATEST_FILE}.tmp-*"):
+        if child.is_file() and not child.is_symlink():
+            child.unlink(missing_ok=True)
+    if actions:
+        fsync_dir(base)
+    # A crash between the commit rename and `latest` leaves `latest` behind: bring it forward.
+    publish_latest(base)
+    for line in actions:
+        log.info("dckpt recover: %s", line)
+    return actions
+
+
+def quarantine(root: str | os.PathLike[str], step_dir: Path, reason: str) -> Path:
+    """Move a committed checkpoint that failed verification to ``quarantine/``, with the reason."""
+    base = Path(root)
+    if not STEP_RE.fullmatch(step_dir.name) or step_dir.parent != base:
+        raise ValueError(f"{step_dir} is not a committed step dir under {base}")
+    qdir = base / QUARANTINE_DIR
+    qdir.mkdir(exist_ok=True)
+    target = qdir / step_dir.name
+    if target.exists():
+        target = qdir / f"{step_dir.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(step_dir, target)
+    (target.parent / f"{target.name}.reason.txt").write_text(reason + "\n", encoding="utf-8")
+    fsync_dir(qdir)
+    fsync_dir(base)
+    publish_latest(base)
+    log.warning(
+        "dckpt: moved %s to %s: %s", step_dir.name, target, reason.split(". ", maxsplit=1)[0]
+    )
+    return target
+
+
+def delete_checkpoints(root: str | os.PathLike[str], steps: list[int]) -> list[str]:
+    """Delete committed checkpoints: rename each to a trash name (fsynced), then remove it.
+
+    After the rename the directory no longer looks committed, so a crash mid-delete leaves
+    only a trash dir, which ``recover`` removes. ``latest`` is never left pointing at one.
+    """
+    base = Path(root)
+    trashed: list[Path] = []
+    for step in steps:
+        src = base / step_dir_name(step)
+        if not (src / MANIFEST_FILE).is_file():
+            continue
+        dst = base / f"{src.name}.trash-{uuid.uuid4().hex}"
+        os.rename(src, dst)
+        trashed.append(dst)
+    if trashed:
+        fsync_dir(base)
+        publish_latest(base)
+        fault_point(Phase.RETENTION, 0)
+    for path in trashed:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name.split(".trash-")[0] for p in trashed]
+
+
+def pin(root: str | os.PathLike[str], step: int) -> Path:
+    """Mark a committed step as pinned: retention never deletes it."""
+    base = Path(root)
+    if not (base / step_dir_name(step) / MANIFEST_FILE).is_file():
+        raise FileNotFoundError(f"no committed checkpoint for step {step} under {base}")
+    pins = base / PINS_DIR
+    pins.mkdir(exist_ok=True)
+    marker = pins / step_dir_name(step)
+    marker.touch()
+    fsync_dir(pins)
+    return marker
+
+
+def unpin(root: str | os.PathLike[str], step: int) -> bool:
+    """Remove a pin; returns whether there was one."""
+    marker = Path(root) / PINS_DIR / step_dir_name(step)
+    if not marker.exists():
+        return False
+    marker.unlink()
+    fsync_dir(marker.parent)
+    return True
 
 
 def plan_retention(root: str | os.PathLike[str], policy: RetentionPolicy) -> list[Decision]:

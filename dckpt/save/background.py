@@ -1,4 +1,4 @@
-"""The background writer: runs one save at a time on a worker thread and latches its error.
+"""The save thread: runs one save at a time beside training and latches its error.
 
 Why a thread and not a process: staging copies into buffers owned by the training process, and
 the write path (file I/O, xxh3/sha256 hashing, tensor serialisation) runs in C and releases the
@@ -6,16 +6,17 @@ GIL, so a thread writes at disk speed without pickling the state across a proces
 holding it twice in shared memory. docs/ARCHITECTURE.md has the measurement.
 
 Invariants:
-- at most one save in flight: ``submit`` refuses while the previous job runs (the manager waits
+- at most one save in flight: ``start`` refuses while the previous one runs (the manager waits
   or skips first, and says which);
-- a job's exception is kept and raised, once, by the next ``raise_if_failed`` (the manager calls
-  it at the next ``save()``, ``wait()`` or ``close()``); it is never lost and never raised twice;
+- a save's exception is kept and raised, once, by the next ``raise_if_failed`` (the manager
+  calls it at the next ``save()``, ``wait()`` or ``close()``); never lost, never raised twice;
 - the thread is started and joined by the manager's public methods, never by a finalizer; it is
   not a daemon, so an interpreter that exits after ``save()`` still finishes the write;
-- a watchdog (a timer per job) declares a job stuck once it outlives its deadline: it latches a
-  ``SaveError`` that says where the job was, so the next ``save()`` raises at once instead of
-  waiting on a write that may never return. A stuck thread cannot be stopped from Python; the
-  manager refuses further saves and asks for a restart.
+- a watchdog (a timer per save) gives up on a save that outlives its deadline and is not yet
+  decided: the save is cancelled with a ``SaveError`` that says where it was, and the thread is
+  ``stuck``, so the next ``save()`` raises at once instead of waiting on a write that may never
+  return. A stuck thread cannot be stopped from Python; the manager refuses further saves and
+  asks for a restart.
 """
 
 from __future__ import annotations
@@ -24,155 +25,82 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import CheckpointError, SaveError
+from .handle import SaveResult, SaveTicket
 
-__all__ = ["BackgroundWriter", "SaveHandle", "SaveResult"]
+__all__ = ["SaveThread"]
 
 log = logging.getLogger("dckpt")
 
 
-@dataclass(frozen=True, kw_only=True)
-class SaveResult:
-    """A committed save, as seen from one rank."""
-
-    step: int
-    path: Path
-    bytes: int
-    files: int
-    stall_s: float
-    """How long the training loop was held: inside save() plus the wait before the next step."""
-    commit_s: float
-    """From save() being called to the checkpoint being durable and visible."""
-
-
-class SaveHandle:
-    """One save: its progress (staged, done) and, once done, its result or error."""
-
-    def __init__(self, step: int, started: float) -> None:
-        self.step = step
-        self.started = started
-        self.staged = threading.Event()
-        self.stall_s = 0.0
-        self.skipped = False
-        self.cancelled = False
-        self.past_commit = False
-        """Set once the commit is decided: the tidying up after it is not watched."""
-        self._done = threading.Event()
-        self._result: SaveResult | None = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def add_stall(self, seconds: float) -> None:
-        self.stall_s += seconds
-
-    def wait_staged(self, timeout: float) -> float:
-        """Block until this save's copy of the state is taken; returns the seconds waited."""
-        if self.staged.is_set():
-            return 0.0
-        t0 = time.perf_counter()
-        if not self.staged.wait(timeout):
-            self.cancelled = True  # the copy must never be taken after training moved on
-            raise SaveError(
-                f"staging of step {self.step} did not finish within {timeout:.0f} s: the "
-                "background save is blocked, most likely waiting for another rank. The save is "
-                "cancelled and will not commit; the job's process group is probably unusable: "
-                "restart the job (it resumes from the last committed checkpoint)."
-            )
-        waited = time.perf_counter() - t0
-        self.add_stall(waited)
-        return waited
-
-    def result(self, timeout: float | None = None) -> SaveResult:
-        """The committed save; raises its error if it failed, or SaveError on timeout."""
-        if not self._done.wait(timeout):
-            raise SaveError(f"save of step {self.step} still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
-            raise CheckpointError(f"save of step {self.step} was skipped")
-        return self._result
-
-    def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
-        if self._done.is_set():  # the watchdog finished it first: that is what was reported
-            return
-        self._result, self._error = result, error
-        self.staged.set()
-        self._done.set()
-
-
-class BackgroundWriter:
-    """Runs save jobs one at a time on a worker thread; see the module docstring."""
+class SaveThread:
+    """Runs saves one at a time on a worker thread; see the module docstring."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
-        self._current: SaveHandle | None = None
+        self._current: SaveTicket | None = None
         self._failed: BaseException | None = None
         self._lock = threading.Lock()
-        self.stuck: SaveHandle | None = None
-        """The save the watchdog gave up on; its thread may still be blocked."""
+        self.stuck: SaveTicket | None = None
+        """The save the watchdog gave up on; this thread may still be blocked in it."""
 
     @property
-    def current(self) -> SaveHandle | None:
+    def current(self) -> SaveTicket | None:
         """The save in flight, if any."""
-        handle = self._current
-        return handle if handle is not None and not handle.done() else None
+        ticket = self._current
+        return ticket if ticket is not None and not ticket.done() else None
 
-    def submit(
+    def start(
         self,
-        handle: SaveHandle,
-        job: Callable[[SaveHandle], SaveResult],
+        ticket: SaveTicket,
+        run: Callable[[], SaveResult],
         *,
         deadline_s: float | None = None,
-        describe_stuck: Callable[[], str] = lambda: "",
+        where: Callable[[], str] = lambda: "",
     ) -> None:
-        """Run ``job`` on a new thread; after ``deadline_s`` the watchdog declares it stuck
-        and latches an error naming ``describe_stuck()`` (which ranks are behind, and where)."""
+        """Run ``run`` for ``ticket`` on a new thread; after ``deadline_s`` the watchdog cancels
+        it with an error that names ``where()`` (which ranks are behind, and where)."""
         if self.current is not None:
             raise CheckpointError("a save is already in flight; wait for it first")
 
-        def run() -> None:
+        def body() -> None:
             try:
-                result = job(handle)
+                result = run()
             except BaseException as exc:
                 with self._lock:
-                    if self.stuck is not handle:  # the watchdog already reported this save
+                    if self.stuck is not ticket:  # the watchdog already reported this save
                         self._failed = exc
-                handle._finish(None, exc)
+                ticket.finish(None, exc)
             else:
-                handle._finish(result, None)
+                ticket.finish(result, None)
             finally:
                 if watchdog is not None:
                     watchdog.cancel()
 
-        def fire() -> None:
-            if handle.done() or handle.past_commit:
+        def give_up() -> None:
+            if ticket.done() or ticket.decided:
                 return
-            where = describe_stuck()
+            seen = where()
             error = SaveError(
-                f"the save of step {handle.step} is stuck: not committed after {deadline_s:.0f} "
-                f"s (save_timeout_s){f'; {where}' if where else ''}. Storage may be hung or a "
+                f"the save of step {ticket.step} is stuck: not committed after {deadline_s:.0f} "
+                f"s (save_timeout_s){f'; {seen}' if seen else ''}. Storage may be hung or a "
                 "rank may have died. Nothing of it is committed; restart the job, it resumes "
                 "from the last committed checkpoint."
             )
             with self._lock:
-                self.stuck = handle
+                self.stuck = ticket
                 self._failed = error
-            handle.cancelled = True  # rank 0 checks it right before the commit rename
-            handle._finish(None, error)  # whoever waits on this save learns it now
+            ticket.cancel(error)  # whoever waits learns it now; rank 0 never commits it
             log.error("dckpt: %s", error)
 
         watchdog: threading.Timer | None = None
         if deadline_s is not None:
-            watchdog = threading.Timer(deadline_s, fire)
+            watchdog = threading.Timer(deadline_s, give_up)
             watchdog.daemon = True  # only ever reports; must not keep the process alive
-            watchdog.name = f"dckpt-watchdog-{handle.step}"
-        self._current = handle
-        self._thread = threading.Thread(target=run, name=f"dckpt-save-{handle.step}")
+            watchdog.name = f"dckpt-watchdog-{ticket.step}"
+        self._current = ticket
+        self._thread = threading.Thread(target=body, name=f"dckpt-save-{ticket.step}")
         self._thread.start()
         if watchdog is not None:
             watchdog.start()

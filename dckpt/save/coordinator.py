@@ -1,34 +1,35 @@
-"""The coordinator: every rank reports what it wrote; rank 0 writes the manifest and commits.
+"""The coordinator: every rank reports what it wrote; rank 0 commits what every rank reported.
 
-Protocol (``Coordinator.finish_save``), entered by every rank after its DCP write returned or
-failed:
+Used by the save pipeline in this order (the pipeline's docstring states the whole protocol):
 
-1. all ranks all-gather a ``RankReport`` (files with digests, or the error that stopped them);
-2. rank 0, if every report is clean, builds the manifest from all records, writes it into the
-   tmp dir and runs the commit strategy; if any report carries an error, it removes the tmp dir
-   and commits nothing;
-3. rank 0 broadcasts the outcome; every rank returns the committed path or raises the same
-   ``SaveError``, which names each failed rank and its error.
+- ``agree``: all ranks learn whether any rank failed to prepare; all raise together if so;
+- ``gather``: all ranks all-gather their ``RankReport`` (files with digests, or the error that
+  stopped them);
+- on rank 0, ``refusal``: the reports' errors, if any (the tmp location is removed, nothing is
+  committed); else the pipeline builds the manifest from the reports and ``commit`` writes it
+  into the tmp location and runs the commit strategy;
+- ``announce``: rank 0 broadcasts the outcome; every rank returns it or raises the same
+  ``SaveError``, which names each failed rank and its error.
 
-Commit happens only after all ranks finished writing. This layer knows files, not tensors.
+A commit happens only after every rank finished writing. This layer knows files, not tensors.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..dist.comm import Comm
 from ..errors import SaveError, describe_os_error
 from ..faults import fault_point
-from ..root.commit import RenameCommit
+from ..phases import Phase
+from ..root.commit import CommitStrategy, Flag
 from ..root.manifest import Manifest, write_manifest
 from ..storage.records import FileRecord
 
-__all__ = ["Coordinator", "RankReport"]
+__all__ = ["Coordinator", "RankReport", "SaveOutcome"]
 
 log = logging.getLogger("dckpt")
 
@@ -45,6 +46,8 @@ class RankReport:
 
 @dataclass(frozen=True, kw_only=True)
 class SaveOutcome:
+    """Rank 0's decision, as broadcast: the committed path, or why nothing was committed."""
+
     path: str | None
     error: str | None
     total_bytes: int = 0
@@ -56,12 +59,12 @@ def _describe(failed: list[RankReport]) -> str:
 
 
 class Coordinator:
-    """Runs the save's closing protocol; see the module docstring."""
+    """The collective steps of a save's close; see the module docstring."""
 
-    def __init__(self, comm: Comm, root: Path, strategy: RenameCommit | None = None) -> None:
+    def __init__(self, comm: Comm, root: Path, strategy: CommitStrategy) -> None:
         self.comm = comm
         self.root = root
-        self.strategy = strategy or RenameCommit()
+        self.strategy = strategy
         self.committed: tuple[int, str] | None = None
         """On rank 0: (step, path) of the save it committed last, even if telling the other
         ranks failed afterwards."""
@@ -73,52 +76,44 @@ class Coordinator:
         if failed:
             raise SaveError(f"{what} failed, nothing was committed: {_describe(failed)}")
 
-    def finish_save(
-        self,
-        tmp_dir: Path,
-        step: int,
-        report: RankReport,
-        build_manifest: Callable[[list[RankReport]], Manifest],
-        on_decided: Callable[[], None] | None = None,
-        abandoned: Callable[[], bool] = lambda: False,
-    ) -> SaveOutcome:
-        reports = self.comm.all_gather(report)
-        outcome = SaveOutcome(path=None, error="rank 0 did not decide")
-        if self.comm.rank == 0:
-            outcome = self._decide(tmp_dir, step, reports, build_manifest, abandoned)
-            if on_decided is not None:
-                on_decided()
-        outcome = self.comm.broadcast(outcome)
-        if outcome.error is not None:
-            raise SaveError(
-                f"save of step {step} failed, nothing was committed and older checkpoints are "
-                f"intact: {outcome.error}"
-            )
-        return outcome
+    def gather(self, report: RankReport) -> list[RankReport]:
+        """Every rank's report, on every rank."""
+        return self.comm.all_gather(report)
 
-    def _decide(
-        self,
-        tmp_dir: Path,
-        step: int,
-        reports: list[RankReport],
-        build_manifest: Callable[[list[RankReport]], Manifest],
-        abandoned: Callable[[], bool],
-    ) -> SaveOutcome:
+    def refusal(self, tmp: Path, reports: list[RankReport]) -> SaveOutcome | None:
+        """Rank 0: the outcome of a save some rank failed (its tmp location removed), or None."""
         failed = [r for r in reports if r.error is not None]
         if failed:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             return SaveOutcome(path=None, error=_describe(failed))
+        return None
+
+    def commit(self, tmp: Path, manifest: Manifest, cancelled: Flag) -> SaveOutcome:
+        """Rank 0: write the manifest into ``tmp`` and commit it; any failure leaves nothing
+        committed and becomes the outcome's error."""
+        step = manifest.step
         try:
-            manifest = build_manifest(reports).sealed()
-            fault_point("write_manifest", 0, step)
-            write_manifest(tmp_dir, manifest)
-            final = self.strategy.commit(self.root, tmp_dir, step, abandoned=abandoned)
+            sealed = manifest.sealed()
+            fault_point(Phase.WRITE_MANIFEST, 0, step)
+            write_manifest(tmp, sealed)
+            final = self.strategy.finalize(self.root, tmp, step, cancelled=cancelled)
             self.committed = (step, str(final))
         except Exception as exc:  # any failure here must leave nothing committed
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             return SaveOutcome(
                 path=None, error=f"rank 0 could not commit: {describe_os_error(exc, self.root)}"
             )
         return SaveOutcome(
-            path=str(final), error=None, total_bytes=manifest.total_bytes, files=len(manifest.files)
+            path=str(final), error=None, total_bytes=sealed.total_bytes, files=len(sealed.files)
         )
+
+    def announce(self, outcome: SaveOutcome | None, step: int) -> SaveOutcome:
+        """Rank 0's outcome on every rank; raises its error as the same SaveError everywhere."""
+        mine = outcome or SaveOutcome(path=None, error="rank 0 did not decide")
+        told = self.comm.broadcast(mine)
+        if told.error is not None:
+            raise SaveError(
+                f"save of step {step} failed, nothing was committed and older checkpoints are "
+                f"intact: {told.error}"
+            )
+        return told

@@ -56,7 +56,7 @@ class SaveMode:
         self._plans = 0
 
     def record(self, asynchronous: bool, cost: LoopCost) -> None:
-        """A committed save's cost (rank 0, from the writer thread)."""
+        """A committed save's cost (rank 0, from the save thread)."""
         if not self.deciding or cost.slowed_s is None:
             return
         if asynchronous and cost.background_s > 0:

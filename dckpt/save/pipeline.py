@@ -1,14 +1,50 @@
-"""The background half of CheckpointManager's save: runs on the writer thread.
+"""The save, in protocol order: ``SavePipeline``. This docstring is the save protocol.
 
-``SavingMixin._write`` is the job a ``BackgroundWriter`` runs for one save: agreement, DCP's
-save through the staging planner and the hashing writer, the coordinator's commit, the log
-line and retention. Everything here uses dckpt's *io* group; nothing touches the training
-group. See the module docstring of dckpt.manager for the whole protocol.
+``save(step)`` is called by every rank with the same step, in the same order.
+
+In the foreground (``dckpt.save.saver.Saver.save``, on the caller's thread):
+
+1. the previous save, if still writing, is waited for (or, with ``if_busy="skip"``, all ranks
+   agree to skip this one); its error, if it failed, is raised here;
+2. with ``async_save="auto"``, while undecided (the first few saves), rank 0's plan (background
+   or synchronous) is broadcast on dckpt's control group;
+3. ``SavePipeline.prepare``: the state dict is taken and the ``Stager`` takes this rank's
+   snapshot: CPU tensors copied now, CUDA tensors copied on the training stream (queued, so
+   ordered before whatever the loop queues next), non-tensor values deep-copied; no collective
+   runs on the training group, and none at all in the foreground after step 2. The result is
+   an immutable ``SaveJob``.
+
+In the background (``SavePipeline.run``, on the save thread, on dckpt's *io* group; steps
+4-10 below are its body, in this order; nothing calls back up into the manager):
+
+4. **agree**: every rank makes the tmp location (``CommitStrategy.tmp_location``) and all
+   ranks learn whether any rank failed to prepare (``Coordinator.agree``);
+5. **DCP save**: ``dcp.save`` plans; the ``StagingSavePlanner`` drains device buffers to pinned
+   host memory (and, with ``overlap_staging``, takes the copies it deferred), then sets the
+   ticket's ``staged``; the ``HashingWriter`` writes each shard file with its digest computed
+   as the bytes go out;
+6. **gather**: every rank's ``RankReport`` (files and digests, or its error) on every rank;
+7. **commit**, rank 0 only: any report's error refuses the save (the tmp location removed);
+   else rank 0 reads what the save cost the training loop (``StepClock``), builds the manifest
+   from every report, writes it and runs the commit strategy (``RenameCommit``: fsync, rename,
+   ``latest``), unless the ticket was cancelled;
+8. **mark decided**: rank 0's progress marker, so a rank that loses rank 0 now can say whether
+   a commit may have happened;
+9. **broadcast**: rank 0's outcome; every rank returns the committed path or raises the same
+   ``SaveError`` (nothing committed, older checkpoints intact);
+10. **retention**, rank 0 only, after its one-line log: a failure here is logged, never fails
+    the committed save.
+
+``save()`` returns after step 3, or after step 10 for a synchronous save. A failure in 4-9 on
+any rank fails the save on every rank and commits nothing; a failed collective also marks
+dckpt's group as lost (``group_lost``): the next ``save()`` asks for a restart. The fault hook
+(dckpt.faults) names the points of this protocol with ``dckpt.phases.Phase``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import platform
 import shutil
 import time
@@ -17,108 +53,368 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from .. import __version__
 from ..config import CheckpointConfig
-from ..dist.comm import DECIDED, Comm, Progress
+from ..dist.comm import Comm
+from ..dist.progress import DECIDED, Progress, SaveTrace
 from ..errors import SaveError, describe_os_error, unwrap_dcp_error
-from ..faults import fault_point
-from ..root.commit import new_tmp_dir
+from ..phases import Phase
+from ..root.commit import CommitStrategy
 from ..root.manifest import Manifest
 from ..root.upkeep import apply_retention
 from ..storage.hashing_writer import HashingWriter
+from ..train import rng
 from ..train.precision import PrecisionPolicy
 from ..train.state import TrainState
 from ..units import describe_staging, human_bytes
-from .background import SaveHandle, SaveResult
-from .coordinator import Coordinator, RankReport
+from .coordinator import Coordinator, RankReport, SaveOutcome
+from .handle import SaveResult, SaveTicket
 from .mode import SaveMode
-from .stager import Snapshot, Stager, StagingSavePlanner
+from .stager import Snapshot, Stager, StagingSavePlanner, Watch, watch_versions
 from .step_clock import LoopCost, StepClock
 
-__all__ = ["SaveJob", "SavingMixin"]
+__all__ = ["SaveJob", "SavePipeline"]
 
 log = logging.getLogger("dckpt")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SaveJob:
-    """What the foreground hands the writer thread for one save."""
+    """What the foreground hands the save thread for one save; never changed after."""
 
+    step: int
     save_id: str
+    started: float
+    """``time.perf_counter()`` when ``save()`` was called."""
     snapshot: Snapshot | None
     error: str | None
+    """Why this rank could not take its snapshot (reported to every rank in step 4)."""
     epoch: int
     milestone: bool
-    extra: dict[str, Any]
     asynchronous: bool
+    loss: dict[str, float]
+    metric: dict[str, float]
+    scaler: dict[str, Any] | None
 
 
-class SavingMixin:
-    """The writer-thread half of a save; mixed into CheckpointManager (see its attributes)."""
+@dataclass(frozen=True)
+class _Decision:
+    outcome: SaveOutcome
+    manifest: Manifest | None = None
+    cost: LoopCost | None = None
 
-    root: Path
-    config: CheckpointConfig
-    state: TrainState
-    rank: int
-    world_size: int
-    run_id: str
-    precision: PrecisionPolicy | None
-    run_config: dict[str, Any]
-    _io: Comm
-    _progress: Progress
-    _coordinator: Coordinator
-    _stager: Stager
-    _clock: StepClock
-    _mode: SaveMode
-    _device: int | None
-    _broken: str | None
-    _last_save_bytes: int
-    _last_committed_step: int | None
 
-    def _write(
+class SavePipeline:
+    """Prepares a save in the foreground and runs it in the background; see the docstring."""
+
+    def __init__(
         self,
-        handle: SaveHandle,
-        job: SaveJob,
-    ) -> SaveResult:
-        """The background half of a save (runs on the writer thread, on the io group).
+        *,
+        io: Comm,
+        progress: Progress,
+        strategy: CommitStrategy,
+        config: CheckpointConfig,
+        state: TrainState,
+        precision: PrecisionPolicy | None,
+        run_id: str,
+        run_config: dict[str, Any],
+        stager: Stager,
+        clock: StepClock,
+        mode: SaveMode,
+    ) -> None:
+        self.io = io
+        self.progress = progress
+        self.strategy = strategy
+        self.coordinator = Coordinator(io, config.root, strategy)
+        self.config = config
+        self.root = config.root
+        self.state = state
+        self.precision = precision
+        self.run_id = run_id
+        self.run_config = run_config
+        self.stager = stager
+        self.clock = clock
+        self.mode = mode
+        self.rank, self.world_size = io.rank, io.world_size
+        self.device: int | None = None
+        """The CUDA device of the caller (a new thread starts on device 0)."""
+        self.group_lost: str | None = None
+        """Set when a collective of a save failed: dckpt's group is unusable from then on."""
+        self.last_bytes = 0
+        self.last_committed_step: int | None = None
+        self._saves = 0
 
-        Any failure becomes a SaveError that names the ranks that were behind (from the
-        progress markers), so a dead or stuck rank is named on every rank.
-        """
+    # --- foreground ---------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        step: int,
+        *,
+        started: float,
+        epoch: int | None,
+        milestone: bool,
+        metric: float | None,
+        loss: dict[str, float],
+        asynchronous: bool,
+    ) -> SaveJob:
+        """Step 3: this rank's snapshot of the state as the immutable job (on error, the job
+        carries the error, for every rank to learn in step 4)."""
+        self._saves += 1
+        save_id = xxhash.xxh3_128_hexdigest(f"{self.run_id}:{step}:{self._saves}".encode())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.device = torch.cuda.current_device()
+        self.state.step = step
+        if epoch is not None:
+            self.state.epoch = epoch
+        every = self.config.milestone_every
+        snapshot: Snapshot | None = None
+        scaler: dict[str, Any] | None = None
+        error: str | None = None
         try:
-            result = self._write_steps(handle, job)
+            state_dict = self.state.state_dict()
+            # Taken now, at the point the training loop will continue from after a resume.
+            state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
+            if state_dict.get("scaler"):  # recorded in the manifest: readable without torch
+                scale = float(state_dict["scaler"]["scale"])
+                scaler = {
+                    "scale": scale if math.isfinite(scale) else str(scale),  # JSON has no NaN
+                    "growth_tracker": int(state_dict["scaler"].get("_growth_tracker", 0)),
+                }
+            if self.rank == 0:
+                self._check_free_space(step, state_dict)
+            if asynchronous:
+                snapshot = self.stager.snapshot(state_dict, self._deferred())
+            else:  # the caller waits for the commit: write the live state
+                snapshot = self.stager.live(state_dict)
+            self.progress.trace(save_id, step).at(Phase.PREPARE)
+        except Exception as exc:
+            error = f"taking the state dict failed: {exc!r}"
+        return SaveJob(
+            step=step,
+            save_id=save_id,
+            started=started,
+            snapshot=snapshot,
+            error=error,
+            epoch=self.state.epoch,
+            milestone=milestone or (every is not None and step % every == 0),
+            asynchronous=asynchronous,
+            loss=loss,
+            metric={} if metric is None else {"value": float(metric)},
+            scaler=scaler,
+        )
+
+    def _deferred(self) -> Watch:
+        """Tensors whose copy may wait until the next optimizer step (``overlap_staging``):
+        only what the hooked optimizer changes, its parameters and its state. Their version
+        counters are read now, after the state dict was taken (taking it moves some)."""
+        opt = self.state.optimizer
+        if opt is None or not self.config.overlap_staging:
+            return {}
+        tensors = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        for per_param in opt.state.values():
+            tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+        return watch_versions(tensors)
+
+    def _check_free_space(self, step: int, state_dict: dict[str, Any]) -> None:
+        """Warn before staging when the root's file system cannot hold this save.
+
+        The estimate is the previous save's size, or (first save) the bytes of the tensors in
+        this state dict, with each sharded tensor counted for the whole world.
+        """
+        need = self.last_bytes or _tensor_bytes(state_dict, self.world_size)
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        if need > free:
+            log.warning(
+                "dckpt: step %d needs about %s but only %s is free on %s: the save will "
+                "likely fail with 'no space left on device' (older checkpoints stay intact). "
+                "Free space or lower keep_last.",
+                step,
+                human_bytes(need),
+                human_bytes(free),
+                self.root,
+            )
+
+    # --- background ---------------------------------------------------------------------------
+
+    def run(self, job: SaveJob, ticket: SaveTicket) -> SaveResult:
+        """Steps 4-10 on the save thread. Any failure becomes a SaveError that names the ranks
+        that were behind (from the progress markers), so a dead or stuck rank is named on
+        every rank."""
+        tmp = self.strategy.tmp_location(self.root, job.step, job.save_id)
+        try:
+            result = self._steps(job, ticket, tmp)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             if not isinstance(exc, SaveError):  # a collective failed: the group is unusable
-                self._broken = f"{type(exc).__name__}: {str(exc)[:200]}"
+                self.group_lost = f"{type(exc).__name__}: {str(exc)[:200]}"
             if self.rank == 0:  # whatever failed, no half-written tmp dir outlives the save
-                shutil.rmtree(new_tmp_dir(self.root, handle.step, job.save_id), ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, SaveError):  # an outcome every rank agreed on: it says it all
                 raise
-            outcome = self._failed_outcome(handle.step, job.save_id)
+            outcome = self._failed_outcome(job.step, job.save_id)
             raise SaveError(
-                f"save of step {handle.step} failed (seen from rank {self.rank}), {outcome} ({exc})"
+                f"save of step {job.step} failed (seen from rank {self.rank}), {outcome} ({exc})"
             ) from exc
         finally:
-            handle.staged.set()
-            self._clock.save_ended(handle.started)
-        self._progress.clear(job.save_id)
+            ticket.staged.set()
+            self.clock.save_ended(job.started)
+        self.progress.clear(job.save_id)
         return result
+
+    def _steps(self, job: SaveJob, ticket: SaveTicket, tmp: Path) -> SaveResult:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
+        trace = self.progress.trace(job.save_id, job.step)
+        self.coordinator.committed = None  # this save's, once rank 0 commits it
+        self._agree(job, trace, tmp)  # 4
+        report = self._write(job, ticket, trace, tmp)  # 5
+        reports = self.coordinator.gather(report)  # 6
+        decision = self._decide(job, ticket, tmp, reports) if self.rank == 0 else None  # 7
+        if self.rank == 0:
+            self.progress.mark(job.save_id, DECIDED)  # 8
+        outcome = self.coordinator.announce(decision.outcome if decision else None, job.step)  # 9
+        ticket.decided = True
+        result = self._result(job, ticket, outcome)
+        if decision is not None:
+            self._log(job, result, decision)
+            self._retention()  # 10
+        return result
+
+    def _agree(self, job: SaveJob, trace: SaveTrace, tmp: Path) -> None:
+        trace.passed(Phase.PREPARE)
+        error = job.error
+        if error is None:
+            try:
+                trace.at(Phase.MAKE_TMP)
+                tmp.mkdir(exist_ok=True)  # every rank (shared or not); DCP's mkdir finds it
+            except Exception as exc:  # reported to every rank by the agreement below
+                error = f"cannot make {tmp}: {describe_os_error(exc, self.root)}"
+        if error is None:
+            trace.passed(Phase.MAKE_TMP)
+        self.coordinator.agree(error, f"preparing the save of step {job.step}")
+
+    def _write(self, job: SaveJob, ticket: SaveTicket, trace: SaveTrace, tmp: Path) -> RankReport:
+        assert job.snapshot is not None  # a rank without one failed the agreement
+        t_staging = time.perf_counter()
+        writer = HashingWriter(
+            tmp,
+            algorithm=self.config.digest,
+            rank=self.rank,
+            thread_count=self.config.io_threads,
+            direct=self.config.direct_io,
+            trace=trace,
+        )
+        planner = StagingSavePlanner(
+            self.stager, job.snapshot, ticket.staged, cancelled=ticket.cancelled, trace=trace
+        )
+        error: str | None = None
+        try:
+            with self.io.quiet():
+                dcp_save(
+                    job.snapshot.state_dict,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self.io.group,
+                    no_dist=not self.io.distributed,
+                )
+            trace.at(Phase.DCP_FINISH)
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = f"writing shards failed: {describe_os_error(unwrap_dcp_error(exc), self.root)}"
+        finally:
+            ticket.staged.set()
+        trace.passed(Phase.DCP_FINISH)  # cleanly or not: this rank now reports
+        return RankReport(
+            rank=self.rank,
+            records=tuple(writer.records()),
+            error=error,
+            timings={
+                "prepare_s": t_staging - job.started,
+                "write_s": time.perf_counter() - t_staging,
+                **planner.stats.as_timings(),
+            },
+        )
+
+    def _decide(
+        self, job: SaveJob, ticket: SaveTicket, tmp: Path, reports: list[RankReport]
+    ) -> _Decision:
+        refused = self.coordinator.refusal(tmp, reports)
+        if refused is not None:
+            return _Decision(refused)
+        try:
+            # rank 0's stall, and what the save cost its loop, as known at commit time
+            now = time.perf_counter()
+            stall_s = ticket.stall_s if job.asynchronous else now - job.started
+            cost = self.clock.cost(job.started, stall_s, now)
+            self.mode.record(job.asynchronous, cost)
+            manifest = self._manifest(job, reports, stall_s, cost)
+        except Exception as exc:  # nothing may be committed without its manifest
+            shutil.rmtree(tmp, ignore_errors=True)
+            return _Decision(
+                SaveOutcome(path=None, error=f"rank 0 could not build the manifest: {exc!r}")
+            )
+        return _Decision(self.coordinator.commit(tmp, manifest, ticket.cancelled), manifest, cost)
+
+    def _result(self, job: SaveJob, ticket: SaveTicket, outcome: SaveOutcome) -> SaveResult:
+        assert outcome.path is not None
+        commit_s = time.perf_counter() - job.started
+        result = SaveResult(
+            step=job.step,
+            path=Path(outcome.path),
+            bytes=outcome.total_bytes,
+            files=outcome.files,
+            stall_s=ticket.stall_s if job.asynchronous else commit_s,
+            commit_s=commit_s,
+        )
+        self.last_bytes, self.last_committed_step = result.bytes, job.step
+        return result
+
+    def _log(self, job: SaveJob, result: SaveResult, decision: _Decision) -> None:
+        assert decision.manifest is not None and decision.cost is not None
+        log.info(
+            "dckpt: saved step %d | %s in %d files | %s | committed in %.3f s | "
+            "%s/s | %s digests | %s | %s",
+            job.step,
+            human_bytes(result.bytes),
+            result.files,
+            decision.cost.phrase(result.commit_s),
+            result.commit_s,
+            human_bytes(result.bytes / max(result.commit_s, 1e-9)),
+            self.config.digest,
+            describe_staging(decision.manifest.timings)
+            if job.asynchronous
+            else "live state written",
+            result.path,
+        )
+
+    def _retention(self) -> None:
+        if not self.config.retention.enabled:
+            return
+        try:
+            apply_retention(self.root, self.config.retention)
+        except Exception as exc:  # the save itself is committed; never fail it here
+            log.error("dckpt retention failed, nothing more was deleted: %r", exc)
 
     def _failed_outcome(self, step: int, save_id: str) -> str:
         """What this rank can say about a save whose closing collective failed."""
-        committed = self._coordinator.committed
+        committed = self.coordinator.committed
         if self.rank == 0 and committed is not None and committed[0] == step:
-            self._last_committed_step = step
+            self.last_committed_step = step
             return (
                 f"but step {step} IS committed at {committed[1]}: only telling the other ranks "
                 "failed"
             )
-        lag = self._progress.lagging(save_id)
-        reported = self._progress.all_reported(save_id)
+        lag = self.progress.lagging(save_id)
+        reported = self.progress.all_reported(save_id)
         if reported and (lag.startswith("rank 0 did not complete the commit") or not lag):
             # Rank 0 had every report: it may have committed before it stopped answering.
             return (
@@ -127,162 +423,17 @@ class SavingMixin:
             )
         return "nothing was committed" + (f": {lag}" if lag else "")
 
-    def _write_steps(
-        self,
-        handle: SaveHandle,
-        job: SaveJob,
-    ) -> SaveResult:
-        step, t0 = handle.step, handle.started
-        save_id, snapshot, extra = job.save_id, job.snapshot, job.extra
-        if self._device is not None:
-            torch.cuda.set_device(self._device)  # a new thread starts on device 0
-        tmp_dir = new_tmp_dir(self.root, step, save_id)
-        self._coordinator.committed = None  # this save's, once rank 0 commits it
-        self._progress.mark(save_id, "started")
-        error = job.error
-        if error is None:
-            try:
-                fault_point("make_tmp", self.rank, step)
-                tmp_dir.mkdir(exist_ok=True)  # every rank (shared or not); DCP's mkdir finds it
-            except Exception as exc:  # reported to every rank by the agreement below
-                error = f"cannot make {tmp_dir}: {describe_os_error(exc, self.root)}"
-        if error is None:
-            self._progress.mark(save_id, "ready")
-        self._coordinator.agree(error, f"preparing the save of step {step}")
-        assert snapshot is not None
-        t_staging = time.perf_counter()
-        writer = HashingWriter(
-            tmp_dir,
-            algorithm=self.config.digest,
-            rank=self.rank,
-            thread_count=self.config.io_threads,
-            direct=self.config.direct_io,
-            on_written=lambda: self._written(save_id, step),
-        )
-        error = None
-        planner = StagingSavePlanner(
-            self._stager,
-            snapshot,
-            handle.staged,
-            cancelled=lambda: handle.cancelled,
-            on_stage=lambda: fault_point("stage", self.rank, step),
-        )
-        try:
-            with self._io.quiet():
-                dcp_save(
-                    snapshot.state_dict,
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=self._io.group,
-                    no_dist=not self._io.distributed,
-                )
-            fault_point("dcp_finish", self.rank, step)
-            self._progress.mark(save_id, "dcp_done")
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            error = f"writing shards failed: {describe_os_error(unwrap_dcp_error(exc), self.root)}"
-        finally:
-            handle.staged.set()
-        t_written = time.perf_counter()
-        report = RankReport(
-            rank=self.rank,
-            records=tuple(writer.records()),
-            error=error,
-            timings={
-                "prepare_s": t_staging - t0,
-                "write_s": t_written - t_staging,
-                **planner.stats.as_timings(),
-            },
-        )
-
-        def build(reports: list[RankReport]) -> Manifest:
-            # rank 0's stall, and what the save cost its loop, as known at commit time
-            now = time.perf_counter()
-            extra["stall_s"] = handle.stall_s if job.asynchronous else now - t0
-            cost = self._clock.cost(t0, extra["stall_s"], now)
-            self._mode.record(job.asynchronous, cost)
-            extra["cost"] = cost
-            manifest = self._manifest(
-                step=step,
-                epoch=job.epoch,
-                milestone=job.milestone,
-                save_id=save_id,
-                reports=reports,
-                t0=t0,
-                extra=extra,
-            )
-            extra["timings"] = manifest.timings  # for rank 0's log line
-            return manifest
-
-        self._progress.mark(save_id, "reported")
-        outcome = self._coordinator.finish_save(
-            tmp_dir,
-            step,
-            report,
-            build,
-            on_decided=lambda: self._progress.mark(save_id, DECIDED),
-            abandoned=lambda: handle.cancelled,  # the watchdog gave up on it: never land late
-        )
-        handle.past_commit = True
-        assert outcome.path is not None
-        commit_s = time.perf_counter() - t0
-        stall_s = handle.stall_s if job.asynchronous else commit_s
-        result = SaveResult(
-            step=step,
-            path=Path(outcome.path),
-            bytes=outcome.total_bytes,
-            files=outcome.files,
-            stall_s=stall_s,
-            commit_s=commit_s,
-        )
-        self._last_save_bytes, self._last_committed_step = result.bytes, step
-        if self.rank == 0:
-            timings = extra.get("timings", {})
-            cost: LoopCost = extra["cost"]
-            log.info(
-                "dckpt: saved step %d | %s in %d files | %s | committed in %.3f s | "
-                "%s/s | %s digests | %s | %s",
-                step,
-                human_bytes(result.bytes),
-                result.files,
-                cost.phrase(result.commit_s),
-                result.commit_s,
-                human_bytes(result.bytes / max(result.commit_s, 1e-9)),
-                self.config.digest,
-                describe_staging(timings) if job.asynchronous else "live state written",
-                result.path,
-            )
-            if self.config.retention.enabled:
-                try:
-                    apply_retention(self.root, self.config.retention)
-                except Exception as exc:  # the save itself is committed; never fail it here
-                    log.error("dckpt retention failed, nothing more was deleted: %r", exc)
-        return result
-
-    def _written(self, save_id: str, step: int) -> None:
-        fault_point("write_shards", self.rank, step)
-        self._progress.mark(save_id, "written")
-
     def _manifest(
-        self,
-        *,
-        step: int,
-        epoch: int,
-        milestone: bool,
-        save_id: str,
-        reports: list[RankReport],
-        t0: float,
-        extra: dict[str, Any],
+        self, job: SaveJob, reports: list[RankReport], stall_s: float, cost: LoopCost
     ) -> Manifest:
         records = tuple(sorted(rec for r in reports for rec in r.records))
         return Manifest(
-            step=step,
-            epoch=epoch,
+            step=job.step,
+            epoch=job.epoch,
             world_size=self.world_size,
             files=records,
             run_id=self.run_id,
-            save_id=save_id,
+            save_id=job.save_id,
             created_at=time.time(),
             digest_algorithm=self.config.digest,
             state=(*self.state.categories(), "rng"),
@@ -295,20 +446,20 @@ class SavingMixin:
             config=self.run_config,
             precision={
                 **(self.precision.describe() if self.precision is not None else {}),
-                **({"scaler": extra["scaler"]} if "scaler" in extra else {}),
+                **({"scaler": job.scaler} if job.scaler is not None else {}),
             },
-            loss=extra["loss"],
-            metric=extra["metric"],
+            loss=job.loss,
+            metric=job.metric,
             timings={
-                "stall_s": extra.get("stall_s", 0.0),
-                **(extra["cost"].timings() if "cost" in extra else {}),
+                "stall_s": stall_s,
+                **cost.timings(),
                 **_merge_timings(reports),
-                "to_commit_s": time.perf_counter() - t0,
+                "to_commit_s": time.perf_counter() - job.started,
             },
             bytes_per_rank=tuple(
                 sum(rec.bytes for rec in r.records) for r in sorted(reports, key=lambda r: r.rank)
             ),
-            milestone=milestone,
+            milestone=job.milestone,
         )
 
 
@@ -322,3 +473,16 @@ def _merge_timings(reports: list[RankReport]) -> dict[str, float]:
             else:
                 merged[key] = max(merged.get(key, 0.0), value)
     return merged
+
+
+def _tensor_bytes(obj: Any, world_size: int) -> int:
+    """Bytes of the tensors in a nested state dict; a DTensor's local shard counts world-wide."""
+    if isinstance(obj, DTensor):
+        return int(obj.to_local().nbytes) * world_size
+    if isinstance(obj, torch.Tensor):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, world_size) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, world_size) for v in obj)
+    return 0

@@ -22,7 +22,7 @@ Where each tensor this rank writes goes, decided in ``snapshot`` (inside ``save(
   tuple of tensors, which DCP pickles whole, is copied to the CPU synchronously).
 
 A synchronous save (``live``) writes the live tensors; it first waits for every kernel queued
-on their devices, since the writer thread reads them from another stream.
+on their devices, since the save thread reads them from another stream.
 
 Only with ``overlap_staging=True`` may a copy be taken *after* ``save()`` returned: the
 tensors the hooked optimizer changes (its parameters and state) that would go to the host are
@@ -51,7 +51,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..errors import SaveError
+from ..phases import Phase, Trace
 from ..units import human_bytes
 
 __all__ = [
@@ -274,7 +275,7 @@ class Stager:
 
     def live(self, state_dict: dict[str, Any]) -> Snapshot:
         """A synchronous save writes the live state: every queued kernel on its devices must
-        have finished first (the writer thread reads on another stream)."""
+        have finished first (the save thread reads on another stream)."""
         for device in _cuda_devices(flatten_state_dict(state_dict)[0]):
             torch.cuda.synchronize(device)
         return Snapshot(state_dict=state_dict, live=True)
@@ -380,8 +381,8 @@ class StagingSavePlanner(DefaultSavePlanner):
         stager: Stager,
         snapshot: Snapshot,
         staged: threading.Event,
-        cancelled: Callable[[], bool],
-        on_stage: Callable[[], object] | None = None,
+        cancelled: threading.Event,
+        trace: Trace | None = None,
     ) -> None:
         # No plan caching: DCP's cache compares plans without dtypes, so a model cast between
         # two saves would commit metadata with the old dtype. Planning is cheap next to I/O.
@@ -390,7 +391,7 @@ class StagingSavePlanner(DefaultSavePlanner):
         self._snap = snapshot
         self._staged = staged
         self._cancelled = cancelled
-        self._on_stage = on_stage
+        self._trace = trace
         self._copies: dict[MetadataIndex, torch.Tensor] = {}
 
     @property
@@ -400,10 +401,10 @@ class StagingSavePlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
         try:
-            if self._cancelled():
+            if self._cancelled.is_set():
                 raise SaveError("the save was cancelled: its staging took longer than allowed")
-            if self._on_stage is not None:
-                self._on_stage()  # inside DCP's plan step, so an error fails every rank at once
+            if self._trace is not None:  # inside DCP's plan step: an error fails every rank
+                self._trace.at(Phase.STAGE)
             if not self._snap.live:
                 self._stage(plan)
         except BaseException:

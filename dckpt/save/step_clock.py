@@ -29,7 +29,7 @@ is used, and before there is one the save line says the cost was not measured, a
 
 Invariants:
 - ``tick`` and ``save_returned`` run on the training thread, ``save_ended`` and ``cost`` on the
-  writer thread; a save's window is a small list whose slots are each written by one thread,
+  save thread; a save's window is a small list whose slots are each written by one thread,
   and the deques are appended whole, so no lock is needed and ``tick`` stays cheap (it runs
   every step);
 - nothing here blocks, raises into the loop, or touches a tensor.
@@ -145,7 +145,7 @@ class StepClock:
                 window[1] = now
 
     def save_ended(self, start: float, now: float | None = None) -> None:
-        """The save's write is over, committed or not (writer thread)."""
+        """The save's write is over, committed or not (save thread)."""
         now = time.perf_counter() if now is None else now
         for window in list(self._windows):
             if window[0] == start:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import io
 import os
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.utils.serialization import config as serialization_config
 
+from ..phases import Phase, Trace
 from .digest import Hasher, format_digest, new_hasher
 from .direct_file import DirectFile, open_for_write
 from .records import FileRecord
@@ -169,7 +170,7 @@ class HashingWriter(FileSystemWriter):
         thread_count: int = 1,
         sync_files: bool = True,
         direct: bool = True,
-        on_written: Callable[[], None] | None = None,
+        trace: Trace | None = None,
     ) -> None:
         # per_thread_copy_ahead=0: DCP's serial loader. The overlapping one (chosen whenever
         # CUDA is available) synchronizes the writer thread's stream every 10 MB, which on the
@@ -183,7 +184,7 @@ class HashingWriter(FileSystemWriter):
             overwrite=False,
         )
         self.fs: HashingFileSystem = HashingFileSystem(path, algorithm, rank, direct=direct)
-        self._on_written = on_written
+        self._trace = trace
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         # DCP serialises each tensor with torch.save, which computes a zip CRC-32 of its bytes
@@ -194,8 +195,9 @@ class HashingWriter(FileSystemWriter):
         # (the config module is installed at import time: mypy cannot see its patch())
         with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
             result = super().write_data(plan, planner)
-        if self._on_written is not None:
-            self._on_written()  # this rank's shards are on disk; DCP's metadata is not yet
+        if self._trace is not None:  # this rank's shards are on disk; DCP's metadata is not yet
+            self._trace.at(Phase.WRITE_SHARDS)
+            self._trace.passed(Phase.WRITE_SHARDS)
         return result
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

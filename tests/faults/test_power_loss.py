@@ -7,7 +7,7 @@ deletes it) then runs under ``strace``; ``crashsim`` turns the log into the orde
 write, fsync, rename and delete operations under the root and builds every state a power cut
 after any prefix of them can leave (the model and its limits: tests/faults/crashsim.py; its
 simulated final tree must equal the real one, so the trace was understood). Each distinct state
-is written out, recovered as the next start would (``dckpt.root.commit.recover``) and checked:
+is written out, recovered as the next start would (``dckpt.root.upkeep.recover``) and checked:
 
 - the fault kit's invariants: every committed step verifies, ``latest`` names a committed step,
   steps 1 and 2 load bit-exact (step 1 may be gone only when step 3 is committed and verifies);
@@ -75,7 +75,7 @@ from fault_kit import (
 )
 
 from dckpt.load.offline import load_flat
-from dckpt.root.commit import exchange, recover
+from dckpt.root.commit import exchange
 from dckpt.root.layout import (
     LATEST_FILE,
     LOCK_FILE,
@@ -87,6 +87,7 @@ from dckpt.root.layout import (
     read_latest,
     step_dir_name,
 )
+from dckpt.root.upkeep import recover
 from dckpt.root.verify import verify_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]

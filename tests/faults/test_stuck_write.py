@@ -112,7 +112,7 @@ def test_a_save_declared_stuck_never_lands_later(
     handle = mgr.save(2)
     with pytest.raises(dckpt.SaveError, match="is stuck"):
         handle.result(timeout=10)  # the watchdog fails the handle after 2 s
-    thread = mgr._writer._thread
+    thread = mgr._saver._thread._thread
     assert thread is not None
     thread.join(10)  # the stuck write wakes up and reaches the commit point
     why = [] if committed_steps(tmp_path) == [1] else [f"committed {committed_steps(tmp_path)}"]

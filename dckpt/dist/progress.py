@@ -1,0 +1,104 @@
+"""Per-save progress markers in the job's key-value store, to name a late rank; and the
+``SaveTrace`` one save reports its phases to.
+
+Each rank marks the phases of a save it got past (``Phase``, the same names as the fault hook).
+When a wait fails (a timeout, or a peer that closed its connection), ``lagging`` tells which
+ranks had not completed which phase, so the error names them on every rank without another
+collective (after a gloo timeout the group is unusable anyway). Store errors are swallowed:
+markers only improve messages, they never decide anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch.distributed as dist
+
+from ..faults import fault_point
+from ..phases import Phase
+from .comm import Comm
+
+__all__ = ["MARKED", "Progress", "SaveTrace"]
+
+MARKED = (Phase.PREPARE, Phase.MAKE_TMP, Phase.WRITE_SHARDS, Phase.DCP_FINISH)
+"""The phases every rank marks in a save, in order. ``DCP_FINISH`` is marked once this rank's
+DCP save ended, cleanly or not, right before it reports to the coordinator."""
+DECIDED = Phase.RENAME
+"""Marked by rank 0 alone, once it committed or refused the save, before telling the others."""
+
+
+class Progress:
+    """The markers of every save of this job; see the module docstring."""
+
+    def __init__(self, comm: Comm) -> None:
+        self._world = comm.world_size
+        self._rank = comm.rank
+        self._store: Any = None
+        if comm.distributed:
+            try:
+                self._store = dist.distributed_c10d._get_default_store()
+            except (RuntimeError, ValueError, AttributeError):
+                self._store = None
+
+    def _key(self, save_id: str, phase: Phase, rank: int) -> str:
+        return f"dckpt/{save_id}/{phase.value}/{rank}"
+
+    def mark(self, save_id: str, phase: Phase) -> None:
+        if self._store is not None:
+            with contextlib.suppress(Exception):  # a marker is a hint, never a failure
+                self._store.set(self._key(save_id, phase, self._rank), "1")
+
+    def _has(self, save_id: str, phase: Phase, rank: int) -> bool:
+        return bool(self._store.check([self._key(save_id, phase, rank)]))
+
+    def lagging(self, save_id: str) -> str:
+        """'rank(s) 1 did not complete writing shards', or '' when nobody is known to lag."""
+        if self._store is None:
+            return ""
+        try:
+            for phase in MARKED:
+                late = [r for r in range(self._world) if not self._has(save_id, phase, r)]
+                if late:
+                    who = ", ".join(str(r) for r in late)
+                    return (
+                        f"rank(s) {who} did not complete {phase.what} (seen from rank {self._rank})"
+                    )
+            if not self._has(save_id, DECIDED, 0):
+                return f"rank 0 did not complete the commit (seen from rank {self._rank})"
+        except Exception:
+            return ""
+        return ""
+
+    def all_reported(self, save_id: str) -> bool:
+        """Whether every rank reported its files, so rank 0 may have gone on to commit."""
+        if self._store is None:
+            return False
+        try:
+            return all(self._has(save_id, Phase.DCP_FINISH, r) for r in range(self._world))
+        except Exception:
+            return False
+
+    def clear(self, save_id: str) -> None:
+        if self._store is not None:
+            for phase in (*MARKED, DECIDED):
+                with contextlib.suppress(Exception):
+                    self._store.delete_key(self._key(save_id, phase, self._rank))
+
+    def trace(self, save_id: str, step: int) -> SaveTrace:
+        return SaveTrace(self, save_id, step)
+
+
+class SaveTrace:
+    """One save's ``dckpt.phases.Trace``: the fault hook at a point, a marker past it."""
+
+    def __init__(self, progress: Progress, save_id: str, step: int) -> None:
+        self._progress = progress
+        self.save_id = save_id
+        self.step = step
+
+    def at(self, phase: Phase) -> None:
+        fault_point(phase, self._progress._rank, self.step)
+
+    def passed(self, phase: Phase) -> None:
+        self._progress.mark(self.save_id, phase)

@@ -1,0 +1,271 @@
+"""The checks of a load and a resume, each done once, in the order the resumer runs them.
+
+Each check either passes (adding its line to the candidate's report) or raises the error that
+says what is wrong and what to do. The checks that compare ranks run collectives on dckpt's
+control group (``Comm``); the rest are local. The resume protocol that orders them is stated in
+``dckpt.load.resumer``.
+
+Error kinds decide what a resume does next: ``IntegrityError``/``ManifestError`` are damage
+(quarantine, fall back to an older checkpoint) unless ``divergent`` (ranks see different
+checkpoints: refused, never fallen back past); ``ConfigMismatchError``/``StateMismatchError``
+are a different run or model (refused, the checkpoint is fine).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..dist.comm import Comm
+from ..errors import (
+    CheckpointError,
+    ConfigMismatchError,
+    IncompatibleCheckpointError,
+    IntegrityError,
+    ManifestError,
+    StateMismatchError,
+    add_note,
+)
+from ..faults import fault_point
+from ..phases import Phase
+from ..root.manifest import Manifest, check_layout, read_manifest
+from ..storage.verified_files import open_verified
+from ..storage.verifying_reader import VerifyingReader
+from ..train.precision import PrecisionPolicy, check_scaler
+from ..train.state import TrainState
+from .config_check import check_config, is_allowed
+from .report import CandidateReport
+
+__all__ = [
+    "agree_on_manifest",
+    "check_config_and_precision",
+    "check_grad_scaler",
+    "check_shapes",
+    "check_state_kinds",
+    "raise_first",
+    "read_candidate",
+    "verify_rest",
+]
+
+
+def read_candidate(
+    comm: Comm, path: Path, step: int, report: CandidateReport
+) -> tuple[Manifest, VerifyingReader]:
+    """The manifest (schema, safe paths, self-digest), the layout (regular files of the
+    recorded sizes) and the verified ``.metadata``, on every rank; any rank's failure is
+    raised on every rank."""
+    manifest: Manifest | None = None
+    reader: VerifyingReader | None = None
+    failure: CheckpointError | None = None
+    laid_out = 0
+    try:
+        manifest = read_manifest(path)
+        laid_out = check_layout(path, manifest)
+        reader = VerifyingReader(path, manifest.file_map())
+        reader.load_metadata()
+        if manifest.step != step:
+            raise ManifestError(
+                f"{path}/manifest.json says step {manifest.step}, its directory says {step}"
+            )
+    except CheckpointError as exc:
+        failure = exc
+    raise_first(comm, failure, path / "manifest.json")
+    assert manifest is not None and reader is not None
+    report.world_size_saved = manifest.world_size
+    report.check(
+        "manifest",
+        laid_out == len(manifest.files),
+        f"schema {manifest.schema_version}, self-digest ok, {laid_out} of "
+        f"{len(manifest.files)} files laid out at their recorded sizes",
+    )
+    return manifest, reader
+
+
+def agree_on_manifest(comm: Comm, manifest: Manifest, path: Path, report: CandidateReport) -> None:
+    """Every rank read the same manifest (its digest of digests), or all refuse, naming who
+    differs: ranks that see different roots must never train on."""
+    digests = comm.all_gather(manifest.files_digest)
+    agree = len(set(digests)) == 1
+    if not agree:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise IntegrityError(
+            str(path / "manifest.json"),
+            digests[0],
+            ", ".join(f"rank {r}: {digests[r]}" for r in odd),
+            detail="ranks read different manifests",
+            divergent=True,
+        )
+    report.check("one manifest", agree, f"all {len(digests)} ranks read {digests[0]}")
+
+
+def check_config_and_precision(
+    manifest: Manifest,
+    run_config: dict[str, Any],
+    precision: PrecisionPolicy | None,
+    allowed: frozenset[str],
+    name: str,
+    report: CandidateReport,
+) -> None:
+    """The saved run config against this one (unsafe changes raise), then the precision."""
+    changes = check_config(manifest.config, run_config, allowed, name)
+    if changes:
+        report.warn("config changed in safe keys: " + "; ".join(str(c) for c in changes))
+    report.check(
+        "config",
+        all(is_allowed(c, allowed) for c in changes),
+        "identical" if not changes else f"{len(changes)} safe change(s)",
+    )
+    saved_mode = manifest.precision.get("mode")
+    if precision is None or saved_mode is None or saved_mode == precision.mode:
+        return
+    fresh_scaler = precision.mode == "fp16" and not manifest.precision.get("grad_scaler")
+    if fresh_scaler and "precision" not in allowed:
+        raise ConfigMismatchError(
+            f"{name} was saved under {saved_mode} without GradScaler state; resuming it "
+            "under fp16 would start loss scaling from scratch. Resume with the saved "
+            "precision, or pass allow_config_changes=['precision'] to accept that (e.g. "
+            "a GPU without bf16)."
+        )
+    report.warn(
+        f"precision changed from {saved_mode} to {precision.mode}: numerics differ "
+        "from an uninterrupted run"
+    )
+
+
+def check_state_kinds(
+    manifest: Manifest, state: TrainState, name: str, report: CandidateReport
+) -> None:
+    """The checkpoint holds every kind of state this run restores (model, optimizer, ...)."""
+    saved = set(manifest.state)
+    missing = [c for c in state.categories() if c not in saved]
+    if missing:
+        raise StateMismatchError(
+            f"{name} holds no {', '.join(missing)} state (it holds "
+            f"{', '.join(manifest.state)}): it was saved by a run set up differently"
+        )
+    unused = sorted(saved - set(state.categories()) - {"rng"})
+    if unused:
+        report.warn(f"checkpoint state not restored (no such object now): {unused}")
+
+
+def check_grad_scaler(
+    manifest: Manifest, state: TrainState, name: str, report: CandidateReport
+) -> None:
+    """The GradScaler state as recorded at save time, checked before anything is loaded."""
+    recorded = manifest.precision.get("scaler")
+    if state.scaler is None or not isinstance(recorded, dict):
+        return
+    try:
+        scale = float(recorded.get("scale", 1.0))
+        concern = check_scaler({"scale": scale})
+    except (TypeError, ValueError) as exc:
+        raise StateMismatchError(f"{name}: {exc}") from None
+    report.check("grad scaler", math.isfinite(scale) and scale > 0, f"scale {scale:g}")
+    if concern:
+        report.warn(concern)
+
+
+def check_shapes(state_dict: dict[str, Any], reader: VerifyingReader, name: str) -> None:
+    """Every tensor to restore has the shape and dtype the checkpoint's metadata records,
+    checked before any tensor is read. (The reader's own comparison per chunk only guards the
+    copy against a file that disagrees with its metadata.)"""
+    saved = reader.load_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(state_dict)
+    missing = sorted(k for k in flat if k not in saved)
+    if missing:
+        raise StateMismatchError(
+            f"{name} has no value for {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + ": the model or optimizer has parts the run that saved it did not have "
+            "(check the config); the checkpoint is not damaged."
+        )
+    for fqn, value in flat.items():
+        meta = saved.get(fqn)
+        if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        if tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
+            raise StateMismatchError(
+                f"tensor {fqn}: {name} holds {tuple(meta.size)} {meta.properties.dtype}, "
+                f"the object being restored has {tuple(value.shape)} {value.dtype}. The "
+                "model or optimizer is built differently from the run that saved it "
+                "(check the config); the checkpoint is not damaged."
+            )
+
+
+def verify_rest(
+    comm: Comm, path: Path, manifest: Manifest, reader: VerifyingReader
+) -> tuple[int, int]:
+    """Hash the files no rank read, split over the ranks; then every rank checks every
+    rank's digests (what each one's bytes hashed to) against the manifest. Returns the
+    files hashed and matched, and the ranks whose digests were checked."""
+    records = manifest.file_map()
+    read = comm.all_gather(dict(reader.verified))
+    unread = sorted(set(records).difference(*read))
+    hashed: dict[str, str] = {}
+    failure: CheckpointError | None = None
+    for name in unread[comm.rank :: comm.world_size]:
+        try:  # hashes the whole file, keeps none of it; no symlink or FIFO is followed
+            with open_verified(str(path / name), records[name]) as f:
+                hashed[name] = f.digest
+        except CheckpointError as exc:
+            failure = failure or exc
+    raise_first(comm, failure)
+    mine = {**reader.verified, **hashed}
+    if fault_point(Phase.VERIFY, comm.rank) and mine:  # act as a rank that read other bytes
+        name = min(mine)
+        mine[name] = mine[name][:-1] + ("0" if mine[name][-1] != "0" else "1")
+    matched: set[str] = set()
+    for rank, digests in enumerate(comm.all_gather(mine)):
+        for name, digest in sorted(digests.items()):
+            record = records.get(name)
+            if record is None or digest != record.digest:
+                raise IntegrityError(
+                    str(path / name),
+                    record.digest if record is not None else "a file the manifest lists",
+                    f"{digest} on rank {rank}",
+                    detail=f"rank {rank} hashed different bytes",
+                    divergent=True,
+                )
+            matched.add(name)
+    if matched != set(records):
+        missing = sorted(set(records) - matched)
+        raise IntegrityError(
+            str(path / missing[0]),
+            "hashed by some rank",
+            f"{len(missing)} file(s) hashed by none",
+            detail="file not verified",
+        )
+    return len(matched), comm.world_size
+
+
+def raise_first(comm: Comm, failure: CheckpointError | None, what: Path | None = None) -> None:
+    """All ranks raise the first rank's failure (so every rank names the same file).
+
+    With ``what`` (the file every rank just read): when only some ranks failed with evidence
+    of damage, the ranks do not see the same checkpoint, and they all raise a divergent
+    ``IntegrityError`` naming both sides instead (never quarantined).
+    """
+    failures = comm.all_gather(failure)
+    failed = [r for r, exc in enumerate(failures) if exc is not None]
+    damage = (IntegrityError, ManifestError)
+    if what is not None and 0 < len(failed) < len(failures):
+        first = failures[failed[0]]
+        if isinstance(first, damage) and not isinstance(first, IncompatibleCheckpointError):
+            fine = [r for r, exc in enumerate(failures) if exc is None]
+            raise IntegrityError(
+                str(what),
+                f"the same checkpoint on every rank (rank(s) {fine} read it)",
+                f"rank(s) {failed}: {type(first).__name__}: {str(first).split('. ')[0]}",
+                detail="ranks see different checkpoints",
+                divergent=True,
+            )
+    for rank, exc in enumerate(failures):
+        if exc is not None:
+            if rank != comm.rank:
+                add_note(exc, f"(raised on rank {rank})")
+            raise exc

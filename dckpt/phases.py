@@ -1,0 +1,100 @@
+"""The one vocabulary for where a save or a resume is: ``Phase``.
+
+Every phase names a point of the protocol (stated in ``dckpt.save.pipeline`` for a save and
+``dckpt.load.resumer`` for a resume). The same names serve three readers:
+
+- the fault hook (``DCKPT_FAULT="phase=<value>,..."``, dckpt.faults) fires *at* the point;
+- the progress markers (dckpt.dist.progress) record that a rank got *past* it, so a failed
+  wait names the ranks that are behind and the phase they did not complete;
+- the docs (docs/ARCHITECTURE.md) and the fault tests, which iterate over the phases by side.
+
+A ``Trace`` is what lower layers (the storage writer, the staging planner) are handed to report
+a point they reach; it is a protocol defined here so that they never import the layer above.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Protocol
+
+__all__ = ["Phase", "Trace"]
+
+
+class Phase(str, Enum):
+    """A point of the save or resume protocol; ``value`` is its name in ``DCKPT_FAULT``."""
+
+    # A save, on every rank, in order.
+    PREPARE = "prepare"
+    MAKE_TMP = "make_tmp"
+    STAGE = "stage"
+    WRITE_SHARDS = "write_shards"
+    DCP_FINISH = "dcp_finish"
+    # A save, on rank 0 (the coordinator), after every rank's part.
+    WRITE_MANIFEST = "write_manifest"
+    FSYNC_SHARDS = "fsync_shards"
+    RENAME = "rename"
+    FSYNC_PARENT = "fsync_parent"
+    PUBLISH_LATEST = "publish_latest"
+    RETENTION = "retention"
+    # A resume, on every rank.
+    VERIFY = "verify"
+    WARMUP = "warmup"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def side(self) -> str:
+        """``rank`` (every rank, in a save), ``coordinator`` (rank 0) or ``resume``."""
+        return _SIDE[self]
+
+    @property
+    def what(self) -> str:
+        """What a rank does up to and through this point, for messages."""
+        return _WHAT[self]
+
+
+_SIDE = {
+    **dict.fromkeys(
+        (Phase.PREPARE, Phase.MAKE_TMP, Phase.STAGE, Phase.WRITE_SHARDS, Phase.DCP_FINISH), "rank"
+    ),
+    **dict.fromkeys(
+        (
+            Phase.WRITE_MANIFEST,
+            Phase.FSYNC_SHARDS,
+            Phase.RENAME,
+            Phase.FSYNC_PARENT,
+            Phase.PUBLISH_LATEST,
+            Phase.RETENTION,
+        ),
+        "coordinator",
+    ),
+    **dict.fromkeys((Phase.VERIFY, Phase.WARMUP), "resume"),
+}
+_WHAT = {
+    Phase.PREPARE: "the start of the save",
+    Phase.MAKE_TMP: "preparing the save (its state and tmp dir)",
+    Phase.STAGE: "staging the deferred copies",
+    Phase.WRITE_SHARDS: "writing shards",
+    Phase.DCP_FINISH: "DCP's save",
+    Phase.WRITE_MANIFEST: "writing the manifest",
+    Phase.FSYNC_SHARDS: "syncing the files",
+    Phase.RENAME: "the commit",
+    Phase.FSYNC_PARENT: "syncing the root",
+    Phase.PUBLISH_LATEST: "updating latest",
+    Phase.RETENTION: "retention",
+    Phase.VERIFY: "verifying the files",
+    Phase.WARMUP: "the warmup collective",
+}
+
+
+class Trace(Protocol):
+    """Where a lower layer reports the points of one save it reaches and passes."""
+
+    def at(self, phase: Phase) -> None:
+        """This rank reached ``phase`` (the fault hook fires here)."""
+        ...
+
+    def passed(self, phase: Phase) -> None:
+        """This rank got past ``phase`` (a progress marker, to name late ranks)."""
+        ...

@@ -1,0 +1,213 @@
+"""The foreground of a save: ``Saver`` decides whether and how a save runs, and hands it off.
+
+It owns the save thread, the busy policy (``if_busy``), the save mode (``async_save``, with
+"auto" decided by rank 0 and broadcast on the control group), the step clock's hooks, and the
+waits the caller makes (``wait``, ``before_optimizer_step``). The ordered steps of a save are
+``dckpt.save.pipeline.SavePipeline``, whose docstring states the protocol (steps 1-3 run here).
+
+Invariants: at most one save in flight; a save's error is raised once, by the next ``save()``,
+``wait()`` or ``close()``; after a failed collective or a save the watchdog gave up on, every
+later ``save()`` refuses with a request to restart (dckpt's group is unusable).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..config import CheckpointConfig
+from ..dist.comm import Comm
+from ..dist.progress import Progress
+from ..errors import SaveError, WorldError
+from ..train.state import TrainState
+from .background import SaveThread
+from .handle import SaveHandle, SaveResult, SaveTicket
+from .mode import SaveMode
+from .pipeline import SavePipeline
+from .step_clock import StepClock
+
+__all__ = ["Saver"]
+
+log = logging.getLogger("dckpt")
+
+
+class Saver:
+    """Runs ``save()`` for the manager; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        ctl: Comm,
+        pipeline: SavePipeline,
+        progress: Progress,
+        config: CheckpointConfig,
+        state: TrainState,
+        clock: StepClock,
+        mode: SaveMode,
+    ) -> None:
+        self._ctl = ctl
+        self._pipeline = pipeline
+        self._progress = progress
+        self._config = config
+        self._state = state
+        self._clock = clock
+        self._mode = mode
+        self._thread = SaveThread()
+        self.rank = ctl.rank
+        self._unusable: str | None = None
+        # The background save bounds each of its own waits by timeout_s and names a late rank
+        # when one expires; joining it waits for that to happen, with a margin, never forever.
+        self._join_timeout = config.watchdog_s
+
+    @property
+    def current(self) -> SaveTicket | None:
+        return self._thread.current
+
+    @property
+    def stuck(self) -> SaveTicket | None:
+        return self._thread.stuck
+
+    @property
+    def last_committed_step(self) -> int | None:
+        return self._pipeline.last_committed_step
+
+    @property
+    def asynchronous(self) -> bool:
+        return self._mode.asynchronous
+
+    def save(
+        self,
+        step: int,
+        *,
+        epoch: int | None,
+        milestone: bool,
+        metric: float | None,
+        loss: dict[str, float],
+    ) -> SaveHandle:
+        """Steps 1-3 of the save protocol, then the hand-off to the save thread."""
+        self._refuse_if_unusable()
+        t0 = time.perf_counter()
+        self._thread.raise_if_failed()
+        in_flight = self._thread.current
+        if self._config.if_busy == "skip" and self._mode.asynchronous:
+            busy = self._ctl.all_gather(in_flight is not None)
+            if any(busy):
+                return self._skip(step, busy)
+        if in_flight is not None:
+            self._thread.join(self._join_timeout)
+            if self.rank == 0:
+                log.info(
+                    "dckpt: save of step %d waits for step %d to finish writing "
+                    "(saving faster than the disk; see if_busy='skip')",
+                    step,
+                    in_flight.step,
+                )
+            self._thread.raise_if_failed()
+        if self._mode.deciding:  # async_save="auto", first saves: rank 0 measured, all follow
+            mine = self._mode.plan() if self.rank == 0 else None
+            plan = self._ctl.broadcast(mine)
+            assert plan is not None  # rank 0 always sends one
+            self._mode.apply(plan)
+            if self.rank == 0 and plan.message:
+                log.info("dckpt: %s", plan.message)
+        asynchronous = self._mode.asynchronous
+
+        job = self._pipeline.prepare(
+            step,
+            started=t0,
+            epoch=epoch,
+            milestone=milestone,
+            metric=metric,
+            loss=loss,
+            asynchronous=asynchronous,
+        )
+        ticket = SaveTicket(step, t0)
+        handle = SaveHandle(ticket)
+        self._clock.save_started(t0)
+        self._thread.start(
+            ticket,
+            lambda: self._pipeline.run(job, ticket),
+            deadline_s=self._config.watchdog_s,
+            where=lambda: self._progress.lagging(job.save_id),
+        )
+        if not asynchronous:
+            try:
+                handle.result()
+            except BaseException:
+                self._thread.clear_failed()  # delivered here; the next save() starts clean
+                raise
+        now = time.perf_counter()
+        ticket.stall_s = now - t0
+        self._clock.save_returned(t0, now)
+        return handle
+
+    def _skip(self, step: int, busy: list[bool]) -> SaveHandle:
+        ticket = SaveTicket(step, time.perf_counter())
+        ticket.skip()
+        if self.rank == 0:
+            ranks = [r for r, b in enumerate(busy) if b]
+            log.warning(
+                "dckpt: skipped the save of step %d: the previous save is still writing on "
+                "rank(s) %s (if_busy='skip')",
+                step,
+                ranks,
+            )
+        return SaveHandle(ticket)
+
+    def on_optimizer_step(self) -> None:
+        self._clock.tick()
+        if self._config.overlap_staging:
+            self.before_optimizer_step()
+
+    def before_optimizer_step(self) -> None:
+        ticket = self._thread.current
+        if ticket is not None:
+            SaveHandle(ticket).wait_staged(self._join_timeout)
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight is committed; raise if any earlier save failed."""
+        self._note_stuck()
+        if self._unusable is not None:
+            self._thread.raise_if_failed()
+            raise SaveError(f"{self._unusable}; restart the job")
+        ticket = self._thread.current
+        self._thread.join(self._join_timeout)
+        self._thread.raise_if_failed()
+        return SaveHandle(ticket).result() if ticket is not None else None
+
+    def drain(self) -> None:
+        """At close: wait for the save in flight, unless it is stuck (then say so)."""
+        if self._thread.stuck is not None:
+            log.error(
+                "dckpt: closing with the save of step %d still stuck in the background; "
+                "this process may not exit until its storage answers",
+                self._thread.stuck.step,
+            )
+        else:
+            self._thread.join(self._join_timeout)
+
+    def raise_if_failed(self) -> None:
+        self._thread.raise_if_failed()
+
+    def clear_failed(self) -> None:
+        self._thread.clear_failed()
+
+    def _note_stuck(self) -> None:
+        """After the watchdog gave up on a save: raise its error once, then refuse to save
+        (the stuck thread may still hold dckpt's group and its files)."""
+        stuck = self._thread.stuck
+        if stuck is not None and self._unusable is None:
+            self._unusable = f"the save of step {stuck.step} got stuck and never finished"
+            self._thread.raise_if_failed()
+        if self._unusable is None and self._pipeline.group_lost is not None:
+            self._unusable = self._pipeline.group_lost
+
+    def _refuse_if_unusable(self) -> None:
+        self._note_stuck()
+        if self._unusable is not None:
+            self._thread.raise_if_failed()  # the detailed error first, naming the late rank
+            raise WorldError(
+                f"an earlier save failed inside a collective ({self._unusable}); dckpt's process "
+                "group cannot recover from that. Restart the job: it resumes from the last "
+                "committed checkpoint."
+            )

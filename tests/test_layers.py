@@ -1,0 +1,159 @@
+"""The floor plan as a test: every dckpt module imports only from the layers below it, and the
+root layer and the CLI never import torch.
+
+The layers and who may import whom are the table in docs/ARCHITECTURE.md ("Layers"). Imports
+are read from the source (``ast``), relative ones resolved, including imports inside functions
+and under ``TYPE_CHECKING``: a name used only for types still couples two layers.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dckpt"
+
+BASE = {"dckpt.errors", "dckpt.units", "dckpt.phases", "dckpt.faults"}
+
+
+def layer_of(module: str, *, importer: bool = False) -> str:
+    if module == "dckpt":  # the public names, imported lazily; below it only __version__
+        return "top" if importer else "base"
+    if module in BASE:
+        return "base"
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in ("storage", "root", "dist", "train", "save", "load", "cli"):
+        return parts[1]
+    if module == "dckpt.config":
+        return "config"
+    if module in ("dckpt.manager", "dckpt.preemption", "dckpt.resume"):
+        return "top"
+    raise AssertionError(f"{module} belongs to no layer: add it to docs/ARCHITECTURE.md and here")
+
+
+# What each layer may import, besides itself. Single modules are named where a layer may use
+# only part of another (config needs the retention policy and the digest names, nothing else).
+ALLOWED: dict[str, set[str]] = {
+    "base": set(),
+    "storage": {"base"},
+    # verifying_reader (torch) only inside `dckpt verify --deep`, imported when asked: the
+    # no-torch test below proves nothing imports it when the root layer is loaded.
+    "root": {
+        "base",
+        "dckpt.storage.digest",
+        "dckpt.storage.records",
+        "dckpt.storage.verified_files",
+        "dckpt.storage.verifying_reader",
+    },
+    "config": {"base", "dckpt.root.retention", "dckpt.storage.digest"},
+    "dist": {"base"},
+    "train": {"base"},
+    "save": {"base", "storage", "root", "config", "dist", "train"},
+    "load": {"base", "storage", "root", "config", "dist", "train"},
+    "top": {"base", "storage", "root", "config", "dist", "train", "save", "load"},
+    "cli": {"base", "storage", "root", "config", "load", "dckpt.save.step_clock"},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def dckpt_imports(path: Path) -> set[str]:
+    """Every dckpt module ``path`` imports, by absolute name."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "dckpt")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "dckpt":
+                continue
+            for alias in node.names:  # `from . import rng` imports the module dckpt.rng
+                candidate = f"{target}.{alias.name}"
+                sub = PACKAGE.parent / Path(*candidate.split("."))
+                is_module = sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
+                found.add(candidate if is_module else target)
+    return found
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def allowed(importer: str, imported: str) -> bool:
+    mine, theirs = layer_of(importer, importer=True), layer_of(imported)
+    if mine == theirs:
+        return True
+    rules = ALLOWED[mine]
+    return theirs in rules or imported in rules
+
+
+def test_every_module_imports_only_from_the_layers_below_it() -> None:
+    breaks = [
+        f"{module_name(path)} ({layer_of(module_name(path), importer=True)}) imports {imported} "
+        f"({layer_of(imported)})"
+        for path in modules()
+        for imported in sorted(dckpt_imports(path))
+        if not allowed(module_name(path), imported)
+    ]
+    assert not breaks, "layer rule broken:\n" + "\n".join(breaks)
+
+
+def test_the_rules_are_not_vacuous() -> None:
+    """The reader finds what is there: the manager imports the pipeline, the pipeline the
+    commit strategy, and a made-up upward import would be refused."""
+    found = dckpt_imports(PACKAGE / "manager.py")
+    assert {"dckpt.save.pipeline", "dckpt.load.resumer", "dckpt.root.upkeep"} <= found
+    assert "dckpt.root.commit" in dckpt_imports(PACKAGE / "save" / "coordinator.py")
+    assert "dckpt.train.rng" in dckpt_imports(PACKAGE / "save" / "pipeline.py")
+    assert not allowed("dckpt.root.commit", "dckpt.save.pipeline")
+    assert not allowed("dckpt.storage.hashing_writer", "dckpt.dist.progress")
+    assert not allowed("dckpt.load.resumer", "dckpt.save.handle")
+    assert allowed("dckpt.save.pipeline", "dckpt.root.commit")
+
+
+def test_the_folders_are_the_layers_in_the_architecture_doc() -> None:
+    doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert folders == ["cli", "dist", "load", "root", "save", "storage", "train"]
+    for folder in folders:
+        assert f"{folder}/" in doc, f"docs/ARCHITECTURE.md does not show {folder}/"
+    for path in modules():
+        if path.name not in ("__init__.py", "resume.py") and path.parent.name != "cli":
+            assert path.name in doc, f"docs/ARCHITECTURE.md does not name {path.name}"
+
+
+@pytest.mark.parametrize("what", ["root", "cli"])
+def test_root_and_cli_import_no_torch(what: str) -> None:
+    names = [
+        module_name(p)
+        for p in modules()
+        if module_name(p).startswith(f"dckpt.{what}") and p.name != "__main__.py"  # runs main
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert proc.stdout.strip() == "[]", f"importing dckpt.{what} pulled in {proc.stdout[:300]}"
+    assert len(names) > 3
