@@ -246,7 +246,7 @@ class DckptPending(Pending):
         self._watcher.start()
 
     def _watch(self) -> None:
-        self._handle.staged(None)  # blocked on a lock: costs no CPU until it is set
+        self._handle.staged.wait()  # blocked on a lock: costs no CPU until it is set
         self._staged_at = time.perf_counter()
 
     def before_step(self) -> None:

@@ -151,7 +151,6 @@ class CheckpointManager:
             pipeline=pipeline,
             progress=progress,
             config=config,
-            state=state,
             clock=clock,
             mode=mode,
         )

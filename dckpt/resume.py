@@ -7,8 +7,23 @@ warns; pass more with ``CheckpointManager(..., allow_config_changes=[...])``.
 
 from __future__ import annotations
 
-from .load.config_check import SAFE_CONFIG_KEYS, config_changes
+from .load.config_check import (
+    SAFE_CONFIG_KEYS,
+    ConfigChange,
+    check_config,
+    config_changes,
+    is_allowed,
+)
 from .load.loss_watch import LossWatch
-from .load.report import ResumeReport
+from .load.report import Check, ResumeReport
 
-__all__ = ["SAFE_CONFIG_KEYS", "LossWatch", "ResumeReport", "config_changes"]
+__all__ = [
+    "SAFE_CONFIG_KEYS",
+    "Check",
+    "ConfigChange",
+    "LossWatch",
+    "ResumeReport",
+    "check_config",
+    "config_changes",
+    "is_allowed",
+]

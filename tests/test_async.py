@@ -143,3 +143,27 @@ def test_without_an_optimizer_nothing_is_deferred(
         handle.result()
         mgr.load()
     assert torch.equal(model.weight, before)
+
+
+def test_a_saves_fate_is_one_word_and_a_commit_is_never_read_as_cancelled() -> None:
+    from dckpt.errors import SaveError
+    from dckpt.save.handle import Fate, SaveHandle, SaveResult, SaveTicket
+
+    ticket = SaveTicket(3, 0.0)
+    handle = SaveHandle(ticket)
+    assert handle.fate is Fate.PENDING and not handle.done()
+    result = SaveResult(step=3, path=Path("x"), bytes=1, files=1, stall_s=0.0, commit_s=0.1)
+    assert ticket.finish(result, None)
+    ticket.cancel(SaveError("the watchdog, a moment too late"))  # loses: it committed
+    assert handle.fate is Fate.COMMITTED and handle.result() is result
+
+    skipped = SaveTicket(4, 0.0)
+    skipped.skip()
+    assert SaveHandle(skipped).skipped and skipped.fate is Fate.SKIPPED
+
+    late = SaveTicket(5, 0.0)
+    with pytest.raises(SaveError, match="did not finish within"):
+        SaveHandle(late).wait_staged(0.01)
+    assert late.cancelled.is_set() and late.fate is Fate.CANCELLED
+    late.finish(None, SaveError("the save was cancelled"))  # how the save thread ends it
+    assert late.fate is Fate.CANCELLED and SaveHandle(late).staged.is_set()

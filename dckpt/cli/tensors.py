@@ -1,6 +1,6 @@
 """``dckpt diff`` and ``dckpt export``: commands that read a checkpoint's tensors (torch).
 
-Both load through the verifying reader (dckpt.offline), so every file they read is checked
+Both load through the verifying reader (dckpt.load.offline), so every file they read is checked
 against its manifest first, and rebuild full, unsharded tensors from DCP's metadata in this
 process's memory.
 """

@@ -23,9 +23,10 @@ __all__ = ["MARKED", "Progress", "SaveTrace"]
 
 MARKED = (Phase.PREPARE, Phase.MAKE_TMP, Phase.WRITE_SHARDS, Phase.DCP_FINISH)
 """The phases every rank marks in a save, in order. ``DCP_FINISH`` is marked once this rank's
-DCP save ended, cleanly or not, right before it reports to the coordinator."""
+DCP save returned cleanly; nothing can fail between that and its report to the coordinator."""
 DECIDED = Phase.RENAME
-"""Marked by rank 0 alone, once it committed or refused the save, before telling the others."""
+"""Marked by rank 0 alone once it decided, before telling the others: past the commit point
+(``rename``), or the save refused."""
 
 
 class Progress:
@@ -71,7 +72,8 @@ class Progress:
         return ""
 
     def all_reported(self, save_id: str) -> bool:
-        """Whether every rank reported its files, so rank 0 may have gone on to commit."""
+        """Whether every rank finished its DCP save cleanly, so every report was clean and
+        rank 0 may have gone on to commit."""
         if self._store is None:
             return False
         try:

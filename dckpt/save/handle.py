@@ -1,13 +1,15 @@
 """One save as its caller sees it (``SaveHandle``, ``SaveResult``) and as dckpt tracks it
 (``SaveTicket``).
 
-The ticket is the only mutable record of a save in flight, and each of its fields has one
-writer: the pipeline sets ``staged`` and ``decided``; the save thread finishes it; the watchdog
-or a timed-out ``wait_staged`` cancels it; ``save()`` adds to the stall. The handle reads it.
+The ticket is the only mutable record of a save in flight. ``staged`` is set by the staging
+planner (or, on failure, by the pipeline and ``finish``); ``decided`` by the pipeline once every
+rank learned the commit; ``stall_s`` by ``save()`` (when it returns) and ``wait_staged`` (which
+adds); the outcome by the save thread, or first by the watchdog, which cancels it. ``fate``
+changes under a lock, so a save that committed never reads as cancelled. The handle reads.
 
 A save's fate is one of ``Fate``: pending until it ends, then committed, failed, skipped (with
 ``if_busy="skip"``, it never started) or cancelled (called off: the watchdog gave up on it, or
-its staging outlived ``timeout_s``; a cancelled save never takes a copy nor commits).
+``wait_staged`` gave up waiting for its copy; a cancelled save never takes a copy nor commits).
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ class SaveTicket:
         self.cancelled = threading.Event()
         """Set when the save is called off; rank 0 reads it right before the commit point."""
         self.decided = False
-        """Set once rank 0 committed or refused the save: what follows only tidies up, and the
-        watchdog no longer watches it."""
+        """Set once every rank learned that rank 0 committed the save: what follows only tidies
+        up, and the watchdog no longer watches it."""
         self.stall_s = 0.0
         self.fate = Fate.PENDING
+        self._lock = threading.Lock()
         self._done = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
@@ -69,28 +72,31 @@ class SaveTicket:
 
     def finish(self, result: SaveResult | None, error: BaseException | None) -> bool:
         """Record the outcome once; False if it was already recorded (the watchdog first)."""
-        if self._done.is_set():
-            return False
-        self._result, self._error = result, error
-        if result is not None:
-            self.fate = Fate.COMMITTED
-        elif self.fate is Fate.PENDING:
-            self.fate = Fate.FAILED
-        self.staged.set()
-        self._done.set()
-        return True
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._result, self._error = result, error
+            if result is not None:
+                self.fate = Fate.COMMITTED
+            elif self.fate is Fate.PENDING:
+                self.fate = Fate.FAILED
+            self.staged.set()
+            self._done.set()
+            return True
 
     def cancel(self, error: BaseException | None = None) -> None:
         """Call the save off: it never takes a copy nor commits. With ``error``, it ends now
         and whoever waits on it gets that error; without, it fails at its next check."""
         self.cancelled.set()
-        if not self._done.is_set():
-            self.fate = Fate.CANCELLED
+        with self._lock:
+            if not self._done.is_set():
+                self.fate = Fate.CANCELLED
         if error is not None:
             self.finish(None, error)
 
     def skip(self) -> None:
-        self.fate = Fate.SKIPPED
+        with self._lock:
+            self.fate = Fate.SKIPPED
         self.finish(None, None)
 
     def wait(self, timeout: float | None) -> bool:
@@ -132,13 +138,14 @@ class SaveHandle:
     def skipped(self) -> bool:
         return self._ticket.fate is Fate.SKIPPED
 
+    @property
+    def staged(self) -> threading.Event:
+        """Set once this save's copy of the state is taken (also when the save failed).
+        Waiting on it neither counts as a stall nor cancels the save (``wait_staged`` does)."""
+        return self._ticket.staged
+
     def done(self) -> bool:
         return self._ticket.done()
-
-    def staged(self, timeout: float | None = None) -> bool:
-        """Whether this save's copy of the state is taken, waiting up to ``timeout`` seconds.
-        Unlike ``wait_staged`` it neither counts as a stall nor cancels the save."""
-        return self._ticket.staged.wait(timeout)
 
     def wait_staged(self, timeout: float) -> float:
         """Block until this save's copy of the state is taken; returns the seconds waited.

@@ -28,8 +28,8 @@ In the background (``SavePipeline.run``, on the save thread, on dckpt's *io* gro
    else rank 0 reads what the save cost the training loop (``StepClock``), builds the manifest
    from every report, writes it and runs the commit strategy (``RenameCommit``: fsync, rename,
    ``latest``), unless the ticket was cancelled;
-8. **mark decided**: rank 0's progress marker, so a rank that loses rank 0 now can say whether
-   a commit may have happened;
+8. **mark decided**: rank 0's progress marker (past ``rename``: committed, or refused), so a
+   rank that loses rank 0 now can say whether a commit may have happened;
 9. **broadcast**: rank 0's outcome; every rank returns the committed path or raises the same
    ``SaveError`` (nothing committed, older checkpoints intact);
 10. **retention**, rank 0 only, after its one-line log: a failure here is logged, never fails
@@ -326,13 +326,13 @@ class SavePipeline:
                     no_dist=not self.io.distributed,
                 )
             trace.at(Phase.DCP_FINISH)
+            trace.passed(Phase.DCP_FINISH)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             error = f"writing shards failed: {describe_os_error(unwrap_dcp_error(exc), self.root)}"
         finally:
             ticket.staged.set()
-        trace.passed(Phase.DCP_FINISH)  # cleanly or not: this rank now reports
         return RankReport(
             rank=self.rank,
             records=tuple(writer.records()),
@@ -360,7 +360,10 @@ class SavePipeline:
         except Exception as exc:  # nothing may be committed without its manifest
             shutil.rmtree(tmp, ignore_errors=True)
             return _Decision(
-                SaveOutcome(path=None, error=f"rank 0 could not build the manifest: {exc!r}")
+                SaveOutcome(
+                    path=None,
+                    error=f"rank 0 could not commit: {describe_os_error(exc, self.root)}",
+                )
             )
         return _Decision(self.coordinator.commit(tmp, manifest, ticket.cancelled), manifest, cost)
 

@@ -19,7 +19,6 @@ from ..config import CheckpointConfig
 from ..dist.comm import Comm
 from ..dist.progress import Progress
 from ..errors import SaveError, WorldError
-from ..train.state import TrainState
 from .background import SaveThread
 from .handle import SaveHandle, SaveResult, SaveTicket
 from .mode import SaveMode
@@ -41,7 +40,6 @@ class Saver:
         pipeline: SavePipeline,
         progress: Progress,
         config: CheckpointConfig,
-        state: TrainState,
         clock: StepClock,
         mode: SaveMode,
     ) -> None:
@@ -49,12 +47,11 @@ class Saver:
         self._pipeline = pipeline
         self._progress = progress
         self._config = config
-        self._state = state
         self._clock = clock
         self._mode = mode
         self._thread = SaveThread()
         self.rank = ctl.rank
-        self._unusable: str | None = None
+        self._stuck_reason: str | None = None
         # The background save bounds each of its own waits by timeout_s and names a late rank
         # when one expires; joining it waits for that to happen, with a margin, never forever.
         self._join_timeout = config.watchdog_s
@@ -192,15 +189,19 @@ class Saver:
     def clear_failed(self) -> None:
         self._thread.clear_failed()
 
+    @property
+    def _unusable(self) -> str | None:
+        """Why dckpt's group can no longer be used: a collective of a save failed (the latest
+        such failure), or the watchdog gave up on a save; None while it is fine."""
+        return self._pipeline.group_lost or self._stuck_reason
+
     def _note_stuck(self) -> None:
         """After the watchdog gave up on a save: raise its error once, then refuse to save
         (the stuck thread may still hold dckpt's group and its files)."""
         stuck = self._thread.stuck
         if stuck is not None and self._unusable is None:
-            self._unusable = f"the save of step {stuck.step} got stuck and never finished"
+            self._stuck_reason = f"the save of step {stuck.step} got stuck and never finished"
             self._thread.raise_if_failed()
-        if self._unusable is None and self._pipeline.group_lost is not None:
-            self._unusable = self._pipeline.group_lost
 
     def _refuse_if_unusable(self) -> None:
         self._note_stuck()

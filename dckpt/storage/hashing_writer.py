@@ -19,7 +19,7 @@ Invariants:
 Call order (DCP drives it): ``set_up_storage_writer`` → ``prepare_local_plan`` →
 ``prepare_global_plan`` (coordinator) → ``write_data`` (every rank) → ``finish`` (coordinator,
 writes ``.metadata``). After ``dcp.save`` returns, ``records()`` on each rank holds the files that
-rank wrote; the coordinator (dckpt.coordinator) gathers them.
+rank wrote; the coordinator (dckpt.save.coordinator) gathers them.
 """
 
 from __future__ import annotations

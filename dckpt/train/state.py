@@ -8,7 +8,7 @@ Categories (top-level keys of the DCP state dict, listed in the manifest):
 - ``data``: the data position (e.g. ``GlobalBatchSampler``), global, the same on every rank;
 - ``progress``: step, epoch and samples seen;
 - ``extra``: any user object with ``state_dict`` / ``load_state_dict``;
-- ``rng``: added by the manager, one entry per rank (see dckpt.rng).
+- ``rng``: added by the manager, one entry per rank (see dckpt.train.rng).
 
 Every category but ``rng`` must hold the same values on every rank (or sharded tensors): DCP
 de-duplicates replicated keys, so a per-rank value (a per-rank data cursor, say) would come
