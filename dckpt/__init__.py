@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CheckpointConfig": "config",
     "CheckpointError": "errors",
+    "CheckpointInfo": "root.peek",
     "CheckpointManager": "manager",
     "CheckpointNotFoundError": "errors",
     "ConfigMismatchError": "errors",
@@ -26,6 +27,7 @@ _EXPORTS = {
     "LoadResult": "manager",
     "LossDeviationError": "errors",
     "ManifestError": "errors",
+    "PerRank": "train.per_rank",
     "PrecisionPolicy": "train.precision",
     "ResumeReport": "load.report",
     "SaveError": "errors",
@@ -36,11 +38,14 @@ _EXPORTS = {
     "TrainState": "train.state",
     "WorldError": "errors",
     "init_distributed": "dist.world",
+    "peek": "root.peek",
+    "read_config": "root.peek",
 }
 
 __all__ = [
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "ConfigMismatchError",
@@ -51,6 +56,7 @@ __all__ = [
     "LockError",
     "LossDeviationError",
     "ManifestError",
+    "PerRank",
     "PrecisionPolicy",
     "ResumeReport",
     "SaveError",
@@ -62,6 +68,8 @@ __all__ = [
     "WorldError",
     "__version__",
     "init_distributed",
+    "peek",
+    "read_config",
 ]
 
 if TYPE_CHECKING:
@@ -84,7 +92,11 @@ if TYPE_CHECKING:
     from .manager import LoadResult as LoadResult
     from .manager import SaveHandle as SaveHandle
     from .manager import SaveResult as SaveResult
+    from .root.peek import CheckpointInfo as CheckpointInfo
+    from .root.peek import peek as peek
+    from .root.peek import read_config as read_config
     from .train.data import GlobalBatchSampler as GlobalBatchSampler
+    from .train.per_rank import PerRank as PerRank
     from .train.precision import PrecisionPolicy as PrecisionPolicy
     from .train.state import TrainState as TrainState
 

@@ -22,16 +22,16 @@ import math
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from .config import CheckpointConfig
 from .dist.comm import Comm
 from .dist.progress import Progress
 from .errors import CheckpointError, LockError
-from .load.config_check import SAFE_CONFIG_KEYS
+from .load.config_check import ConfigPolicy
 from .load.loss_watch import LossWatch
 from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer
@@ -77,8 +77,13 @@ class CheckpointManager:
             survives a requeue (e.g. ``$SLURM_JOB_ID``) when each requeue gets a new
             rendezvous id.
         precision: the PrecisionPolicy in use, recorded in every manifest, compared on resume.
-        allow_config_changes: config keys that may change across a resume (beyond
-            ``dckpt.resume.SAFE_CONFIG_KEYS``) with a warning instead of an error.
+        allow_config_changes: config keys whose change a resume accepts with a warning, even
+            strict ones; ``$DCKPT_ALLOW_CONFIG_CHANGES=key,key`` adds more without a code edit.
+        strict_keys: config keys that shape the run, whose change a resume refuses. None:
+            ``dckpt.resume.DEFAULT_STRICT_KEYS`` (learning rate and schedule, batch, model
+            sizes, data, seed); ``"all"``: every key that is not operational
+            (``dckpt.resume.OPERATIONAL_KEYS``) or checked directly. See
+            dckpt.load.config_check.
 
     Use it as a context manager, or call ``close()``: it drains the save in flight.
     """
@@ -92,6 +97,7 @@ class CheckpointManager:
         run_id: str | None = None,
         precision: PrecisionPolicy | None = None,
         allow_config_changes: tuple[str, ...] | list[str] = (),
+        strict_keys: Iterable[str] | Literal["all"] | None = None,
     ) -> None:
         if not isinstance(config, CheckpointConfig):
             config = CheckpointConfig(root=Path(config))
@@ -160,7 +166,7 @@ class CheckpointManager:
             state=state,
             precision=precision,
             run_config=self.run_config,
-            allowed_changes=SAFE_CONFIG_KEYS | frozenset(allow_config_changes),
+            config_policy=ConfigPolicy.build(allow_config_changes, strict_keys),
             loss_watch=self._loss_watch,
         )
         self._stop = PreemptionStop(self._ctl, self._saver)
@@ -302,6 +308,7 @@ class CheckpointManager:
             return
         self._closed = True
         try:
+            self._resumer.finish()
             self._saver.drain()
         finally:
             if self._hook is not None:

@@ -3,7 +3,12 @@ and the staging figures a manifest records. No torch here: the CLI uses it."""
 
 from __future__ import annotations
 
-__all__ = ["describe_staging", "human_bytes"]
+__all__ = ["describe_staging", "human_bytes", "plural"]
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 file``, ``2 files``, ``0 files``: a count and its noun, the noun agreeing."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
 
 
 def human_bytes(n: float, digits: int = 2) -> str:

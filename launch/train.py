@@ -107,6 +107,25 @@ def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
+def say_what_the_schedule_does(
+    report: dckpt.ResumeReport, args: argparse.Namespace, sched: torch.optim.lr_scheduler.LambdaLR
+) -> None:
+    """Training longer (or shorter) moves the end of the cosine decay: print the LR the run
+    goes on with, and the one the saved schedule would have given."""
+    change = next((c for c in report.config_changes if c.key == "steps"), None)
+    if change is None or not isinstance(change.saved, int):
+        return
+    base, taken = sched.base_lrs[0], sched.last_epoch
+    old = base * warmup_cosine(args.warmup, change.saved)(taken)
+    new = base * warmup_cosine(args.warmup, args.steps)(taken)
+    print(
+        f"train: --steps {change.saved} -> {args.steps}: the warmup-cosine LR schedule now decays "
+        f"to step {args.steps}; the LR after step {taken} is {new:.4g} (the saved schedule would "
+        f"give {old:.4g}); the scheduler's step count comes from the checkpoint",
+        flush=True,
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ckpt-dir", required=True, help="checkpoint root of this run")
@@ -148,6 +167,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--allow-config-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="accept a change of this config key on resume (repeatable; also "
+        "$DCKPT_ALLOW_CONFIG_CHANGES=key,key)",
+    )
     return p.parse_args(argv)
 
 
@@ -161,6 +188,7 @@ NOT_CONFIG = (
     "milestone_every",
     "preemption",
     "preempt_deadline",
+    "allow_config_change",
 )
 
 
@@ -214,10 +242,23 @@ def main(argv: list[str] | None = None) -> None:
         milestone_every=args.milestone_every,
     )
     run_config = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
-    manager = dckpt.CheckpointManager(config, state, run_config=run_config, precision=policy)
+    manager = dckpt.CheckpointManager(
+        config,
+        state,
+        run_config=run_config,
+        precision=policy,
+        allow_config_changes=args.allow_config_change,
+    )
     if args.preemption:  # SIGTERM/SIGUSR1: agree on a step, save it, exit 0
         manager.watch_preemption(deadline_s=args.preempt_deadline)
-    manager.resume()  # logs the report; a fresh start when there is nothing to resume
+    try:
+        report = manager.resume()  # logs the report; a fresh start when there is nothing to resume
+    except dckpt.CheckpointError:
+        manager.close()  # dckpt logged why, once, on rank 0: every rank exits without a traceback
+        dist.destroy_process_group()
+        raise SystemExit(2) from None
+    if rank == 0:
+        say_what_the_schedule_does(report, args, sched)
     if rank == 0:
         print(
             f"train: {world} ranks, starting after step {state.step}, to {args.steps}", flush=True

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 from conftest import dckpt_cli
 
 
@@ -96,6 +98,31 @@ def test_inspect_json_has_contract_fields(trained_root: Path) -> None:
     assert human.returncode == 0 and "__1_0.distcp" in human.stdout
 
 
+def test_inspect_prints_the_config_one_key_per_line(trained_root: Path) -> None:
+    proc = dckpt_cli("inspect", str(trained_root), "--step", "8")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("  config "))
+    config = json.loads(dckpt_cli("inspect", str(trained_root), "--json").stdout)["config"]
+    shown = [line.strip().removeprefix("config").strip() for line in lines[first:][: len(config)]]
+    assert shown == [f"{k} = {json.dumps(config[k])}" for k in sorted(config)]
+    assert "steps = 12" in shown and 'parallel = "ddp"' in shown
+
+
+def test_inspect_config_lines_flatten_nested_dicts() -> None:
+    from dckpt.cli.common import plural
+    from dckpt.cli.reading import _config_lines
+
+    nested = {"opt": {"betas": [0.9, 0.95], "sched": {"kind": "cos"}}, "lr": 0.1, "tags": {}}
+    assert sorted(_config_lines(nested)) == [
+        ("lr", "0.1"),
+        ("opt.betas", "[0.9, 0.95]"),
+        ("opt.sched.kind", '"cos"'),
+        ("tags", "{}"),
+    ]
+    assert [plural(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+
+
 def test_usage_errors_exit_2_with_a_reason(trained_root: Path, tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     for cmd in ("ls", "verify", "inspect"):
@@ -115,6 +142,8 @@ def test_every_command_is_listed(trained_root: Path) -> None:
     helptext = dckpt_cli("--help").stdout
     for cmd in ("ls", "verify", "inspect", "diff", "gc", "plan", "export", "pin", "unpin"):
         assert cmd in helptext
+    verify_help = dckpt_cli("verify", "--help").stdout
+    assert "ROOT [--step N | --all]; default: every committed step" in verify_help
     not_root = trained_root.parent / "not-a-root"
     not_root.mkdir(exist_ok=True)
     proc = dckpt_cli("ls", str(not_root))
@@ -130,10 +159,49 @@ def test_diff_reports_config_and_tensor_differences(trained_root: Path) -> None:
     weight = by_name["model.head.weight"]
     assert weight["status"] == "changed" and weight["max_abs_diff"] > 0
     assert by_name["progress.step"]["status"] == "4 -> 12"
+    # Ranked: model weights (largest first), then optimizer moments, then counters and
+    # scalars, though an optimizer step counter (4 -> 12: max |a-b| 8) dwarfs any weight's.
+    names = [r["name"] for r in obj["differences"]]
+    tiers = [0 if n.startswith("model.") else 1 if _is_moment(n) else 2 for n in names]
+    assert tiers == sorted(tiers) and tiers[0] == 0 and 1 in tiers, names
+    model = [r["max_abs_diff"] for r in obj["differences"] if r["name"].startswith("model.")]
+    assert model == sorted(model, reverse=True)
+    counter = by_name["optimizer.state.head.weight.step"]
+    assert counter["max_abs_diff"] == 8.0 and names.index(counter["name"]) > len(model)
     same = json.loads(dckpt_cli("diff", str(trained_root), "8", "8", "--json").stdout)
     assert same["differences"] == [] and same["tensors_compared"] > 10
-    assert "largest differences first" in dckpt_cli("diff", str(trained_root), "4", "8").stdout
+    human = dckpt_cli("diff", str(trained_root), "4", "8", "--top", "3").stdout
+    assert "largest differences first" in human and "more rows not shown" in human
+    shown = [line.split("│")[1].strip() for line in human.splitlines() if "│ changed" in line]
+    assert len(shown) == 3 and all(n.startswith("model.") for n in shown), human
     assert dckpt_cli("diff", str(trained_root), "4", "5").returncode == 2
+
+
+def _is_moment(name: str) -> bool:
+    return name.startswith("optimizer.state.") and not name.endswith(".step")
+
+
+def test_diff_ranks_structural_changes_first_within_each_tier() -> None:
+    from dckpt.cli.tensors import rank_rows
+
+    rows: list[dict[str, Any]] = [
+        {"name": "progress.step", "status": "4 -> 12", "max_abs_diff": None},
+        {"name": "optimizer.state.w.step", "status": "changed", "max_abs_diff": 8.0},
+        {"name": "optimizer.state.w.exp_avg", "status": "changed", "max_abs_diff": 0.1},
+        {"name": "model.b", "status": "changed", "max_abs_diff": 0.01},
+        {"name": "model.w", "status": "changed", "max_abs_diff": 0.02},
+        {"name": "model.new", "status": "only in B", "max_abs_diff": None},
+        {"name": "rng.rank_0.torch", "status": "changed", "max_abs_diff": 1.0},
+    ]
+    assert [r["name"] for r in rank_rows(rows)] == [
+        "model.new",
+        "model.w",
+        "model.b",
+        "optimizer.state.w.exp_avg",
+        "progress.step",
+        "optimizer.state.w.step",
+        "rng.rank_0.torch",
+    ]
 
 
 def test_export_writes_the_model_alone_and_loads_back(trained_root: Path, tmp_path: Path) -> None:
@@ -155,6 +223,34 @@ def test_export_writes_the_model_alone_and_loads_back(trained_root: Path, tmp_pa
     assert small["head.weight"].dtype == torch.bfloat16
     assert torch.equal(small["head.weight"], tensors["head.weight"].to(torch.bfloat16))
     assert dckpt_cli("export", str(trained_root), "--out", str(bf16)).returncode == 2  # exists
+
+
+def test_export_with_config_stores_the_run_config_and_step(
+    trained_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process (torch is loaded already): the plain export runs as a command above."""
+    import torch
+    from safetensors import safe_open
+
+    from dckpt.cli import main
+
+    config = json.loads(dckpt_cli("inspect", str(trained_root), "--json").stdout)["config"]
+    st = tmp_path / "model.safetensors"
+    args = ["export", str(trained_root), "--step", "8", "--with-config", "--out"]
+    assert main([*args, str(st)]) == 0
+    with safe_open(str(st), "pt") as f:
+        meta = f.metadata()
+        head = f.get_tensor("head.weight")
+    assert meta["dckpt_step"] == "8" and json.loads(meta["dckpt_config"]) == config
+    assert meta["dckpt_config"] == json.dumps(config, sort_keys=True)
+    pt = tmp_path / "model.pt"
+    assert main([*args, str(pt)]) == 0
+    saved = torch.load(pt, weights_only=True)
+    assert set(saved) == {"model", "config", "step"}
+    assert saved["step"] == 8 and saved["config"] == config
+    assert torch.equal(saved["model"]["head.weight"], head)
+    assert "with the run config" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".*.tmp-*"))  # written beside, then renamed into place
 
 
 def test_plan_matches_a_hand_computation_of_young_daly() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dckpt"
 
-BASE = {"dckpt.errors", "dckpt.units", "dckpt.phases", "dckpt.faults"}
+BASE = {"dckpt.errors", "dckpt.units", "dckpt.phases", "dckpt.faults", "dckpt.robust"}
 
 
 def layer_of(module: str, *, importer: bool = False) -> str:

@@ -15,7 +15,6 @@ from torch import nn
 
 import dckpt
 from dckpt.load.config_check import check_config, config_changes
-from dckpt.load.loss_watch import LossWatch
 
 # --- multi-process ---------------------------------------------------------------------------
 
@@ -266,23 +265,6 @@ def test_config_comparison_and_diff() -> None:
         check_config(saved, now, allowed, "step-1")
     now["model"]["width"] = 64  # type: ignore[index]
     assert [c.key for c in check_config(saved, now, allowed, "step-1")] == ["new", "save_every"]
-
-
-def test_loss_watch_bounds_warns_and_raises() -> None:
-    watch = LossWatch()
-    for v in [2.0, 2.1, 1.9, 2.0]:
-        assert watch.observe(v, "warn") is None
-    summary = watch.summary()
-    assert summary["n"] == 4 and abs(summary["mean"] - 2.0) < 1e-9
-    watch.arm(summary, steps=3, checkpoint="step-00000004")
-    assert watch.observe(1.5, "warn") is None  # lower is fine
-    warned = watch.observe(9.0, "warn")
-    assert warned is not None and "WARNING" in warned and "step-00000004" in warned
-    done = watch.observe(2.05, "warn")
-    assert done is not None and "within bound" in done and not watch.armed
-    watch.arm(summary, steps=2, checkpoint="step-00000004")
-    with pytest.raises(dckpt.LossDeviationError):
-        watch.observe(float("nan"), "raise")
 
 
 def test_global_batch_sampler_is_world_size_independent() -> None:

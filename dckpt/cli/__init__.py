@@ -35,12 +35,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("verify", help="re-hash every file against its manifest")
+    p = sub.add_parser(
+        "verify",
+        help="re-hash every file against its manifest; default: every committed step",
+        # Written by hand (argparse puts ROOT last): a new option must be added here too.
+        usage="dckpt verify ROOT [--step N | --all] [--deep] [--threads N] [--json]",
+        description="Re-hash every file of committed checkpoints against their manifests.\n"
+        "ROOT [--step N | --all]; default: every committed step under ROOT.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("root")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="only this step")
+    which.add_argument("--step", type=int, metavar="N", help="only step N")
     which.add_argument("--all", action="store_true", help="every committed step (the default)")
-    p.add_argument("--threads", type=int, default=4, help="files hashed in parallel")
+    p.add_argument("--threads", type=int, default=4, metavar="N", help="files hashed in parallel")
     p.add_argument(
         "--deep",
         action="store_true",
@@ -71,7 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("root")
     p.add_argument("a", type=int, help="step A")
     p.add_argument("b", type=int, help="step B")
-    p.add_argument("--top", type=int, default=20, help="rows to show (largest first)")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=20,
+        metavar="N",
+        help="rows to show: model weights, then optimizer state, then counters and scalars, "
+        "largest differences first in each",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output (all rows)")
     p.set_defaults(func=cmd_diff)
 
@@ -97,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="FILE.safetensors, or any other name for torch")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
+    p.add_argument(
+        "--with-config",
+        action="store_true",
+        help="also store the run config and the step, to build the model from: in a "
+        ".safetensors file as metadata (dckpt_config: the config as JSON, dckpt_step); a "
+        'torch file then holds {"model": {name: tensor}, "config": dict, "step": int} '
+        "instead of the bare {name: tensor} dict",
+    )
     p.set_defaults(func=cmd_export)
 
     for name, func, what in (

@@ -14,7 +14,7 @@ from typing import NoReturn
 from rich.console import Console
 
 from ..root.layout import is_dckpt_root, list_checkpoints
-from ..units import human_bytes
+from ..units import human_bytes, plural
 
 __all__ = [
     "EXIT_INTEGRITY",
@@ -27,6 +27,7 @@ __all__ = [
     "fail",
     "human",
     "out",
+    "plural",
     "root_arg",
 ]
 

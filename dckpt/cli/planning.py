@@ -16,6 +16,7 @@ import psutil
 
 from ..errors import IntegrityError, ManifestError
 from ..root.manifest import read_manifest
+from ..units import plural
 from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, committed_dir, fail, human, out, root_arg
 from .plan_model import PlanInputs, plan
 
@@ -79,7 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("checkpoint", f"{human(inputs.checkpoint_bytes)}, costs training {inputs.stall_s:.3f} s, "
          f"commit {inputs.commit_s:.2f} s, write {inputs.write_gbps:.2f} GB/s, "
          f"read {inputs.read_gbps:.2f} GB/s" + ("" if args.read_gbps else " (assumed = write)")),
-        ("job MTBF", f"{_duration(result.job_mtbf_s)} ({inputs.nodes} nodes x "
+        ("job MTBF", f"{_duration(result.job_mtbf_s)} ({plural(inputs.nodes, 'node')} x "
          f"{inputs.mtbf_node_hours:g} h each)"),
         ("save every", f"{_duration(result.interval_s)} (Young-Daly: sqrt(2 x cost x MTBF))"),
         ("lost per failure", f"{_duration(result.expected_work_lost_s)} of work "
@@ -88,7 +89,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
          f"{inputs.restart_s:g} s restart)"),
         ("overhead", f"{100 * result.overhead_fraction:.2f} % of the job's time"),
         ("storage", f"{human(result.storage_bytes)} (keep {inputs.keep_last} + "
-         f"{inputs.milestones} milestones + 1 in flight)"),
+         f"{plural(inputs.milestones, 'milestone')} + 1 in flight)"),
         ("staging", f"{human(result.staging_bytes_per_node)} per node, "
          + ("fits" if result.staging_fits else "DOES NOT fit")
          + f" in half of {human(inputs.host_memory_bytes)} host memory"),

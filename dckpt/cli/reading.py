@@ -37,6 +37,7 @@ from .common import (
     fail,
     human,
     out,
+    plural,
     root_arg,
 )
 
@@ -182,7 +183,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for r in results:
             label = r.step_dir.name
             if r.ok:
-                out.print(f"OK      {label}: {r.files_checked} files, {human(r.bytes_checked)}")
+                out.print(
+                    f"OK      {label}: {plural(r.files_checked, 'file')}, {human(r.bytes_checked)}"
+                )
             for p in r.problems:
                 detail = f" (expected {p.expected}, got {p.actual})" if p.expected else ""
                 out.print(f"FAILED  {label}: {p.path}: {p.error}{detail}")
@@ -212,7 +215,33 @@ def _precision_text(policy: dict[str, Any]) -> str:
     return text
 
 
+def _config_lines(config: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """``(dotted key, JSON value)`` for every leaf of ``config``; an empty dict is a leaf."""
+    lines: list[tuple[str, str]] = []
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            lines.extend(_config_lines(value, name + "."))
+        else:
+            lines.append((name, json.dumps(value, sort_keys=True)))
+    return lines
+
+
+def _print_config(config: dict[str, Any]) -> None:
+    """One ``key = value`` per line, sorted, under the ``config`` label: a run config of fifty
+    keys on one line is unreadable, and a diff of two inspect outputs should show the key."""
+    lines = sorted(_config_lines(config))
+    if not lines:
+        out.print(f"  {'config':<10} none recorded")
+        return
+    for i, (key, value) in enumerate(lines):
+        label = "config" if i == 0 else ""
+        # markup=False: a config string such as "[red]" is data, not a rich style.
+        out.print(f"  {label:<10} {key} = {value}", markup=False)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+
     root = root_arg(args.root)
     step_dir = committed_dir(root, args.step)
     try:
@@ -230,7 +259,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("epoch", manifest.epoch),
         ("world size", manifest.world_size),
         ("state", ", ".join(manifest.state)),
-        ("size", f"{human(manifest.total_bytes)} in {len(manifest.files)} files"),
+        ("size", f"{human(manifest.total_bytes)} in {plural(len(manifest.files), 'file')}"),
         ("digests", manifest.digest_algorithm),
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created_at))),
         ("run id", manifest.run_id),
@@ -249,10 +278,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             or "not measured",
         ),
         ("staging", describe_staging(manifest.timings)),
-        ("config", json.dumps(manifest.config, sort_keys=True)),
     ]
     for key, value in rows:
         out.print(f"  {key:<10} {value}")
+    _print_config(manifest.config)
     table = Table(title="files")
     for col in ("path", "rank", "bytes", "digest"):
         table.add_column(col)

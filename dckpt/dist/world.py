@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import WorldError
+from ..units import plural
 from ..faults import fault_point
 from ..phases import Phase
 
@@ -158,6 +159,6 @@ def check_warmup(results: list[WarmupResult]) -> str:
         )
     slowest = max(r.latency_s for r in results)
     return (
-        f"{len(results)} ranks answered, sum {results[0].value:g} = {results[0].expected:g} "
+        f"{plural(len(results), 'rank')} answered, sum {results[0].value:g} = {results[0].expected:g} "
         f"on every rank, slowest {slowest * 1000:.1f} ms"
     )

@@ -38,7 +38,8 @@ from ..storage.verified_files import open_verified
 from ..storage.verifying_reader import VerifyingReader
 from ..train.precision import PrecisionPolicy, check_scaler
 from ..train.state import TrainState
-from .config_check import check_config, is_allowed
+from ..units import plural
+from .config_check import ConfigPolicy
 from .report import CandidateReport
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "check_state_kinds",
     "raise_first",
     "read_candidate",
+    "resolve_per_rank",
     "verify_rest",
 ]
 
@@ -81,7 +83,7 @@ def read_candidate(
         "manifest",
         laid_out == len(manifest.files),
         f"schema {manifest.schema_version}, self-digest ok, {laid_out} of "
-        f"{len(manifest.files)} files laid out at their recorded sizes",
+        f"{plural(len(manifest.files), 'file')} laid out at their recorded sizes",
     )
     return manifest, reader
 
@@ -100,31 +102,34 @@ def agree_on_manifest(comm: Comm, manifest: Manifest, path: Path, report: Candid
             detail="ranks read different manifests",
             divergent=True,
         )
-    report.check("one manifest", agree, f"all {len(digests)} ranks read {digests[0]}")
+    who = "the one rank" if len(digests) == 1 else f"all {len(digests)} ranks"
+    report.check("one manifest", agree, f"{who} read {digests[0]}")
 
 
 def check_config_and_precision(
     manifest: Manifest,
     run_config: dict[str, Any],
     precision: PrecisionPolicy | None,
-    allowed: frozenset[str],
+    policy: ConfigPolicy,
     name: str,
     report: CandidateReport,
 ) -> None:
-    """The saved run config against this one (unsafe changes raise), then the precision."""
-    changes = check_config(manifest.config, run_config, allowed, name)
-    if changes:
-        report.warn("config changed in safe keys: " + "; ".join(str(c) for c in changes))
+    """The saved run config against this one (``ConfigPolicy``: refused changes raise, the
+    rest are warned about, grouped by why they pass), then the precision policy."""
+    judged = policy.check(manifest.config, run_config, name)
+    report.config_changes = [c for c, _ in judged]
+    for line in policy.describe(judged):
+        report.warn(line)
     report.check(
         "config",
-        all(is_allowed(c, allowed) for c in changes),
-        "identical" if not changes else f"{len(changes)} safe change(s)",
+        all(v != "strict" for _, v in judged),
+        "identical" if not judged else f"{len(judged)} change(s) passed (see warnings)",
     )
     saved_mode = manifest.precision.get("mode")
     if precision is None or saved_mode is None or saved_mode == precision.mode:
         return
     fresh_scaler = precision.mode == "fp16" and not manifest.precision.get("grad_scaler")
-    if fresh_scaler and "precision" not in allowed:
+    if fresh_scaler and "precision" not in policy.allowed:
         raise ConfigMismatchError(
             f"{name} was saved under {saved_mode} without GradScaler state; resuming it "
             "under fp16 would start loss scaling from scratch. Resume with the saved "
@@ -168,6 +173,36 @@ def check_grad_scaler(
     report.check("grad scaler", math.isfinite(scale) and scale > 0, f"scale {scale:g}")
     if concern:
         report.warn(concern)
+
+
+def resolve_per_rank(
+    state: TrainState,
+    state_dict: dict[str, Any],
+    saved_world: int,
+    name: str,
+    report: CandidateReport,
+) -> None:
+    """After a world-size change, per-rank values (``PerRank``) do not map to the new ranks:
+    refuse, unless each was built with ``on_resize="fresh"`` (then it is left out of the load
+    and keeps its current value, with a warning)."""
+    per_rank = state.per_rank()
+    if not per_rank:
+        return
+    refused = sorted(n for n, p in per_rank.items() if p.on_resize == "raise")
+    if refused:
+        raise StateMismatchError(
+            f"{name} was saved by {saved_world} rank(s) and this run has a different number: "
+            f"the per-rank value(s) {', '.join(refused)} (dckpt.PerRank) do not map to the new "
+            f"ranks. Resume with {saved_world} ranks, or build them with "
+            "PerRank(..., on_resize='fresh') to keep each rank's current value."
+        )
+    for key in per_rank:
+        state_dict["extra"].pop(key, None)
+    report.warn(
+        f"per-rank value(s) {', '.join(sorted(per_rank))} not restored: saved by {saved_world} "
+        "rank(s), now a different number; each rank keeps its current value "
+        "(on_resize='fresh')"
+    )
 
 
 def check_shapes(state_dict: dict[str, Any], reader: VerifyingReader, name: str) -> None:

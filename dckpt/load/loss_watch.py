@@ -1,79 +1,173 @@
-"""The loss watch: recent losses for the manifest, and the check of the first losses after a
-resume against them. No torch.
+"""The loss watch: the last losses before a save go into its manifest; after a resume, the
+first losses are compared with where those were heading. No torch, no collective.
+
+What is saved (``summary``, rank 0's losses: the manifest records the rank that builds it):
+the last ``TAIL`` finite losses, with their mean, std, median and MAD.
+
+The verdict, after ``steps`` losses (``observe`` on every rank, every step), in robust
+statistics so one noisy batch decides nothing:
+
+- the saved tail gives a level (median of its last quarter) and a trend (Theil-Sen slope);
+  the expected median of the first losses after the resume lies between the level and the
+  trend carried forward, so neither a loss that flattens nor one that keeps falling trips it;
+- the bound around that is ``max(4 * noise, 5 % of |expected|)`` (dckpt.robust): ``noise`` is
+  the MAD of the tail around its trend, scaled to a standard deviation; the relative margin
+  works for negative losses too;
+- the median of the first losses must lie inside; a non-finite loss fails at once. Above is a
+  resume that lost state (a re-initialised model, a wrong optimizer state); below is one that
+  may be replaying data it saw (a wrong data position) or a changed objective.
+
+The verdict is one line in the resume report's format. ``warn`` logs it (rank 0 its ``ok``
+line; any rank its ``FAIL``); ``raise`` raises ``LossDeviationError`` on the rank that failed.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LossDeviationError
+from ..robust import LOSS_REL, LOSS_SIGMA, expected_band, mad
 
 if TYPE_CHECKING:
     from ..config import LossWatchAction
 
-__all__ = ["LossWatch"]
+__all__ = ["LossVerdict", "LossWatch", "expected_band"]
+
+TAIL = 16
+"""Losses saved in the manifest, and the most the trend is fitted over."""
+
+
+class LossVerdict:
+    """The outcome of one loss watch: a line in the report's format, and whether it passed."""
+
+    def __init__(self, ok: bool, detail: str) -> None:
+        self.ok = ok
+        self.detail = detail
+
+    def line(self) -> str:
+        return f"dckpt resume: [{'ok  ' if self.ok else 'FAIL'}] loss watch: {self.detail}"
 
 
 class LossWatch:
-    """Recent losses (for the manifest) and the post-resume comparison with them.
+    """Recent losses (for the manifest) and the check after a resume; see the docstring."""
 
-    After ``arm``, each of the next ``steps`` losses is compared with the mean and spread saved
-    in the checkpoint: a loss that is not finite, or above ``mean + max(sigma * std,
-    rel * |mean|)``, is a deviation. Lower losses are fine: training goes on improving.
-    """
-
-    def __init__(self, window: int = 32) -> None:
+    def __init__(self, window: int = 64) -> None:
         self._recent: deque[float] = deque(maxlen=window)
-        self._saved: dict[str, float] = {}
-        self._left = 0
+        self._tail: list[float] = []
+        self._after: list[float] = []
+        self._steps = 0
         self._checkpoint = ""
-        self._seen = 0
-        self.sigma = 4.0
-        self.rel = 0.2
+        self._band: tuple[float, float, float, float] | None = None
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         values = [v for v in self._recent if math.isfinite(v)]
         if not values:
             return {}
         mean = sum(values) / len(values)
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        return {"mean": mean, "std": std, "n": float(len(values)), "last": values[-1]}
+        tail = values[-TAIL:]
+        median = statistics.median(tail)
+        return {
+            "mean": mean,
+            "std": std,
+            "n": float(len(values)),
+            "last": values[-1],
+            "median": median,
+            "mad": mad(tail),
+            "tail": tail,
+        }
 
-    def arm(self, saved: dict[str, float], steps: int, checkpoint: str) -> None:
-        self._saved, self._left, self._checkpoint, self._seen = dict(saved), steps, checkpoint, 0
+    def arm(self, saved: dict[str, Any], steps: int, checkpoint: str) -> None:
+        """Compare the next ``steps`` losses with ``saved`` (a manifest's ``loss``). A manifest
+        written before the tail was saved gives only its mean: that is the level then."""
+        tail = saved.get("tail")
+        mean, std = saved.get("mean"), saved.get("std", 0.0)
+        self._steps, self._checkpoint, self._after = steps, checkpoint, []
+        if isinstance(tail, list) and tail and all(isinstance(v, (int, float)) for v in tail):
+            self._tail = [float(v) for v in tail]
+            self._band = expected_band(self._tail, steps)
+        elif isinstance(mean, (int, float)) and isinstance(std, (int, float)):
+            self._tail = [float(mean)]
+            bound = max(LOSS_SIGMA * float(std), LOSS_REL * abs(float(mean)), 1e-12)
+            self._band = (float(mean) - bound, float(mean) + bound, 0.0, float(std))
+        else:
+            self._tail, self._band = [], None
 
     @property
     def armed(self) -> bool:
-        return self._left > 0 and bool(self._saved)
+        return self._band is not None and len(self._after) < self._steps
 
-    def bound(self) -> float:
-        mean, std = self._saved["mean"], self._saved.get("std", 0.0)
-        return mean + max(self.sigma * std, self.rel * abs(mean))
+    def band(self) -> tuple[float, float]:
+        """The range the median of the first losses after the resume must lie in."""
+        if self._band is None:
+            return (math.nan, math.nan)
+        return self._band[0], self._band[1]
 
-    def observe(self, loss: float, action: LossWatchAction) -> str | None:
-        """Record ``loss``; while armed, return a message if it deviates (raise if asked)."""
-        self._recent.append(loss)
-        if not self.armed:
-            return None
-        self._left -= 1
-        self._seen += 1
-        if math.isfinite(loss) and loss <= self.bound():
-            if self._left == 0:
-                return (
-                    f"dckpt loss watch: {self._seen} steps after resuming from "
-                    f"{self._checkpoint} within bound (<= {self.bound():.4f}; saved mean "
-                    f"{self._saved['mean']:.4f})"
-                )
-            return None
-        message = (
-            f"loss {loss:.4f} at step {self._seen} after resuming from {self._checkpoint} is above "
-            f"the bound {self.bound():.4f} (saved mean {self._saved['mean']:.4f}, std "
-            f"{self._saved.get('std', 0.0):.4f}): the resume may have lost optimizer, data or RNG "
-            "state, or the data changed"
+    def describe_armed(self) -> str:
+        low, high = self.band()
+        return (
+            f"median of the next {self._steps} losses within [{low:.4g}, {high:.4g}] "
+            f"(last {len(self._tail)} before the save: median {statistics.median(self._tail):.4g})"
         )
-        if action == "raise":
-            self._left = 0
-            raise LossDeviationError(message)
-        return "dckpt loss watch: WARNING " + message
+
+    def observe(self, loss: float, action: LossWatchAction) -> LossVerdict | None:
+        """Record ``loss``; once armed and full (or at a non-finite loss), the verdict. With
+        ``action="raise"`` a failed verdict raises LossDeviationError instead."""
+        self._recent.append(loss)
+        if not self.armed or self._band is None:
+            return None
+        self._after.append(loss)
+        if math.isfinite(loss) and len(self._after) < self._steps:
+            return None
+        verdict = self._verdict()
+        self._band = None  # one verdict per resume
+        if not verdict.ok and action == "raise":
+            raise LossDeviationError(verdict.line())
+        return verdict
+
+    def finish(self) -> LossVerdict | None:
+        """The verdict on the losses seen so far, when the run ends before the window is
+        full (never raises: the run is over); None if nothing was seen since the resume."""
+        if not self.armed or not self._after:
+            return None
+        verdict = self._verdict()
+        self._band = None
+        verdict.detail += f" (the run ended after {len(self._after)} of {self._steps})"
+        return verdict
+
+    def _verdict(self) -> LossVerdict:
+        assert self._band is not None
+        low, high, slope, noise = self._band
+        where = f"after resuming from {self._checkpoint}"
+        before = (
+            f"the last {len(self._tail)} before the save: median "
+            f"{statistics.median(self._tail):.4g}, "
+            f"trend {slope:+.3g}/step, noise {noise:.3g}"
+        )
+        bad = [v for v in self._after if not math.isfinite(v)]
+        if bad:
+            return LossVerdict(
+                False,
+                f"loss {bad[0]} at step {len(self._after)} {where} is not finite ({before})",
+            )
+        median = statistics.median(self._after)
+        detail = (
+            f"median {median:.4g} of the first {len(self._after)} losses {where}, expected "
+            f"[{low:.4g}, {high:.4g}] ({before})"
+        )
+        if median > high:
+            return LossVerdict(
+                False,
+                f"{detail}: ABOVE. The resume may have lost model, optimizer or RNG state "
+                "(or the weights were changed after resume())",
+            )
+        if median < low:
+            return LossVerdict(
+                False,
+                f"{detail}: BELOW. The run may be replaying data it saw before the save (a "
+                "wrong data position) or optimising another objective",
+            )
+        return LossVerdict(True, detail)

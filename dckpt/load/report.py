@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config_check import ConfigChange
+
 __all__ = ["CandidateReport", "Check", "ResumeReport"]
 
 
@@ -30,6 +32,7 @@ class CandidateReport:
     checks: list[Check] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     rng: str = ""
+    config_changes: list[ConfigChange] = field(default_factory=list)
 
     def check(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(name, ok, detail))
@@ -51,6 +54,8 @@ class ResumeReport:
     warnings: list[str] = field(default_factory=list)
     rng: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    config_changes: list[ConfigChange] = field(default_factory=list)
+    """Every run-config key that differs from the checkpoint's (all of them passed)."""
 
     @classmethod
     def of(
@@ -68,6 +73,7 @@ class ResumeReport:
             skipped=list(skipped),
             warnings=list(chosen.warnings),
             rng=chosen.rng,
+            config_changes=list(chosen.config_changes),
         )
 
     @property

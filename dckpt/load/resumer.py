@@ -11,11 +11,12 @@ test that group. Every rank runs every step; a failure on any rank is raised on 
    file a regular file of its recorded size, ``.metadata`` hashed and unpickled through the
    allow-list; then the ranks compare the manifest's digest of digests
    (``checks.agree_on_manifest``);
-3. **config and precision** (``checks.check_config_and_precision``): a readable diff; keys in
-   ``SAFE_CONFIG_KEYS`` or allowed by the user warn, anything else raises
-   ``ConfigMismatchError``; a precision change warns, or raises where fp16 would start loss
-   scaling from scratch; then the kinds of state, the GradScaler record, and every tensor's
-   shape and dtype against the metadata, before any tensor is read;
+3. **config and precision** (``checks.check_config_and_precision``): a readable diff, judged
+   by the ``ConfigPolicy`` (dckpt.load.config_check): keys that shape the run raise
+   ``ConfigMismatchError`` on every rank at once, the rest pass with warnings grouped by why;
+   a precision change warns, or raises where fp16 would start loss scaling from scratch;
+   then the kinds of state, the GradScaler record, and every tensor's shape and dtype against
+   the metadata, before any tensor is read;
 4. **digests across ranks** and **the load**: DCP loads model, optimizer, schedulers, scaler,
    data position and counters through the ``VerifyingReader`` (each file hashed whole and
    matched before a tensor is filled from it); files no rank read are hashed too; every rank
@@ -62,9 +63,10 @@ from ..storage.verifying_reader import SafeLoadPlanner
 from ..train import rng
 from ..train.precision import PrecisionPolicy
 from ..train.state import TrainState
-from ..units import human_bytes
+from ..units import human_bytes, plural
 from . import checks
-from .loss_watch import LossWatch
+from .config_check import ConfigPolicy
+from .loss_watch import LossVerdict, LossWatch
 from .report import CandidateReport, ResumeReport
 
 __all__ = ["LoadResult", "Resumer"]
@@ -95,7 +97,7 @@ class Resumer:
         state: TrainState,
         precision: PrecisionPolicy | None,
         run_config: dict[str, Any],
-        allowed_changes: frozenset[str],
+        config_policy: ConfigPolicy,
         loss_watch: LossWatch,
     ) -> None:
         self._ctl = ctl
@@ -104,7 +106,7 @@ class Resumer:
         self._state = state
         self._precision = precision
         self._run_config = run_config
-        self._allowed = allowed_changes
+        self._policy = config_policy
         self._loss_watch = loss_watch
         self.rank, self.world_size = ctl.rank, ctl.world_size
 
@@ -151,10 +153,22 @@ class Resumer:
 
     def resume(self, fallback: bool) -> ResumeReport:
         """Steps 1-9; returns the logged report (``report.resumed`` is False on a fresh
-        start)."""
+        start). A refusal is logged once, as one block, on rank 0, and raised on every rank
+        (so a script can exit without a traceback per rank: dckpt already said why)."""
+        skipped: list[tuple[int, str]] = []
+        try:
+            return self._resume(fallback, skipped)
+        except CheckpointError as exc:
+            if self.rank == 0:
+                lines = [f"dckpt resume: REFUSED ({type(exc).__name__})"]
+                lines += [f"  {line}" for line in str(exc).splitlines()]
+                lines += [f"  skipped step {s} (quarantined): {why}" for s, why in skipped]
+                log.error("%s", "\n".join(lines))
+            raise
+
+    def _resume(self, fallback: bool, skipped: list[tuple[int, str]]) -> ResumeReport:
         t0 = time.perf_counter()
         steps = self._candidates()  # 1
-        skipped: list[tuple[int, str]] = []
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
         for step in steps:
@@ -193,9 +207,19 @@ class Resumer:
 
     def observe(self, loss: float) -> None:
         """Record this step's loss: kept for the manifest, and checked after a resume."""
-        message = self._loss_watch.observe(float(loss), self._config.loss_watch)
-        if message is not None and self.rank == 0:
-            (log.warning if "WARNING" in message else log.info)("%s", message)
+        self._tell(self._loss_watch.observe(float(loss), self._config.loss_watch))
+
+    def finish(self) -> None:
+        """At close: the loss watch's verdict on fewer losses than its window, if any."""
+        self._tell(self._loss_watch.finish())
+
+    def _tell(self, verdict: LossVerdict | None) -> None:
+        if verdict is None:
+            return
+        if not verdict.ok:  # any rank that fails says so; the ok line comes from rank 0
+            log.warning("%s%s", verdict.line(), f" (rank {self.rank})" if self.rank else "")
+        elif self.rank == 0:
+            log.info("%s", verdict.line())
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -220,13 +244,20 @@ class Resumer:
         path, name, state = report.path, report.path.name, self._state
         manifest, reader = checks.read_candidate(self._ctl, path, step, report)
         checks.agree_on_manifest(self._ctl, manifest, path, report)
-        if with_config:
-            checks.check_config_and_precision(
-                manifest, self._run_config, self._precision, self._allowed, name, report
-            )
+        if with_config:  # every rank decides; all raise the first refusal together
+            refused: CheckpointError | None = None
+            try:
+                checks.check_config_and_precision(
+                    manifest, self._run_config, self._precision, self._policy, name, report
+                )
+            except CheckpointError as exc:
+                refused = exc
+            checks.raise_first(self._ctl, refused)
         checks.check_state_kinds(manifest, state, name, report)
         checks.check_grad_scaler(manifest, state, name, report)
         state_dict = state.state_dict()
+        if manifest.world_size != self.world_size:
+            checks.resolve_per_rank(state, state_dict, manifest.world_size, name, report)
         checks.check_shapes(state_dict, reader, name)
         saved = set(manifest.state)
         same_world = manifest.world_size == self.world_size and "rng" in saved
@@ -250,9 +281,13 @@ class Resumer:
         report.check(
             "digests",
             files_verified == len(manifest.files),
-            f"{files_verified} of {len(manifest.files)} files hashed and matched "
-            f"({manifest.digest_algorithm}); every rank checked the digests of all "
-            f"{ranks_checked} ranks",
+            f"{files_verified} of {plural(len(manifest.files), 'file')} hashed and matched "
+            f"({manifest.digest_algorithm}); "
+            + (
+                "the one rank checked its digests"
+                if ranks_checked == 1
+                else f"every rank checked the digests of all {ranks_checked} ranks"
+            ),
         )
         state.load_state_dict(state_dict)
         restored = [c for c in state.categories() if c in saved]
@@ -297,23 +332,20 @@ class Resumer:
             return
         steps = self._config.loss_watch_steps
         self._loss_watch.arm(result.manifest.loss, steps, result.path.name)
-        bound = self._loss_watch.bound()
+        low, high = self._loss_watch.band()
         report.check(
             "loss watch armed",
-            math.isfinite(bound),  # a NaN bound would pass nothing
-            f"next {steps} losses vs saved mean {result.manifest.loss['mean']:.4f} "
-            f"(bound {bound:.4f})",
+            math.isfinite(low) and math.isfinite(high),  # a NaN band would pass nothing
+            self._loss_watch.describe_armed() + "; the verdict follows as its own line",
         )
 
     def _nothing_loaded(self, report: ResumeReport, candidates: int) -> None:
         """A fresh start, or an error when every candidate failed or only quarantine holds
         checkpoints (starting over would silently throw that run away)."""
         if report.skipped:
-            if self.rank == 0:
-                log.error("%s", report.format())
             raise CheckpointError(
                 f"none of the {candidates} committed checkpoints under {self.root} passed "
-                "verification; all were moved to quarantine/ (see the report above). "
+                "verification; all were moved to quarantine/ (listed below). "
                 "The model may be partly overwritten by the failed attempts: rebuild it "
                 "before training. Restore a good copy, or start a new run elsewhere."
             )

@@ -78,7 +78,7 @@ class Manifest:
     precision: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     config_fingerprint: str = ""
-    loss: dict[str, float] = field(default_factory=dict)
+    loss: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     bytes_per_rank: tuple[int, ...] = ()
     milestone: bool = False

@@ -88,7 +88,7 @@ def recover(root: str | os.PathLike[str]) -> list[str]:
     # A crash between the commit rename and `latest` leaves `latest` behind: bring it forward.
     publish_latest(base)
     for line in actions:
-        log.info("dckpt recover: %s", line)
+        log.warning("dckpt recover: %s", line)  # debris of a crash: worth seeing
     return actions
 
 

@@ -20,6 +20,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..dist.comm import Comm
 from ..errors import SaveError, describe_os_error
@@ -42,6 +43,11 @@ class RankReport:
     records: tuple[FileRecord, ...] = ()
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    loss: dict[str, Any] = field(default_factory=dict)
+    """This rank's recent losses (``LossWatch.summary``): rank 0 records its own, and says
+    when another rank's are not like them."""
+    metric: dict[str, float] = field(default_factory=dict)
+    """The ``save(metric=...)`` this rank passed: rank 0 records its own."""
 
 
 @dataclass(frozen=True, kw_only=True)

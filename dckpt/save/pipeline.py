@@ -63,6 +63,7 @@ from ..dist.comm import Comm
 from ..dist.progress import DECIDED, Progress, SaveTrace
 from ..errors import SaveError, describe_os_error, unwrap_dcp_error
 from ..phases import Phase
+from ..robust import expected_band
 from ..root.commit import CommitStrategy
 from ..root.manifest import Manifest
 from ..root.upkeep import apply_retention
@@ -96,7 +97,7 @@ class SaveJob:
     epoch: int
     milestone: bool
     asynchronous: bool
-    loss: dict[str, float]
+    loss: dict[str, Any]
     metric: dict[str, float]
     scaler: dict[str, Any] | None
 
@@ -147,6 +148,7 @@ class SavePipeline:
         self.last_bytes = 0
         self.last_committed_step: int | None = None
         self._saves = 0
+        self._warned_losses = False
 
     # --- foreground ---------------------------------------------------------------------------
 
@@ -158,7 +160,7 @@ class SavePipeline:
         epoch: int | None,
         milestone: bool,
         metric: float | None,
-        loss: dict[str, float],
+        loss: dict[str, Any],
         asynchronous: bool,
     ) -> SaveJob:
         """Step 3: this rank's snapshot of the state as the immutable job (on error, the job
@@ -337,6 +339,8 @@ class SavePipeline:
             rank=self.rank,
             records=tuple(writer.records()),
             error=error,
+            loss=job.loss,
+            metric=job.metric,
             timings={
                 "prepare_s": t_staging - job.started,
                 "write_s": time.perf_counter() - t_staging,
@@ -350,6 +354,7 @@ class SavePipeline:
         refused = self.coordinator.refusal(tmp, reports)
         if refused is not None:
             return _Decision(refused)
+        self._check_agreement(job, reports)
         try:
             # rank 0's stall, and what the save cost its loop, as known at commit time
             now = time.perf_counter()
@@ -366,6 +371,45 @@ class SavePipeline:
                 )
             )
         return _Decision(self.coordinator.commit(tmp, manifest, ticket.cancelled), manifest, cost)
+
+    def _check_agreement(self, job: SaveJob, reports: list[RankReport]) -> None:
+        """Rank 0's manifest records rank 0's metric and losses: say when another rank passed a
+        different metric (every save), or losses unlike rank 0's (once a run)."""
+        mine = job.metric.get("value")
+        differ = [
+            f"rank {r.rank}: {r.metric.get('value')}"
+            for r in reports
+            if r.rank != self.rank and r.metric and r.metric.get("value") != mine
+        ]
+        if differ:
+            log.warning(
+                "dckpt: save(metric=...) differs across ranks (rank 0: %s; %s). Rank 0's value "
+                "is recorded and ranks best_k; compute it on every rank alike, or broadcast "
+                "rank 0's, so the choice is deliberate.",
+                mine,
+                "; ".join(differ),
+            )
+        tail = job.loss.get("tail")
+        if self._warned_losses or not isinstance(tail, list) or len(tail) < 3:
+            return
+        low, high, _, _ = expected_band(tail, 1)
+        off = [
+            f"rank {r.rank}: median {r.loss['median']:.4g}"
+            for r in reports
+            if r.rank != self.rank
+            and isinstance(r.loss.get("median"), float)
+            and not low <= r.loss["median"] <= high
+        ]
+        if off:
+            self._warned_losses = True
+            log.warning(
+                "dckpt: the ranks pass observe() different losses (rank 0: median %.4g; %s). "
+                "The manifest records rank 0's, and after a resume each rank's first losses "
+                "are compared with them: pass the same loss on every rank (all-reduce it) so "
+                "the loss watch compares like with like.",
+                job.loss["median"],
+                "; ".join(off),
+            )
 
     def _result(self, job: SaveJob, ticket: SaveTicket, outcome: SaveOutcome) -> SaveResult:
         assert outcome.path is not None

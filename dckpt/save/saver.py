@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from ..config import CheckpointConfig
 from ..dist.comm import Comm
@@ -28,6 +29,9 @@ from .step_clock import StepClock
 __all__ = ["Saver"]
 
 log = logging.getLogger("dckpt")
+
+BUSY_WAIT_NOTE_S = 0.5
+"""A save that waits at least this long for the previous one says so (and why)."""
 
 
 class Saver:
@@ -79,7 +83,7 @@ class Saver:
         epoch: int | None,
         milestone: bool,
         metric: float | None,
-        loss: dict[str, float],
+        loss: dict[str, Any],
     ) -> SaveHandle:
         """Steps 1-3 of the save protocol, then the hand-off to the save thread."""
         self._refuse_if_unusable()
@@ -91,12 +95,15 @@ class Saver:
             if any(busy):
                 return self._skip(step, busy)
         if in_flight is not None:
+            t_wait = time.perf_counter()
             self._thread.join(self._join_timeout)
-            if self.rank == 0:
+            waited = time.perf_counter() - t_wait
+            if self.rank == 0 and waited >= BUSY_WAIT_NOTE_S:  # a blip is not worth a line
                 log.info(
-                    "dckpt: save of step %d waits for step %d to finish writing "
-                    "(saving faster than the disk; see if_busy='skip')",
+                    "dckpt: save of step %d waited %.2f s for step %d to finish writing "
+                    "(saves come faster than the storage takes them; see if_busy='skip')",
                     step,
+                    waited,
                     in_flight.step,
                 )
             self._thread.raise_if_failed()

@@ -42,6 +42,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from ..robust import intercept, theil_sen_slope
+
 __all__ = ["LoopCost", "StepClock", "describe_cost"]
 
 MIN_STEPS = 4
@@ -171,15 +173,11 @@ class StepClock:
         if spread < MIN_SPREAD * statistics.median(dt for dt, _, _ in steps):
             return None
         ys = [dt - s for dt, _, s in steps]
-        slopes = [
-            (ys[j] - ys[i]) / (qs[j] - qs[i])
-            for i in range(len(steps))
-            for j in range(i + 1, len(steps))
-            if abs(qs[j] - qs[i]) >= MIN_SPREAD * spread
-        ]
-        slope = min(1.0, max(0.0, statistics.median(slopes)))
-        pace = statistics.median(y - slope * q for y, q in zip(ys, qs, strict=True))
-        return _Fit(slope=slope, pace=pace, steps=len(steps))
+        raw = theil_sen_slope(qs, ys, MIN_SPREAD * spread)
+        if raw is None:
+            return None
+        slope = min(1.0, max(0.0, raw))
+        return _Fit(slope=slope, pace=intercept(qs, ys, slope), steps=len(steps))
 
     def cost(self, t0: float, stall_s: float, t_end: float) -> LoopCost:
         """What the save that started at ``t0`` and blocked for ``stall_s`` cost the loop, as

@@ -7,7 +7,8 @@ Categories (top-level keys of the DCP state dict, listed in the manifest):
 - ``scheduler``: the LR scheduler(s); ``scaler``: the GradScaler (fp16);
 - ``data``: the data position (e.g. ``GlobalBatchSampler``), global, the same on every rank;
 - ``progress``: step, epoch and samples seen;
-- ``extra``: any user object with ``state_dict`` / ``load_state_dict``;
+- ``extra``: any user object with ``state_dict`` / ``load_state_dict``, and ``PerRank``
+  values (dckpt.train.per_rank), which each rank saves and gets back as its own;
 - ``rng``: added by the manager, one entry per rank (see dckpt.train.rng).
 
 Every category but ``rng`` must hold the same values on every rank (or sharded tensors): DCP
@@ -18,6 +19,10 @@ Loading is two-phase, as DCP requires: ``state_dict()`` gives the structure with
 fill in place, DCP fills it, then ``load_state_dict()`` hands the values back, in the order of
 the resume checklist: model, optimizer, scheduler, scaler, data position, counters (RNG last,
 by the manager).
+
+What is captured when: all of it when ``save()`` is called, on the caller's thread, before
+``save()`` returns (the stager copies it). A batch drawn before ``save()`` and used after it is
+in none of these categories unless the script puts it in a ``PerRank``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from .per_rank import PerRank
 
 __all__ = ["Stateful", "TrainState"]
 
@@ -141,4 +148,9 @@ class TrainState:
         self.epoch = int(progress.get("epoch", 0))
         self.samples_seen = int(progress.get("samples_seen", 0))
         for name, obj in self.extra.items():
-            obj.load_state_dict(state_dict["extra"][name])
+            if name in state_dict.get("extra", {}):  # absent: a PerRank started fresh
+                obj.load_state_dict(state_dict["extra"][name])
+
+    def per_rank(self) -> dict[str, PerRank]:
+        """The ``extra`` entries that are per rank."""
+        return {name: obj for name, obj in self.extra.items() if isinstance(obj, PerRank)}

@@ -1,0 +1,77 @@
+"""Robust statistics for noisy series (step times, losses): one slow step or one odd batch
+must not decide anything. Pure Python, no torch; used by every layer that reads a series.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+__all__ = [
+    "LOSS_REL",
+    "LOSS_SIGMA",
+    "MAD_TO_STD",
+    "expected_band",
+    "intercept",
+    "mad",
+    "theil_sen_slope",
+]
+
+MAD_TO_STD = 1.4826
+"""Scales a median absolute deviation to a standard deviation for normal noise."""
+LOSS_SIGMA = 4.0
+"""How many noise-standard-deviations a loss level may move before it counts as different."""
+LOSS_REL = 0.05
+"""The smallest margin, relative to the expected loss (5 %); ``|loss|``, so negative losses
+work too."""
+
+
+def theil_sen_slope(xs: Sequence[float], ys: Sequence[float], min_dx: float = 0.0) -> float | None:
+    """The median of the pairwise slopes of points whose x differ by at least ``min_dx`` (and
+    by more than 0); None when no pair qualifies."""
+    slopes = [
+        (ys[j] - ys[i]) / (xs[j] - xs[i])
+        for i in range(len(xs))
+        for j in range(i + 1, len(xs))
+        if abs(xs[j] - xs[i]) >= min_dx and xs[j] != xs[i]
+    ]
+    return statistics.median(slopes) if slopes else None
+
+
+def intercept(xs: Sequence[float], ys: Sequence[float], slope: float) -> float:
+    """The robust intercept for a given slope: the median of ``y - slope * x``."""
+    return statistics.median(y - slope * x for x, y in zip(xs, ys, strict=True))
+
+
+def mad(values: Sequence[float]) -> float:
+    """The median absolute deviation from the median."""
+    center = statistics.median(values)
+    return statistics.median(abs(v - center) for v in values)
+
+
+def expected_band(
+    tail: Sequence[float], steps: int, sigma: float = LOSS_SIGMA, rel: float = LOSS_REL
+) -> tuple[float, float, float, float]:
+    """(low, high, slope, noise): where the median of the next ``steps`` values of a series
+    whose last values are ``tail`` should lie.
+
+    The expected median lies between the level (median of the tail's last quarter) and the
+    robust trend (Theil-Sen) carried forward, so neither a series that flattens nor one that
+    keeps its slope leaves it; around that, ``max(sigma * noise, rel * |expected|)``, where
+    ``noise`` is the MAD of the tail around its trend, scaled to a standard deviation.
+    """
+    n = len(tail)
+    xs = [float(i) for i in range(n)]
+    slope = (theil_sen_slope(xs, tail) if n >= 3 else None) or 0.0
+    base = intercept(xs, tail, slope)
+    level = statistics.median(tail[-max(1, n // 4) :])
+    carried = base + slope * (n + (steps - 1) / 2)
+    noise = (
+        MAD_TO_STD
+        * statistics.median(abs(y - (base + slope * x)) for x, y in zip(xs, tail, strict=True))
+        if n >= 3
+        else 0.0
+    )
+    lo_mid, hi_mid = min(level, carried), max(level, carried)
+    margin = max(sigma * noise, rel * max(abs(lo_mid), abs(hi_mid)), 1e-12)
+    return lo_mid - margin, hi_mid + margin, slope, noise
