@@ -57,8 +57,9 @@ def expected_band(
 
     The expected median lies between the level (median of the tail's last quarter) and the
     robust trend (Theil-Sen) carried forward, so neither a series that flattens nor one that
-    keeps its slope leaves it; around that, ``max(sigma * noise, rel * |expected|)``, where
-    ``noise`` is the MAD of the tail around its trend, scaled to a standard deviation.
+    keeps its slope leaves it; above that, ``max(sigma * noise, rel * |expected|)``, and twice
+    that below, where ``noise`` is the MAD of the tail around its trend, scaled to a standard
+    deviation.
     """
     n = len(tail)
     xs = [float(i) for i in range(n)]
@@ -74,4 +75,6 @@ def expected_band(
     )
     lo_mid, hi_mid = min(level, carried), max(level, carried)
     margin = max(sigma * noise, rel * max(abs(lo_mid), abs(hi_mid)), 1e-12)
-    return lo_mid - margin, hi_mid + margin, slope, noise
+    # Twice the margin below: a loss that falls faster than its trend (the LR warmup ending,
+    # say) is common and benign; replayed data sits far lower than that.
+    return lo_mid - 2 * margin, hi_mid + margin, slope, noise

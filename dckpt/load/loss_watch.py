@@ -10,9 +10,9 @@ statistics so one noisy batch decides nothing:
 - the saved tail gives a level (median of its last quarter) and a trend (Theil-Sen slope);
   the expected median of the first losses after the resume lies between the level and the
   trend carried forward, so neither a loss that flattens nor one that keeps falling trips it;
-- the bound around that is ``max(4 * noise, 5 % of |expected|)`` (dckpt.robust): ``noise`` is
-  the MAD of the tail around its trend, scaled to a standard deviation; the relative margin
-  works for negative losses too;
+- the margin above that is ``max(4 * noise, 5 % of |expected|)``, and twice that below
+  (dckpt.robust): ``noise`` is the MAD of the tail around its trend, scaled to a standard
+  deviation; the relative margin works for negative losses too;
 - the median of the first losses must lie inside; a non-finite loss fails at once. Above is a
   resume that lost state (a re-initialised model, a wrong optimizer state); below is one that
   may be replaying data it saw (a wrong data position) or a changed objective.
