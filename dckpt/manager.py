@@ -166,7 +166,9 @@ class CheckpointManager:
             state=state,
             precision=precision,
             run_config=self.run_config,
-            config_policy=ConfigPolicy.build(allow_config_changes, strict_keys),
+            config_policy=ConfigPolicy.build(
+                allow_config_changes, strict_keys, precision_checked=precision is not None
+            ),
             loss_watch=self._loss_watch,
         )
         self._stop = PreemptionStop(self._ctl, self._saver)
@@ -274,7 +276,10 @@ class CheckpointManager:
         return self._resumer.resume(self.config.fallback if fallback is None else fallback)
 
     def observe(self, loss: float) -> None:
-        """Record this step's loss: kept for the manifest, and checked after a resume."""
+        """Record this step's loss; call it on every rank, every step, with the same value
+        (all-reduced). The manifest records rank 0's last losses (a save warns when the ranks'
+        differ); after a resume each rank's first losses are compared with them, and rank 0
+        logs the verdict (see dckpt.load.loss_watch)."""
         self._resumer.observe(loss)
 
     # --- preemption -------------------------------------------------------------------------

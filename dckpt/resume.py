@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from .load.config_check import (
     ALLOW_ENV,
+    CHECKED_DIRECTLY,
     DEFAULT_STRICT_KEYS,
     OPERATIONAL_KEYS,
+    PRECISION_KEYS,
     SAFE_CONFIG_KEYS,
     ConfigChange,
     check_config,
@@ -24,8 +26,10 @@ from .load.report import Check, ResumeReport
 
 __all__ = [
     "ALLOW_ENV",
+    "CHECKED_DIRECTLY",
     "DEFAULT_STRICT_KEYS",
     "OPERATIONAL_KEYS",
+    "PRECISION_KEYS",
     "SAFE_CONFIG_KEYS",
     "Check",
     "ConfigChange",

@@ -14,6 +14,7 @@ __all__ = [
     "expected_band",
     "intercept",
     "mad",
+    "same_level_margin",
     "theil_sen_slope",
 ]
 
@@ -21,6 +22,8 @@ MAD_TO_STD = 1.4826
 """Scales a median absolute deviation to a standard deviation for normal noise."""
 LOSS_SIGMA = 4.0
 """How many noise-standard-deviations a loss level may move before it counts as different."""
+ABS_FLOOR = 1e-6
+"""The smallest margin at all: a loss that sat at exactly 0 may move by this much."""
 LOSS_REL = 0.05
 """The smallest margin, relative to the expected loss (5 %); ``|loss|``, so negative losses
 work too."""
@@ -74,7 +77,17 @@ def expected_band(
         else 0.0
     )
     lo_mid, hi_mid = min(level, carried), max(level, carried)
-    margin = max(sigma * noise, rel * max(abs(lo_mid), abs(hi_mid)), 1e-12)
+    margin = max(sigma * noise, rel * max(abs(lo_mid), abs(hi_mid)), ABS_FLOOR)
     # Twice the margin below: a loss that falls faster than its trend (the LR warmup ending,
     # say) is common and benign; replayed data sits far lower than that.
     return lo_mid - 2 * margin, hi_mid + margin, slope, noise
+
+
+def same_level_margin(
+    values: Sequence[float], sigma: float = LOSS_SIGMA, rel: float = LOSS_REL
+) -> float:
+    """How far another series' median may lie from the median of ``values`` and still count
+    as the same level: ``max(sigma * noise, rel * |median|)``, ``noise`` being the MAD of
+    ``values`` scaled to a standard deviation (a trend widens it: the tails are compared
+    median to median, over the same steps)."""
+    return max(sigma * MAD_TO_STD * mad(values), rel * abs(statistics.median(values)), ABS_FLOOR)

@@ -46,13 +46,16 @@ def test_the_policy_sorts_each_changed_key_by_what_it_does() -> None:
         "compile": "operational",
         "lr": "strict",
         "model.n_layer": "strict",
-        "precision": "checked",
+        "precision": "strict",  # no PrecisionPolicy to compare: dckpt never sees the dtype
         "my_knob": "unlisted",
     }
+    assert ConfigPolicy.build(environ={}, precision_checked=True).verdict("dtype") == "checked"
+    assert policy.verdict("world_size") == "checked"
     assert ConfigPolicy.build(strict_keys="all", environ={}).verdict("my_knob") == "strict"
     assert ConfigPolicy.build(strict_keys=["my_knob"], environ={}).verdict("lr") == "unlisted"
-    from_env = ConfigPolicy.build(environ={ALLOW_ENV: "lr, warmup"})
-    assert from_env.verdict("lr") == "allowed" and from_env.verdict("warmup") == "allowed"
+    for listed in ("lr, warmup", "lr warmup", "lr,warmup,"):
+        from_env = ConfigPolicy.build(environ={ALLOW_ENV: listed})
+        assert from_env.allowed == {"lr", "warmup"}, listed
 
 
 def test_a_refusal_shows_the_diff_and_both_ways_out() -> None:
@@ -144,16 +147,26 @@ def test_the_environment_allows_a_strict_change_without_a_code_edit(
         report = mgr.resume()
     assert report.step == 40
     assert any(f"allowed by ${ALLOW_ENV}: lr: 0.2 -> 0.1" in w for w in report.warnings)
+    knob = {"lr": 0.1, "my_knob": 1}  # unknown: passes by default, refused under "all"
+    with (
+        dckpt.CheckpointManager(tmp_path, state, run_config=knob, strict_keys="all") as mgr,
+        pytest.raises(dckpt.ConfigMismatchError, match="my_knob: '<absent>' -> 1   <- refused"),
+    ):
+        mgr.resume()
 
 
 # --- the loss watch --------------------------------------------------------------------------
 
 
 def _resumed(
-    root: Path, sabotage: str, caplog: pytest.LogCaptureFixture, action: str = "warn"
+    root: Path,
+    sabotage: str,
+    caplog: pytest.LogCaptureFixture,
+    action: str = "warn",
+    steps: int = 5,
 ) -> list[str]:
-    """Resume the saved run, break it the way ``sabotage`` says, train 5 steps: the watch's
-    log lines."""
+    """Resume the saved run, break it the way ``sabotage`` says, train ``steps`` steps and
+    close: the watch's log lines."""
     model, opt = _linear(1)
     data = Stream()
     config = dckpt.CheckpointConfig(root=root, loss_watch=action)  # type: ignore[arg-type]
@@ -168,7 +181,7 @@ def _resumed(
             model.reset_parameters()
         elif sabotage == "data":
             data.t = 0  # the script forgot to restore its data position
-        _train(mgr, model, opt, data, 5)
+        _train(mgr, model, opt, data, steps)
     return [r.getMessage() for r in caplog.records if "loss watch:" in r.getMessage()]
 
 
@@ -184,6 +197,8 @@ def test_the_loss_watch_passes_an_exact_resume_and_trips_a_broken_one(
         assert "ABOVE" in lines[-1]
     with pytest.raises(dckpt.LossDeviationError, match="ABOVE"):
         _resumed(tmp_path, "reinit", caplog, action="raise")
+    (short,) = _resumed(tmp_path, "reinit", caplog, steps=2)  # the run ends first: at close()
+    assert "[FAIL]" in short and "(the run ended after 2 of 5)" in short
 
 
 def test_the_loss_watch_is_robust_and_relative() -> None:
@@ -231,8 +246,15 @@ def _per_rank_save(rank: int, world: int, root: str) -> list[str]:
     pending = dckpt.PerRank()
     state = dckpt.TrainState(model, opt, extra={"pending": pending})
     with dckpt.CheckpointManager(root, state) as mgr:
+        for i in range(16):  # the same falling loss on every rank: no warning about losses
+            mgr.observe(5.0 - 0.05 * i)
         pending.value = {"batch": torch.full((2, 3), float(rank)), "cursor": 7 + rank}
         mgr.save(1, metric=0.5 + rank).result()  # validation that ran on every rank, unsynced
+        records.append("-- after the save of step 1 --")
+        for i in range(16):  # now each rank passes its own, unreduced loss
+            mgr.observe(5.0 - 0.05 * i + 2.0 * rank)
+        mgr.save(2, metric=0.5).result()
+        mgr.save(3, metric=0.5).result()  # warned once a run, not at every save
         model2, opt2 = _linear(3)
         fresh = dckpt.PerRank()
         state2 = dckpt.TrainState(model2, opt2, extra={"pending": fresh})
@@ -246,8 +268,12 @@ def _per_rank_save(rank: int, world: int, root: str) -> list[str]:
 @pytest.mark.multiproc
 def test_per_rank_values_come_back_to_their_rank_and_refuse_a_new_world(tmp_path: Path) -> None:
     records = run_world(_per_rank_save, 2, str(tmp_path))
+    first, later = records[0][: records[0].index("-- after the save of step 1 --")], records[0]
     assert any("save(metric=...) differs across ranks (rank 0: 0.5; rank 1: 1.5)" in m
-               for m in records[0]), records[0]  # fmt: skip
+               for m in first), first  # fmt: skip
+    losses = [m for m in later if "the ranks pass observe() different losses" in m]
+    assert len(losses) == 1 and "rank 1: median 6.6" in losses[0], later
+    assert not any("different losses" in m for m in first)
     model, opt = _linear()
     state = dckpt.TrainState(model, opt, extra={"pending": dckpt.PerRank()})
     with (
@@ -259,5 +285,20 @@ def test_per_rank_values_come_back_to_their_rank_and_refuse_a_new_world(tmp_path
     state = dckpt.TrainState(model, opt, extra={"pending": keep})
     with dckpt.CheckpointManager(tmp_path, state) as mgr:
         report = mgr.resume()
-    assert report.step == 1 and keep.value == "mine"
+    assert report.step == 3 and keep.value == "mine"
     assert any("per-rank value(s) pending not restored" in w for w in report.warnings)
+
+
+def test_a_per_rank_value_a_resume_could_not_read_fails_its_save(tmp_path: Path) -> None:
+    import numpy as np
+
+    model, opt = _linear()
+    pending = dckpt.PerRank(np.arange(3))  # weights_only loading refuses numpy arrays
+    state = dckpt.TrainState(model, opt, extra={"pending": pending})
+    with dckpt.CheckpointManager(tmp_path, state) as mgr:
+        with pytest.raises(dckpt.SaveError, match="ndarray cannot be restored safely"):
+            mgr.save(1).result()
+        with pytest.raises(dckpt.SaveError, match="Unsupported global"):
+            mgr.wait()  # the same error, latched for the next call, once
+        pending.value = torch.arange(3)  # a tensor is fine
+        assert mgr.save(2).result().step == 2

@@ -11,9 +11,10 @@ that may pass.
 - *operational*: only changes how the run is operated (``OPERATIONAL_KEYS``: logging, eval and
   save intervals, paths, compile, resume switches, the training length): passes, with a
   warning; a changed training length also says what it means for an LR schedule;
-- *checked directly*: precision, dtype, world size, parallelism: dckpt compares what the
-  checkpoint records (precision policy, tensor shapes and dtypes, per-rank RNG) itself, so the
-  name alone decides nothing: passes, with a note;
+- *checked directly*: world size and parallelism (dckpt reshards, reseeds the per-rank RNG
+  and warms the new world up), and precision and dtype when the manager has a
+  ``PrecisionPolicy`` to compare (without one they are strict: dckpt never sees the autocast
+  dtype): passes, with a note;
 - *unlisted*: any other key: passes with a warning that names it, unless ``strict_keys="all"``
   (then every key that is not allowed, operational or checked directly is refused).
 
@@ -23,6 +24,7 @@ No torch, no I/O (the environment variable is read by ``ConfigPolicy.build``).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,6 +37,7 @@ __all__ = [
     "DEFAULT_STRICT_KEYS",
     "HORIZON_KEYS",
     "OPERATIONAL_KEYS",
+    "PRECISION_KEYS",
     "SAFE_CONFIG_KEYS",
     "ConfigChange",
     "ConfigPolicy",
@@ -163,11 +166,12 @@ DEFAULT_STRICT_KEYS = frozenset(
 )
 """Keys that shape the run by default: a resume refuses their change (``strict_keys=``)."""
 
-CHECKED_DIRECTLY = frozenset(
-    {"precision", "dtype", "world_size", "nproc_per_node", "parallel", "device", "backend"}
-)
-"""Keys whose effect dckpt checks from the checkpoint itself (precision policy, tensor shapes
-and dtypes, world size): their names decide nothing."""
+CHECKED_DIRECTLY = frozenset({"world_size", "nproc_per_node", "parallel", "device", "backend"})
+"""Keys whose effect dckpt handles from the checkpoint itself (resharding, per-rank RNG, the
+warmup on the new world): their names decide nothing."""
+PRECISION_KEYS = frozenset({"precision", "dtype", "amp", "mixed_precision"})
+"""Checked directly when the manager has a ``PrecisionPolicy`` (it compares the saved one);
+without one, dckpt never sees the autocast dtype, so they are strict."""
 
 ConfigVerdict = Literal["allowed", "strict", "operational", "checked", "unlisted"]
 
@@ -220,6 +224,8 @@ class ConfigPolicy:
     strict: frozenset[str] | Literal["all"] = DEFAULT_STRICT_KEYS
     from_env: frozenset[str] = field(default=frozenset())
     """The part of ``allowed`` that came from ``$DCKPT_ALLOW_CONFIG_CHANGES``."""
+    precision_checked: bool = False
+    """Whether a ``PrecisionPolicy`` is compared on resume (then precision keys pass)."""
 
     @classmethod
     def build(
@@ -227,9 +233,10 @@ class ConfigPolicy:
         allow: Iterable[str] = (),
         strict_keys: Iterable[str] | Literal["all"] | None = None,
         environ: dict[str, str] | None = None,
+        precision_checked: bool = False,
     ) -> ConfigPolicy:
         env = (os.environ if environ is None else environ).get(ALLOW_ENV, "")
-        from_env = frozenset(k.strip() for k in env.split(",") if k.strip())
+        from_env = frozenset(k for k in re.split(r"[,\s]+", env) if k)  # "a,b" or "a b"
         if strict_keys == "all":
             strict: frozenset[str] | Literal["all"] = "all"
         elif strict_keys is None:
@@ -240,7 +247,7 @@ class ConfigPolicy:
             )
         else:
             strict = frozenset(strict_keys)
-        return cls(frozenset(allow) | from_env, strict, from_env)
+        return cls(frozenset(allow) | from_env, strict, from_env, precision_checked)
 
     def verdict(self, key: str) -> ConfigVerdict:
         if _matches(key, self.allowed):
@@ -249,6 +256,8 @@ class ConfigPolicy:
             return "strict"
         if _matches(key, CHECKED_DIRECTLY):
             return "checked"
+        if _matches(key, PRECISION_KEYS):
+            return "checked" if self.precision_checked else "strict"
         if _matches(key, OPERATIONAL_KEYS):
             return "operational"
         return "strict" if self.strict == "all" else "unlisted"
@@ -319,7 +328,7 @@ class ConfigPolicy:
 def check_config(
     saved: dict[str, Any], current: dict[str, Any], allowed: frozenset[str], checkpoint: str
 ) -> list[ConfigChange]:
-    """Raise ConfigMismatchError on any change outside ``allowed`` and the operational keys
-    (the strictest policy, ``strict_keys="all"``); return the changes that pass."""
+    """Raise ConfigMismatchError on any change outside ``allowed``, the operational keys and
+    the world-size keys (the policy of ``strict_keys="all"``); return the changes that pass."""
     policy = ConfigPolicy(allowed=allowed, strict="all")
     return [c for c, _ in policy.check(saved, current, checkpoint)]

@@ -2,7 +2,8 @@
 first losses are compared with where those were heading. No torch, no collective.
 
 What is saved (``summary``, rank 0's losses: the manifest records the rank that builds it):
-the last ``TAIL`` finite losses, with their mean, std, median and MAD.
+the last ``TAIL`` finite losses with their median and MAD, and the mean and std of the last
+64 (the window).
 
 The verdict, after ``steps`` losses (``observe`` on every rank, every step), in robust
 statistics so one noisy batch decides nothing:
@@ -14,11 +15,14 @@ statistics so one noisy batch decides nothing:
   (dckpt.robust): ``noise`` is the MAD of the tail around its trend, scaled to a standard
   deviation; the relative margin works for negative losses too;
 - the median of the first losses must lie inside; a non-finite loss fails at once. Above is a
-  resume that lost state (a re-initialised model, a wrong optimizer state); below is one that
-  may be replaying data it saw (a wrong data position) or a changed objective.
+  resume that lost state (a re-initialised model, a wrong optimizer state, or data from
+  another part of a stream whose difficulty changes); below is one that may be replaying data
+  it already learned from, or a changed objective. A wrong data position over stationary data
+  (shuffled pretraining text) looks like the right one: no loss can tell them apart.
 
-The verdict is one line in the resume report's format. ``warn`` logs it (rank 0 its ``ok``
-line; any rank its ``FAIL``); ``raise`` raises ``LossDeviationError`` on the rank that failed.
+The verdict is one line in the resume report's format, logged by rank 0 (each rank compares
+its own losses with rank 0's record); ``raise`` raises ``LossDeviationError`` on every rank
+whose verdict failed (with the same loss on every rank, that is all of them).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ class LossWatch:
         if not values:
             return {}
         mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        # (v - mean) * (v - mean), not ** 2: a huge finite loss gives inf, never OverflowError
+        std = math.sqrt(sum((v - mean) * (v - mean) for v in values) / len(values))
         tail = values[-TAIL:]
         median = statistics.median(tail)
         return {
@@ -86,8 +91,12 @@ class LossWatch:
         tail = saved.get("tail")
         mean, std = saved.get("mean"), saved.get("std", 0.0)
         self._steps, self._checkpoint, self._after = steps, checkpoint, []
-        if isinstance(tail, list) and tail and all(isinstance(v, (int, float)) for v in tail):
-            self._tail = [float(v) for v in tail]
+        if (
+            isinstance(tail, list)
+            and tail
+            and all(isinstance(v, (int, float)) and math.isfinite(v) for v in tail)
+        ):
+            self._tail = [float(v) for v in tail[-TAIL:]]  # a longer list is not ours
             self._band = expected_band(self._tail, steps)
         elif isinstance(mean, (int, float)) and isinstance(std, (int, float)):
             self._tail = [float(mean)]
@@ -107,6 +116,8 @@ class LossWatch:
         return self._band[0], self._band[1]
 
     def describe_armed(self) -> str:
+        if self._band is None:
+            return "not armed: the checkpoint records no usable losses"
         low, high = self.band()
         return (
             f"median of the next {self._steps} losses within [{low:.4g}, {high:.4g}] "

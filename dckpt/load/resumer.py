@@ -216,10 +216,8 @@ class Resumer:
     def _tell(self, verdict: LossVerdict | None) -> None:
         if verdict is None:
             return
-        if not verdict.ok:  # any rank that fails says so; the ok line comes from rank 0
-            log.warning("%s%s", verdict.line(), f" (rank {self.rank})" if self.rank else "")
-        elif self.rank == 0:
-            log.info("%s", verdict.line())
+        if self.rank == 0:  # one line, not one per rank (each rank judged its own losses)
+            (log.info if verdict.ok else log.warning)("%s", verdict.line())
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -333,9 +331,12 @@ class Resumer:
         steps = self._config.loss_watch_steps
         self._loss_watch.arm(result.manifest.loss, steps, result.path.name)
         low, high = self._loss_watch.band()
+        if not (math.isfinite(low) and math.isfinite(high)):  # a NaN band would pass nothing
+            report.warnings.append(f"loss watch {self._loss_watch.describe_armed()}")
+            return
         report.check(
             "loss watch armed",
-            math.isfinite(low) and math.isfinite(high),  # a NaN band would pass nothing
+            True,
             self._loss_watch.describe_armed() + "; the verdict follows as its own line",
         )
 

@@ -63,7 +63,7 @@ from ..dist.comm import Comm
 from ..dist.progress import DECIDED, Progress, SaveTrace
 from ..errors import SaveError, describe_os_error, unwrap_dcp_error
 from ..phases import Phase
-from ..robust import expected_band
+from ..robust import same_level_margin
 from ..root.commit import CommitStrategy
 from ..root.manifest import Manifest
 from ..root.upkeep import apply_retention
@@ -392,13 +392,14 @@ class SavePipeline:
         tail = job.loss.get("tail")
         if self._warned_losses or not isinstance(tail, list) or len(tail) < 3:
             return
-        low, high, _, _ = expected_band(tail, 1)
+        mine_median = job.loss["median"]
+        margin = same_level_margin(tail)
         off = [
             f"rank {r.rank}: median {r.loss['median']:.4g}"
             for r in reports
             if r.rank != self.rank
             and isinstance(r.loss.get("median"), float)
-            and not low <= r.loss["median"] <= high
+            and abs(r.loss["median"] - mine_median) > margin
         ]
         if off:
             self._warned_losses = True

@@ -55,7 +55,18 @@ class PerRank:
     def state_dict(self) -> dict[str, Any]:
         buf = io.BytesIO()
         torch.save(self._payload(), buf)
-        return {f"rank_{_rank()}": buf.getvalue()}
+        raw = buf.getvalue()
+        try:  # what the resume could not read back must fail this save, not that resume
+            torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            why = next((line for line in lines if "Unsupported" in line), lines[0] if lines else "")
+            raise ValueError(
+                f"a PerRank value of type {type(self._payload()).__name__} cannot be restored "
+                "safely (torch.load(weights_only=True) refuses it): keep tensors, numbers, "
+                f"strings, and lists, tuples and dicts of them ({why})"
+            ) from None
+        return {f"rank_{_rank()}": raw}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         key = f"rank_{_rank()}"
