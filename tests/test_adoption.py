@@ -296,9 +296,9 @@ def test_a_per_rank_value_a_resume_could_not_read_fails_its_save(tmp_path: Path)
     pending = dckpt.PerRank(np.arange(3))  # weights_only loading refuses numpy arrays
     state = dckpt.TrainState(model, opt, extra={"pending": pending})
     with dckpt.CheckpointManager(tmp_path, state) as mgr:
-        with pytest.raises(dckpt.SaveError, match="ndarray cannot be restored safely"):
+        with pytest.raises(dckpt.SaveError, match=r"holds a ndarray, which torch\.load"):
             mgr.save(1).result()
-        with pytest.raises(dckpt.SaveError, match="Unsupported global"):
+        with pytest.raises(dckpt.SaveError, match="ndarray"):
             mgr.wait()  # the same error, latched for the next call, once
         pending.value = torch.arange(3)  # a tensor is fine
         assert mgr.save(2).result().step == 2

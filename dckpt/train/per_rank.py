@@ -34,6 +34,33 @@ import torch.distributed as dist
 __all__ = ["PerRank"]
 
 
+_PLAIN = (
+    torch.Tensor,
+    int,
+    float,
+    bool,
+    str,
+    bytes,
+    complex,
+    type(None),
+    torch.dtype,
+    torch.device,
+)
+
+
+def _unloadable(obj: Any) -> str | None:
+    """The type name of the first value in ``obj`` that weights-only loading refuses, or None.
+    A walk, not a trial load: no second serialisation inside ``save()``."""
+    if isinstance(obj, _PLAIN):
+        return None
+    if isinstance(obj, (list, tuple)):
+        return next((t for t in map(_unloadable, obj) if t is not None), None)
+    if isinstance(obj, dict):
+        items = [*obj.keys(), *obj.values()]
+        return next((t for t in map(_unloadable, items) if t is not None), None)
+    return type(obj).__name__
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -53,20 +80,17 @@ class PerRank:
         return self.obj.state_dict() if self._stateful else self.value
 
     def state_dict(self) -> dict[str, Any]:
-        buf = io.BytesIO()
-        torch.save(self._payload(), buf)
-        raw = buf.getvalue()
-        try:  # what the resume could not read back must fail this save, not that resume
-            torch.load(io.BytesIO(raw), weights_only=True)
-        except Exception as exc:
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            why = next((line for line in lines if "Unsupported" in line), lines[0] if lines else "")
+        payload = self._payload()
+        odd = _unloadable(payload)
+        if odd is not None:  # what the resume could not read back must fail this save
             raise ValueError(
-                f"a PerRank value of type {type(self._payload()).__name__} cannot be restored "
-                "safely (torch.load(weights_only=True) refuses it): keep tensors, numbers, "
-                f"strings, and lists, tuples and dicts of them ({why})"
-            ) from None
-        return {f"rank_{_rank()}": raw}
+                f"a PerRank value holds a {odd}, which torch.load(weights_only=True) refuses "
+                "on resume: keep tensors, numbers, strings, bytes, None, and lists, tuples "
+                "and dicts of them"
+            )
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        return {f"rank_{_rank()}": buf.getvalue()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         key = f"rank_{_rank()}"
