@@ -408,7 +408,7 @@ class SavePipeline:
                 "The manifest records rank 0's, and after a resume each rank's first losses "
                 "are compared with them: pass the same loss on every rank (all-reduce it) so "
                 "the loss watch compares like with like.",
-                job.loss["median"],
+                mine_median,
                 "; ".join(off),
             )
 
