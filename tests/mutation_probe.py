@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 VR = "tests/test_verified_resume.py"
+AD = "tests/test_adoption.py"
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,27 @@ MUTANTS = (
         "            fault_point(Phase.FSYNC_PARENT, 0, step)\n            fsync_dir(base)",
         "            fault_point(Phase.FSYNC_PARENT, 0, step)",
         ("tests/faults/test_power_loss.py::test_every_durable_prefix_leaves_a_consistent_root",),
+    ),
+    Mutant(
+        "config: a strict key passes like an operational one",
+        "dckpt/load/config_check.py",
+        'if self.strict != "all" and _matches(key, self.strict):',
+        "if False:",
+        (f"{AD}::test_a_refusal_shows_the_diff_and_both_ways_out",),
+    ),
+    Mutant(
+        "loss watch: a loss above the expected band is never reported",
+        "dckpt/load/loss_watch.py",
+        "        if median > high:",
+        "        if False:",
+        (f"{AD}::test_the_loss_watch_passes_an_exact_resume_and_trips_a_broken_one",),
+    ),
+    Mutant(
+        "per-rank: every rank saves its value under one shared key",
+        "dckpt/train/per_rank.py",
+        'return {f"rank_{_rank()}": buf.getvalue()}',
+        'return {"rank_0": buf.getvalue()}',
+        (f"{AD}::test_per_rank_values_come_back_to_their_rank_and_refuse_a_new_world",),
     ),
     Mutant(
         "retention: the newest checkpoint is not protected",
