@@ -87,10 +87,13 @@ def test_committed_dir_appears_only_after_commit(tmp_path: Path) -> None:
     assert committed_steps(tmp_path) == []
     assert read_latest(tmp_path) is None
     assert [(e.step, e.status) for e in list_checkpoints(tmp_path)] == [(1, "incomplete")]
+    strategy = RenameCommit()
+    assert strategy.is_temporary(tmp.name) and not strategy.is_committed(tmp)
 
-    result = RenameCommit().finalize(tmp_path, tmp, 1)
+    result = strategy.finalize(tmp_path, tmp, 1)
 
     assert result == final
+    assert strategy.is_committed(final) and not strategy.is_temporary(final.name)
     assert not tmp.exists()
     assert sorted(p.name for p in final.iterdir()) == ["__0_0.distcp", MANIFEST_FILE]
     assert (final / "__0_0.distcp").read_bytes() == b"one"

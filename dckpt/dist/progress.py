@@ -88,19 +88,20 @@ class Progress:
                     self._store.delete_key(self._key(save_id, phase, self._rank))
 
     def trace(self, save_id: str, step: int) -> SaveTrace:
-        return SaveTrace(self, save_id, step)
+        return SaveTrace(self, self._rank, save_id, step)
 
 
 class SaveTrace:
     """One save's ``dckpt.phases.Trace``: the fault hook at a point, a marker past it."""
 
-    def __init__(self, progress: Progress, save_id: str, step: int) -> None:
+    def __init__(self, progress: Progress, rank: int, save_id: str, step: int) -> None:
         self._progress = progress
+        self.rank = rank
         self.save_id = save_id
         self.step = step
 
     def at(self, phase: Phase) -> None:
-        fault_point(phase, self._progress._rank, self.step)
+        fault_point(phase, self.rank, self.step)
 
     def passed(self, phase: Phase) -> None:
         self._progress.mark(self.save_id, phase)
