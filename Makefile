@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test lint typecheck unit faults mutants bench bench-quick clean
+.PHONY: install demo test lint typecheck unit faults mutants bench bench-quick bench-s3 clean
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/compare.py --sizes 0.25 --world-sizes 2 --repeats 4 --name compare_quick
+
+# dckpt on an s3:// root against boto3's own put/get of the same bytes, on a moto S3 server
+# started here (about 1 min); `--endpoint URL --bucket B` points it at a real store.
+bench-s3: $(STAMP)
+	$(BIN)/python bench/s3.py --size 0.25 --world-size 2 --repeats 3 --name s3
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build

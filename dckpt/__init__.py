@@ -38,8 +38,8 @@ _EXPORTS = {
     "TrainState": "train.state",
     "WorldError": "errors",
     "init_distributed": "dist.world",
-    "peek": "root.peek",
-    "read_config": "root.peek",
+    "peek": "tiers.peek",
+    "read_config": "tiers.peek",
 }
 
 __all__ = [
@@ -93,8 +93,8 @@ if TYPE_CHECKING:
     from .manager import SaveHandle as SaveHandle
     from .manager import SaveResult as SaveResult
     from .root.peek import CheckpointInfo as CheckpointInfo
-    from .root.peek import peek as peek
-    from .root.peek import read_config as read_config
+    from .tiers.peek import peek as peek
+    from .tiers.peek import read_config as read_config
     from .train.data import GlobalBatchSampler as GlobalBatchSampler
     from .train.per_rank import PerRank as PerRank
     from .train.precision import PrecisionPolicy as PrecisionPolicy

@@ -13,6 +13,7 @@ from typing import Literal
 
 from .root.retention import BestMode, RetentionPolicy
 from .storage.digest import ALGORITHMS
+from .tiers.url import default_mirror, is_url, parse_url
 
 __all__ = ["CheckpointConfig", "IfBusy", "LossWatchAction"]
 
@@ -27,7 +28,15 @@ class CheckpointConfig:
     """Settings of a CheckpointManager.
 
     Attributes:
-        root: directory that holds the checkpoints of one run (created if missing).
+        root: directory that holds the checkpoints of one run (created if missing), or an
+            object store URL, ``s3://bucket/prefix`` (``pip install dckpt[s3]``; the endpoint
+            and credentials come from the AWS variables, ``AWS_ENDPOINT_URL`` for MinIO or
+            Ceph). For a URL, ``remote`` holds it after construction and ``root`` becomes the
+            local *mirror* (``mirror``).
+        mirror: for an s3:// root, the local directory a save is written into before its
+            upload and a resume downloads into (each file verified): it holds the newest
+            step and the save in flight. None: ``$DCKPT_CACHE_DIR`` or ``~/.cache/dckpt``,
+            under ``s3/<bucket>/``.
         digest: ``xxh3_128`` (fast, default) or ``sha256`` (cryptographic) for every file.
         timeout_s: the longest any rank waits for the others in a save or load collective.
         save_timeout_s: the longest one save may take from ``save()`` to its commit before
@@ -70,7 +79,9 @@ class CheckpointConfig:
         lock: hold ``ROOT/.dckpt-lock`` so a second job on the same root fails fast.
     """
 
-    root: Path
+    root: Path | str
+    mirror: Path | None = None
+    remote: str | None = None
     digest: str = "xxh3_128"
     timeout_s: float = 600.0
     save_timeout_s: float | None = None
@@ -92,6 +103,11 @@ class CheckpointConfig:
     lock_lease_s: float = 300.0
 
     @property
+    def directory(self) -> Path:
+        """The local directory: the root itself, or an s3:// root's mirror."""
+        return Path(self.root)
+
+    @property
     def watchdog_s(self) -> float:
         """Seconds after which a save in flight counts as stuck."""
         return self.save_timeout_s or 4 * self.timeout_s + 30
@@ -104,7 +120,15 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
-            raise ValueError(f"root must be a directory path, got {self.root!r}")
+            raise ValueError(f"root must be a directory path or an s3:// URL, got {self.root!r}")
+        if is_url(self.root):
+            url = parse_url(str(self.root))
+            object.__setattr__(self, "remote", str(url))
+            object.__setattr__(self, "root", Path(self.mirror or default_mirror(url)))
+        elif self.remote is not None:  # a copy of a config that was given a URL
+            object.__setattr__(self, "remote", str(parse_url(self.remote)))
+        elif self.mirror is not None:
+            raise ValueError("mirror is for s3:// roots; a directory root is its own copy")
         object.__setattr__(self, "root", Path(self.root))
         if self.digest not in ALGORITHMS:
             raise ValueError(f"digest must be one of {sorted(ALGORITHMS)}, got {self.digest!r}")

@@ -16,7 +16,7 @@ Unset, it costs one cached lookup per phase. Phases (dckpt.phases.Phase), in sav
 - on every rank: ``prepare`` (state dict taken, in ``save()``), ``make_tmp`` (background, before
   the tmp dir is made), ``stage`` (before the deferred copies are taken), ``write_shards`` (this
   rank's shard files written and fsynced, before DCP's metadata), ``dcp_finish`` (DCP returned
-  on this rank);
+  on this rank); for an s3:// root also ``upload`` (half of a shard's bytes sent);
 - on rank 0, the coordinator: ``write_manifest``, ``fsync_shards`` (manifest written, before
   the files and the tmp dir are fsynced), ``rename`` (before the commit rename),
   ``fsync_parent`` (renamed, before the root is fsynced), ``publish_latest`` (before
@@ -38,6 +38,7 @@ from .phases import Phase
 
 __all__ = [
     "COORDINATOR_PHASES",
+    "OBJECT_PHASES",
     "PHASES",
     "RANK_PHASES",
     "RESUME_PHASES",
@@ -51,6 +52,8 @@ COORDINATOR_PHASES = tuple(p.value for p in Phase if p.side == "coordinator")
 """Phases of a save that run on rank 0 only, after every rank's."""
 RESUME_PHASES = tuple(p.value for p in Phase if p.side == "resume")
 """Phases of a resume, on every rank."""
+OBJECT_PHASES = tuple(p.value for p in Phase if p.side == "object")
+"""Phases of a save to an object store only (s3:// roots), on every rank."""
 PHASES = tuple(p.value for p in Phase)
 ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt")
 

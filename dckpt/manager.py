@@ -36,8 +36,9 @@ from .load.loss_watch import LossWatch
 from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer
 from .preemption import DEFAULT_SIGNALS, Preemption, PreemptionStop
-from .root.commit import RenameCommit
+from .root.commit import CommitStrategy, RenameCommit
 from .root.lock import RunLock
+from .root.source import CheckpointSource, LocalSource
 from .root.upkeep import recover
 from .save.handle import SaveHandle, SaveResult
 from .save.mode import SaveMode
@@ -45,6 +46,12 @@ from .save.pipeline import SavePipeline
 from .save.saver import Saver
 from .save.stager import Stager
 from .save.step_clock import StepClock
+from .tiers.object_commit import ObjectCommit
+from .tiers.object_lock import ObjectLock
+from .tiers.object_root import ObjectRoot
+from .tiers.object_source import ObjectSource, local_share
+from .tiers.s3_store import S3Store
+from .tiers.url import parse_url
 from .train.precision import PrecisionPolicy
 from .train.state import TrainState
 
@@ -102,7 +109,7 @@ class CheckpointManager:
         if not isinstance(config, CheckpointConfig):
             config = CheckpointConfig(root=Path(config))
         self.config = config
-        self.root = config.root
+        self.root = config.directory
         self.state = state
         try:  # stored as JSON in every manifest and compared on resume: normalise it once
             self.run_config: dict[str, Any] = json.loads(
@@ -136,8 +143,8 @@ class CheckpointManager:
                 or uuid.uuid4().hex
             )
         )
-        self._lock = self._open_root()
-        strategy = RenameCommit()
+        strategy, self._source, self._objects = self._root_kind()
+        self._locks = self._open_root()
         clock, mode, progress = StepClock(), SaveMode(config.async_save), Progress(self._io)
         pipeline = SavePipeline(
             io=self._io,
@@ -163,6 +170,7 @@ class CheckpointManager:
         self._resumer = Resumer(
             ctl=self._ctl,
             config=config,
+            source=self._source,
             state=state,
             precision=precision,
             run_config=self.run_config,
@@ -178,30 +186,62 @@ class CheckpointManager:
                 lambda _opt, _args, _kwargs: self._saver.on_optimizer_step()
             )
 
-    def _open_root(self) -> RunLock | None:
+    def _root_kind(self) -> tuple[CommitStrategy, CheckpointSource, ObjectRoot | None]:
+        """A directory root commits by rename and is read in place; an s3:// root commits by
+        writing the manifest last and is read through its local mirror (dckpt.tiers)."""
+        if self.config.remote is None:
+            return RenameCommit(), LocalSource(self.root), None
+        try:
+            objects = ObjectRoot(S3Store(parse_url(self.config.remote)))
+        except CheckpointError:  # boto3 missing: every rank says so, and lets go of its groups
+            self._ctl.close()
+            self._io.close()
+            raise
+        return ObjectCommit(objects), ObjectSource(objects, self.root), objects
+
+    def _open_root(self) -> list[RunLock | ObjectLock]:
         """Rank 0 makes the root, takes the run lock and recovers from crashed saves; every
-        rank raises rank 0's failure (after releasing dckpt's groups)."""
+        rank raises rank 0's failure (after releasing dckpt's groups). An s3:// root takes
+        the lock in the bucket too, and recovers there: its mirror is only a local copy."""
         failure: CheckpointError | None = None
-        lock: RunLock | None = None
+        locks: list[RunLock | ObjectLock] = []
+        where = self.config.remote or self.root
         if self.rank == 0:
             try:
                 if self.root.exists() and not self.root.is_dir():
                     raise CheckpointError(f"{self.root} exists and is not a directory")
                 self.root.mkdir(parents=True, exist_ok=True)
                 if self.config.lock:
-                    lock = RunLock(self.root, self.run_id, self.config.lock_lease_s)
-                    lock.acquire()
+                    locks.append(RunLock(self.root, self.run_id, self.config.lock_lease_s))
+                    locks[-1].acquire()
+                    if self._objects is not None:
+                        store = self._objects.store
+                        locks.append(ObjectLock(store, self.run_id, self.config.lock_lease_s))
+                        locks[-1].acquire()
                 recover(self.root)
+                if self._objects is not None:
+                    self._objects.recover()
             except LockError as exc:
                 failure = exc
             except (OSError, CheckpointError) as exc:
-                failure = CheckpointError(f"cannot use checkpoint root {self.root}: {exc}")
-        failure = self._ctl.broadcast(failure)
+                failure = CheckpointError(f"cannot use checkpoint root {where}: {exc}")
+            if failure is not None:
+                for lock in reversed(locks):
+                    lock.release()
+        elif self._objects is not None:  # every node has its own mirror, unless shared
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if local_share()[0] == 0:  # the node's first rank tidies its mirror
+                    recover(self.root)
+            except OSError as exc:
+                failure = CheckpointError(f"cannot use the local mirror {self.root}: {exc}")
+        failures = self._ctl.all_gather(failure)
+        failure = next((f for f in failures if f is not None), None)
         if failure is not None:
             self._ctl.close()
             self._io.close()
             raise failure
-        return lock
+        return locks
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -319,11 +359,11 @@ class CheckpointManager:
             if self._hook is not None:
                 self._hook.remove()
             self._stop.uninstall()
-            if self._lock is not None:
+            for lock in reversed(self._locks):
                 if self._saver.stuck is not None:
-                    self._lock.abandon()  # the stuck write may still land: keep others out
+                    lock.abandon()  # the stuck write may still land: keep others out
                 else:
-                    self._lock.release()
+                    lock.release()
             self._io.close()
             self._ctl.close()
         self._saver.raise_if_failed()

@@ -29,6 +29,8 @@ class Phase(str, Enum):
     STAGE = "stage"
     WRITE_SHARDS = "write_shards"
     DCP_FINISH = "dcp_finish"
+    # A save to an object store (s3://), on every rank: half of a shard's bytes sent.
+    UPLOAD = "upload"
     # A save, on rank 0 (the coordinator), after every rank's part.
     WRITE_MANIFEST = "write_manifest"
     FSYNC_SHARDS = "fsync_shards"
@@ -45,7 +47,8 @@ class Phase(str, Enum):
 
     @property
     def side(self) -> str:
-        """``rank`` (every rank, in a save), ``coordinator`` (rank 0) or ``resume``."""
+        """``rank`` (every rank, in a save), ``coordinator`` (rank 0), ``resume``, or
+        ``object`` (every rank, in a save to an object store only)."""
         return _SIDE[self]
 
     @property
@@ -70,6 +73,7 @@ _SIDE = {
         "coordinator",
     ),
     **dict.fromkeys((Phase.VERIFY, Phase.WARMUP), "resume"),
+    Phase.UPLOAD: "object",
 }
 _WHAT = {
     Phase.PREPARE: "the start of the save",
@@ -77,6 +81,7 @@ _WHAT = {
     Phase.STAGE: "staging the deferred copies",
     Phase.WRITE_SHARDS: "writing shards",
     Phase.DCP_FINISH: "DCP's save",
+    Phase.UPLOAD: "uploading shards to the object store",
     Phase.WRITE_MANIFEST: "writing the manifest",
     Phase.FSYNC_SHARDS: "syncing the files",
     Phase.RENAME: "the commit",

@@ -33,7 +33,6 @@ import signal
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -128,7 +127,9 @@ def say_what_the_schedule_does(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--ckpt-dir", required=True, help="checkpoint root of this run")
+    p.add_argument(
+        "--ckpt-dir", required=True, help="checkpoint root of this run: a directory or s3://..."
+    )
     p.add_argument("--steps", type=int, default=20, help="train until this step")
     p.add_argument("--save-every", type=int, default=5, help="save after every K-th step")
     p.add_argument("--seed", type=int, default=0)
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         model, opt, scheduler=sched, scaler=scaler, data=sampler, seed=args.seed
     )
     config = dckpt.CheckpointConfig(
-        root=Path(args.ckpt_dir),
+        root=args.ckpt_dir,  # a directory or s3://bucket/prefix
         async_save="auto" if args.async_save is None else args.async_save,
         keep_last=args.keep_last,
         milestone_every=args.milestone_every,

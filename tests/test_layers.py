@@ -26,7 +26,16 @@ def layer_of(module: str, *, importer: bool = False) -> str:
     if module in BASE:
         return "base"
     parts = module.split(".")
-    if len(parts) >= 2 and parts[1] in ("storage", "root", "dist", "train", "save", "load", "cli"):
+    if len(parts) >= 2 and parts[1] in (
+        "storage",
+        "root",
+        "tiers",
+        "dist",
+        "train",
+        "save",
+        "load",
+        "cli",
+    ):
         return parts[1]
     if module == "dckpt.config":
         return "config"
@@ -46,16 +55,26 @@ ALLOWED: dict[str, set[str]] = {
         "base",
         "dckpt.storage.digest",
         "dckpt.storage.records",
+        "dckpt.storage.sink",
         "dckpt.storage.verified_files",
         "dckpt.storage.verifying_reader",
     },
-    "config": {"base", "dckpt.root.retention", "dckpt.storage.digest"},
+    # object stores: keys and manifests, no torch (boto3 only when an s3:// root is used)
+    "tiers": {
+        "base",
+        "root",
+        "dckpt.storage.digest",
+        "dckpt.storage.records",
+        "dckpt.storage.sink",
+        "dckpt.storage.verified_files",
+    },
+    "config": {"base", "dckpt.root.retention", "dckpt.storage.digest", "dckpt.tiers.url"},
     "dist": {"base"},
     "train": {"base"},
-    "save": {"base", "storage", "root", "config", "dist", "train"},
-    "load": {"base", "storage", "root", "config", "dist", "train"},
-    "top": {"base", "storage", "root", "config", "dist", "train", "save", "load"},
-    "cli": {"base", "storage", "root", "config", "load", "dckpt.save.step_clock"},
+    "save": {"base", "storage", "root", "tiers", "config", "dist", "train"},
+    "load": {"base", "storage", "root", "tiers", "config", "dist", "train"},
+    "top": {"base", "storage", "root", "tiers", "config", "dist", "train", "save", "load"},
+    "cli": {"base", "storage", "root", "tiers", "config", "load", "dckpt.save.step_clock"},
 }
 
 
@@ -131,7 +150,7 @@ def test_the_rules_are_not_vacuous() -> None:
 def test_the_folders_are_the_layers_in_the_architecture_doc() -> None:
     doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
     folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert folders == ["cli", "dist", "load", "root", "save", "storage", "train"]
+    assert folders == ["cli", "dist", "load", "root", "save", "storage", "tiers", "train"]
     for folder in folders:
         assert f"{folder}/" in doc, f"docs/ARCHITECTURE.md does not show {folder}/"
     for path in modules():
@@ -139,7 +158,7 @@ def test_the_folders_are_the_layers_in_the_architecture_doc() -> None:
             assert path.name in doc, f"docs/ARCHITECTURE.md does not name {path.name}"
 
 
-@pytest.mark.parametrize("what", ["root", "cli"])
+@pytest.mark.parametrize("what", ["root", "tiers", "cli"])
 def test_root_and_cli_import_no_torch(what: str) -> None:
     names = [
         module_name(p)

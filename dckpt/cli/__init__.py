@@ -1,7 +1,8 @@
 """The ``dckpt`` command: look at, check, inspect and manage checkpoints without Python.
 
 Commands: ``ls``, ``verify``, ``inspect`` (reading.py); ``gc``, ``pin``, ``unpin``
-(manage.py); ``diff``, ``export`` (tensors.py); ``plan`` (planning.py). Exit codes: 0 ok; 2
+(manage.py); ``diff``, ``export`` (tensors.py); ``plan`` (planning.py); each also on an
+s3:// root (remote.py). Exit codes: 0 ok; 2
 bad usage, or a root/step that does not exist or is not dckpt's; 3 an integrity failure.
 Importing this package does not import torch.
 """
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
+from ..tiers.url import is_url
 from .common import CliError, err
 
 __all__ = ["main"]
@@ -136,7 +138,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # exits 2 on bad usage
     try:
-        code: int = args.func(args)
+        if is_url(getattr(args, "root", None)):
+            from .remote import run_remote
+
+            code: int = run_remote(args)
+        else:
+            code = args.func(args)
     except CliError as exc:
         err.print(f"dckpt {args.command}: {exc}")
         return exc.code

@@ -41,7 +41,7 @@ from .common import (
     root_arg,
 )
 
-__all__ = ["cmd_inspect", "cmd_ls", "cmd_verify"]
+__all__ = ["cmd_inspect", "cmd_ls", "cmd_verify", "print_ls", "print_verify"]
 
 
 # --- ls ------------------------------------------------------------------------------------
@@ -97,6 +97,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     now = time.time()
     pins = pinned_steps(root)
     records = [_ls_record(e, now, pins) for e in list_checkpoints(root)]
+    return print_ls(args, records, str(root))
+
+
+def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str) -> int:
+    """``ls``'s table (or JSON) of ``records`` (the shape ``_ls_record`` makes)."""
     if args.json:
         print(json.dumps(records, indent=1))
         return EXIT_OK
@@ -138,7 +143,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _verify_json(result: VerifyResult) -> dict[str, Any]:
     return {
         "step": result.step,
-        "path": str(result.step_dir),
+        "path": result.where or str(result.step_dir),
         "ok": result.ok,
         "files_checked": result.files_checked,
         "bytes_checked": result.bytes_checked,
@@ -176,6 +181,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
             record_verification(result)
             results.append(result)
+    return print_verify(args, results)
+
+
+def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
+    """``verify``'s lines (or JSON) for ``results``; the exit code."""
     ok = all(r.ok for r in results)
     if args.json:
         print(json.dumps({"ok": ok, "checkpoints": [_verify_json(r) for r in results]}, indent=1))

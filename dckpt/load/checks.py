@@ -29,11 +29,13 @@ from ..errors import (
     IntegrityError,
     ManifestError,
     StateMismatchError,
+    StorageError,
     add_note,
 )
 from ..faults import fault_point
 from ..phases import Phase
 from ..root.manifest import Manifest, check_layout, read_manifest
+from ..root.source import CheckpointSource
 from ..storage.verified_files import open_verified
 from ..storage.verifying_reader import VerifyingReader
 from ..train.precision import PrecisionPolicy, check_scaler
@@ -53,6 +55,26 @@ __all__ = [
     "resolve_per_rank",
     "verify_rest",
 ]
+
+
+def fetch_candidate(
+    comm: Comm, source: CheckpointSource, step: int, report: CandidateReport
+) -> None:
+    """Every rank brings its share of ``step`` to where it is read (an object store's
+    mirror; nothing for a directory root); any rank's failure is raised on every rank (a
+    damaged object is evidence of damage: the resume falls back past the step)."""
+    failure: CheckpointError | None = None
+    fetched = None
+    try:
+        fetched = source.fetch(step)
+    except CheckpointError as exc:
+        failure = exc
+    except OSError as exc:  # the local mirror: a full disk, no permission
+        failure = StorageError(f"fetching step {step} into {source.local} failed: {exc}")
+    raise_first(comm, failure)
+    lines = comm.all_gather(fetched.line() if fetched is not None else None)
+    if any(line is not None for line in lines):
+        report.check("fetch", True, f"rank 0: {lines[0]}" if len(lines) > 1 else str(lines[0]))
 
 
 def read_candidate(

@@ -28,6 +28,8 @@ class CandidateReport:
 
     step: int
     path: Path
+    origin: str = ""
+    """Where the checkpoint lives, when not at ``path`` (an object store's URL)."""
     world_size_saved: int | None = None
     checks: list[Check] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -47,6 +49,7 @@ class ResumeReport:
 
     step: int | None = None
     path: Path | None = None
+    origin: str = ""
     world_size_saved: int | None = None
     world_size_now: int = 1
     checks: list[Check] = field(default_factory=list)
@@ -67,6 +70,7 @@ class ResumeReport:
         return cls(
             step=chosen.step,
             path=chosen.path,
+            origin=chosen.origin,
             world_size_saved=chosen.world_size_saved,
             world_size_now=world_size_now,
             checks=list(chosen.checks),
@@ -87,7 +91,7 @@ class ResumeReport:
         if not self.resumed and not self.skipped:
             return "dckpt resume: no committed checkpoint; starting from scratch"
         lines = [
-            f"dckpt resume: step {self.step} from {self.path}"
+            f"dckpt resume: step {self.step} from {self.origin or self.path}"
             if self.resumed
             else "dckpt resume: no checkpoint could be loaded"
         ]

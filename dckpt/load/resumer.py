@@ -5,8 +5,13 @@ without fallback) runs in the foreground on dckpt's *control* group, after any s
 is drained; never on the training group, except the warmup all-reduce, whose purpose is to
 test that group. Every rank runs every step; a failure on any rank is raised on every rank.
 
-1. **candidates**: rank 0 lists the committed checkpoints, newest first; all ranks take its
-   list. For each candidate, a fresh ``CandidateReport``:
+1. **candidates**: rank 0 lists the committed checkpoints (``CheckpointSource.steps``: the
+   root's directories, or the manifests in an object store), newest first; all ranks take
+   its list. For each candidate, a fresh ``CandidateReport``, then its **fetch**
+   (``checks.fetch_candidate``): nothing for a directory root; for an s3:// root every rank
+   brings its share of the step into the local mirror, each object hashed as it arrives and
+   each cached copy re-verified (dckpt.tiers.object_source), any rank's failure raised on
+   all;
 2. **manifest and layout** (``checks.read_candidate``): schema, safe paths, self-digest, every
    file a regular file of its recorded size, ``.metadata`` hashed and unpickled through the
    allow-list; then the ranks compare the manifest's digest of digests
@@ -56,9 +61,9 @@ from ..errors import (
     StorageError,
     unwrap_dcp_error,
 )
-from ..root.layout import committed_steps, list_checkpoints, step_dir_name
+from ..root.layout import step_dir_name
 from ..root.manifest import Manifest
-from ..root.upkeep import quarantine
+from ..root.source import CheckpointSource
 from ..storage.verifying_reader import SafeLoadPlanner
 from ..train import rng
 from ..train.precision import PrecisionPolicy
@@ -94,6 +99,7 @@ class Resumer:
         *,
         ctl: Comm,
         config: CheckpointConfig,
+        source: CheckpointSource,
         state: TrainState,
         precision: PrecisionPolicy | None,
         run_config: dict[str, Any],
@@ -102,7 +108,8 @@ class Resumer:
     ) -> None:
         self._ctl = ctl
         self._config = config
-        self.root = config.root
+        self.root = config.directory
+        self.source = source
         self._state = state
         self._precision = precision
         self._run_config = run_config
@@ -114,7 +121,7 @@ class Resumer:
         """The newest committed step under the root (as rank 0 sees it), or None."""
         step = None
         if self.rank == 0:
-            steps = committed_steps(self.root)
+            steps = self.source.steps()
             step = steps[-1] if steps else None
         return self._ctl.broadcast(step)
 
@@ -123,7 +130,7 @@ class Resumer:
         check. Raises CheckpointNotFoundError when there is nothing to load."""
         chosen: int | str | None = None
         if self.rank == 0:
-            steps = committed_steps(self.root) if self.root.is_dir() else []
+            steps = self.source.steps()
             if step is None:
                 chosen = steps[-1] if steps else "none"
             else:
@@ -132,7 +139,7 @@ class Resumer:
         if not isinstance(chosen, int):
             where = "any step" if step is None else f"step {step}"
             raise CheckpointNotFoundError(
-                f"no committed checkpoint for {where} under {self.root}; "
+                f"no committed checkpoint for {where} under {self.source}; "
                 "run `dckpt ls` on it to see what is there"
             )
         result = self._try(chosen, CandidateReport(chosen, self._path(chosen)), with_config=False)
@@ -172,7 +179,7 @@ class Resumer:
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
         for step in steps:
-            candidate = CandidateReport(step, self._path(step))
+            candidate = CandidateReport(step, self._path(step), self.source.origin(step))
             try:
                 result = self._try(step, candidate, with_config=True)  # 2-5
                 chosen = candidate
@@ -228,9 +235,11 @@ class Resumer:
         listing: list[int] | CheckpointError = []
         if self.rank == 0:
             try:
-                listing = sorted(committed_steps(self.root), reverse=True)
+                listing = sorted(self.source.steps(), reverse=True)
             except OSError as exc:
-                listing = StorageError(f"cannot list {self.root}: {exc}")
+                listing = StorageError(f"cannot list {self.source}: {exc}")
+            except CheckpointError as exc:
+                listing = exc
         listing = self._ctl.broadcast(listing)
         if isinstance(listing, CheckpointError):
             raise listing
@@ -240,6 +249,7 @@ class Resumer:
         """Steps 2-5 for one candidate: validate, verify and load it into the state."""
         t0 = time.perf_counter()
         path, name, state = report.path, report.path.name, self._state
+        checks.fetch_candidate(self._ctl, self.source, step, report)
         manifest, reader = checks.read_candidate(self._ctl, path, step, report)
         checks.agree_on_manifest(self._ctl, manifest, path, report)
         if with_config:  # every rank decides; all raise the first refusal together
@@ -345,7 +355,7 @@ class Resumer:
         checkpoints (starting over would silently throw that run away)."""
         if report.skipped:
             raise CheckpointError(
-                f"none of the {candidates} committed checkpoints under {self.root} passed "
+                f"none of the {candidates} committed checkpoints under {self.source} passed "
                 "verification; all were moved to quarantine/ (listed below). "
                 "The model may be partly overwritten by the failed attempts: rebuild it "
                 "before training. Restore a good copy, or start a new run elsewhere."
@@ -353,7 +363,7 @@ class Resumer:
         quarantined = self._ctl.broadcast(self._quarantined_count() if self.rank == 0 else 0)
         if quarantined:
             raise CheckpointError(
-                f"{self.root} has no committed checkpoint but {quarantined} in quarantine/: "
+                f"{self.source} has no committed checkpoint but {quarantined} in quarantine/: "
                 "starting from scratch would silently throw that run away. Inspect them "
                 "(dckpt ls), restore one, or remove quarantine/ to really start over."
             )
@@ -361,14 +371,14 @@ class Resumer:
             log.info("%s", report.format())
 
     def _quarantined_count(self) -> int:
-        return sum(1 for e in list_checkpoints(self.root) if e.status == "quarantined")
+        return self.source.quarantined_count()
 
     def _quarantine(self, step: int, reason: str) -> None:
         error: str | None = None
         if self.rank == 0:
             try:
-                quarantine(self.root, self._path(step), reason)
-            except (OSError, ValueError) as exc:
+                self.source.quarantine(step, reason)
+            except (OSError, ValueError, CheckpointError) as exc:
                 error = f"could not quarantine step {step}: {exc}"
         error = self._ctl.broadcast(error)
         if error is not None:

@@ -31,15 +31,19 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 from ..faults import fault_point
-from ..phases import Phase
+from ..phases import Phase, Trace
+from ..storage.records import FileRecord
+from ..storage.sink import Tee
 from .durable import fsync_dir, fsync_file, publish_latest
 from .layout import STEP_RE, TMP_RE, committed_steps, step_dir_name
 from .manifest import MANIFEST_FILE
-from .upkeep import quarantine
+from .retention import RetentionPolicy
+from .upkeep import apply_retention, quarantine
 
 __all__ = ["CommitStrategy", "Flag", "RenameCommit", "exchange"]
 
@@ -73,6 +77,30 @@ class CommitStrategy(Protocol):
 
     def is_committed(self, path: Path) -> bool:
         """Whether ``path`` is a committed checkpoint."""
+        ...
+
+    def begin(self, root: Path, step: int) -> None:
+        """Rank 0, before any rank writes a byte of ``step``: make room for it."""
+        ...
+
+    def tee(self, tmp: Path, step: int, trace: Trace) -> Tee | None:
+        """Every rank, before it writes: where else the bytes of its files go as they are
+        written (an object store's uploads), or None."""
+        ...
+
+    def publish(
+        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace
+    ) -> float:
+        """Every rank, after its files are written to ``tmp``: make sure each is where the
+        commit needs it; returns the seconds it took."""
+        ...
+
+    def where(self, root: Path, step: int) -> str:
+        """Where a user finds the committed ``step`` (for logs)."""
+        ...
+
+    def retain(self, root: Path, policy: RetentionPolicy) -> None:
+        """Carry out the retention policy (rank 0, after a commit)."""
         ...
 
 
@@ -129,6 +157,23 @@ class RenameCommit:
             and not path.is_symlink()
             and (path / MANIFEST_FILE).is_file()
         )
+
+    def begin(self, root: Path, step: int) -> None:
+        pass  # a re-saved step is swapped in at the commit point: nothing to make room for
+
+    def tee(self, tmp: Path, step: int, trace: Trace) -> Tee | None:
+        return None
+
+    def publish(
+        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace
+    ) -> float:
+        return 0.0  # the files are where the commit needs them
+
+    def where(self, root: Path, step: int) -> str:
+        return str(Path(root) / step_dir_name(step))
+
+    def retain(self, root: Path, policy: RetentionPolicy) -> None:
+        apply_retention(root, policy)
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
         """See the module docstring. ``cancelled`` is read right before the commit point: a

@@ -28,13 +28,15 @@ import psutil
 from ..errors import LockError
 from .layout import LOCK_FILE, read_small_file
 
-__all__ = ["RunLock"]
+__all__ = ["LockOwner", "RunLock", "stale_reason"]
 
 log = logging.getLogger("dckpt")
 
 
 @dataclass(frozen=True)
-class _Owner:
+class LockOwner:
+    """Who holds a run lock (the lock file's JSON)."""
+
     host: str
     pid: int
     started: float
@@ -42,9 +44,38 @@ class _Owner:
     token: str
     lease_until: float
 
+    @classmethod
+    def me(cls, run_id: str, token: str, lease_s: float) -> LockOwner:
+        """This process, holding the lock for ``lease_s`` from now."""
+        pid = os.getpid()
+        return cls(
+            host=socket.gethostname(),
+            pid=pid,
+            started=_proc_started(pid) or time.time(),
+            run_id=run_id,
+            token=token,
+            lease_until=time.time() + lease_s,
+        )
+
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return f"run {self.run_id} (pid {self.pid} on {self.host}, started {when})"
+
+
+def stale_reason(owner: LockOwner, run_id: str) -> str | None:
+    """Why ``owner``'s lock may be taken over by ``run_id``, or None while it is live."""
+    if owner.run_id == run_id:
+        return "the same run restarted"
+    if owner.host == socket.gethostname():
+        started = _proc_started(owner.pid)
+        if started is None:
+            return f"pid {owner.pid} is no longer running"
+        if abs(started - owner.started) > 1.0:
+            return f"pid {owner.pid} now belongs to another process"
+        return None
+    if owner.lease_until < time.time():
+        return f"its lease expired {time.time() - owner.lease_until:.0f} s ago"
+    return None
 
 
 def _proc_started(pid: int) -> float | None:
@@ -66,18 +97,10 @@ class RunLock:
         self._thread: threading.Thread | None = None
         self.took_over: str | None = None
 
-    def _me(self) -> _Owner:
-        pid = os.getpid()
-        return _Owner(
-            host=socket.gethostname(),
-            pid=pid,
-            started=_proc_started(pid) or time.time(),
-            run_id=self.run_id,
-            token=self._token,
-            lease_until=time.time() + self.lease_s,
-        )
+    def _me(self) -> LockOwner:
+        return LockOwner.me(self.run_id, self._token, self.lease_s)
 
-    def _read(self) -> _Owner | None:
+    def _read(self) -> LockOwner | None:
         # No symlink followed, no FIFO waited on: anyone who can write the root can plant one.
         # Such a lock is stale; a regular lock file that cannot be read (EACCES, EIO, ESTALE)
         # may be a live owner's, so that is an error, never a takeover.
@@ -88,35 +111,21 @@ class RunLock:
         except OSError as exc:
             raise LockError(f"cannot read the run lock {self.path}: {exc}") from None
         if not stat.S_ISREG(mode):
-            return _Owner("?", -1, 0.0, "?", "?", 0.0)  # a link, FIFO, directory: stale
+            return LockOwner("?", -1, 0.0, "?", "?", 0.0)  # a link, FIFO, directory: stale
         raw = read_small_file(self.path, 1 << 16)
         if raw is None:
             if not os.path.lexists(self.path):
                 return None  # released between the two looks
             raise LockError(f"cannot read the run lock {self.path}; check its permissions")
         try:
-            return _Owner(**json.loads(raw.decode("utf-8")))
+            return LockOwner(**json.loads(raw.decode("utf-8")))
         except (ValueError, TypeError):
-            return _Owner("?", -1, 0.0, "?", "?", 0.0)  # unreadable: treat as stale
+            return LockOwner("?", -1, 0.0, "?", "?", 0.0)  # unreadable: treat as stale
 
     def _write_over(self) -> None:
         tmp = self.path.with_name(f"{LOCK_FILE}.tmp-{self._token}")
         tmp.write_text(json.dumps(asdict(self._me())), encoding="utf-8")
         os.replace(tmp, self.path)
-
-    def _stale_reason(self, owner: _Owner) -> str | None:
-        if owner.run_id == self.run_id:
-            return "the same run restarted"
-        if owner.host == socket.gethostname():
-            started = _proc_started(owner.pid)
-            if started is None:
-                return f"pid {owner.pid} is no longer running"
-            if abs(started - owner.started) > 1.0:
-                return f"pid {owner.pid} now belongs to another process"
-            return None
-        if owner.lease_until < time.time():
-            return f"its lease expired {time.time() - owner.lease_until:.0f} s ago"
-        return None
 
     def acquire(self) -> None:
         """Take the lock, or raise LockError naming the live owner."""
@@ -124,7 +133,7 @@ class RunLock:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             owner = self._read()
-            reason = None if owner is None else self._stale_reason(owner)
+            reason = None if owner is None else stale_reason(owner, self.run_id)
             if owner is not None and reason is None:
                 raise LockError(
                     f"{self.path.parent} is in use by {owner.describe()}. Two jobs writing one "

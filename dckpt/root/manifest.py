@@ -36,6 +36,8 @@ __all__ = [
     "Manifest",
     "check_layout",
     "fingerprint",
+    "manifest_bytes",
+    "parse_manifest",
     "read_manifest",
     "write_manifest",
 ]
@@ -118,6 +120,11 @@ def _encode(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The exact bytes ``write_manifest`` writes for ``manifest`` (sealed)."""
+    return _encode(manifest.sealed().to_json_obj())
+
+
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> FileRecord:
     """Write ``manifest.json`` (sealed) into ``directory``, fsynced; returns what was written."""
     data = _encode(manifest.sealed().to_json_obj())
@@ -152,6 +159,14 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     finally:
         os.close(fd)
+    return parse_manifest(raw, str(path))
+
+
+def parse_manifest(raw: bytes, source: str) -> Manifest:
+    """Validate the bytes of a ``manifest.json`` read from ``source`` (a file, an object)."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{source} is {len(raw)} bytes or more, over {MAX_MANIFEST_BYTES}")
+    path = source
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..errors import CheckpointNotFoundError, ManifestError, StorageError
 from .layout import CheckpointEntry, list_checkpoints
 from .manifest import Manifest, read_manifest
 
-__all__ = ["CheckpointInfo", "peek", "read_config"]
+__all__ = ["CheckpointInfo", "info", "peek", "read_config"]
 
 # How many committed steps an error names: enough to spot a typo, short enough to read.
 _SHOWN_STEPS = 8
@@ -48,7 +49,8 @@ class CheckpointInfo:
 
     step: int
     epoch: int
-    path: Path
+    path: Path | str
+    """The step's directory, or its URL in an object store."""
     world_size: int
     config: dict[str, Any]
     precision: dict[str, Any]
@@ -61,6 +63,10 @@ class CheckpointInfo:
     milestone: bool
     run_id: str
     versions: dict[str, str]
+
+    def at(self, where: str) -> CheckpointInfo:
+        """The same record, located at ``where``."""
+        return dataclasses.replace(self, path=where)
 
 
 def read_config(root: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
@@ -93,10 +99,11 @@ def peek(root: str | os.PathLike[str], step: int | None = None) -> CheckpointInf
             f"{entry.path}/manifest.json says step {manifest.step}, its directory says "
             f"{entry.step}; the checkpoint cannot be trusted (see `dckpt verify {root}`)"
         )
-    return _info(entry.path, manifest)
+    return info(entry.path, manifest)
 
 
-def _info(step_dir: Path, manifest: Manifest) -> CheckpointInfo:
+def info(step_dir: Path | str, manifest: Manifest) -> CheckpointInfo:
+    """The ``CheckpointInfo`` of a validated manifest found at ``step_dir``."""
     # Every call reads the manifest afresh, so the dicts are the caller's own to edit.
     return CheckpointInfo(
         step=manifest.step,

@@ -38,12 +38,14 @@ from .layout import (
     pinned_steps,
     step_dir_name,
 )
-from .manifest import MANIFEST_FILE, read_manifest
+from .manifest import MANIFEST_FILE, Manifest, read_manifest
 from .retention import Candidate, Decision, RetentionPolicy, decide
 
 __all__ = [
     "apply_retention",
+    "decide_for",
     "delete_checkpoints",
+    "log_retention",
     "pin",
     "plan_retention",
     "quarantine",
@@ -163,13 +165,24 @@ def unpin(root: str | os.PathLike[str], step: int) -> bool:
 def plan_retention(root: str | os.PathLike[str], policy: RetentionPolicy) -> list[Decision]:
     """The decisions the policy makes for every committed checkpoint under ``root``."""
     base = Path(root)
-    pins = pinned_steps(base)
-    candidates: list[Candidate] = []
-    unreadable: set[int] = set()
+    manifests: dict[int, Manifest | None] = {}
     for step in committed_steps(base):
         try:
-            manifest = read_manifest(base / step_dir_name(step))
+            manifests[step] = read_manifest(base / step_dir_name(step))
         except (ManifestError, IntegrityError):
+            manifests[step] = None
+    return decide_for(manifests, pinned_steps(base), policy)
+
+
+def decide_for(
+    manifests: dict[int, Manifest | None], pins: set[int], policy: RetentionPolicy
+) -> list[Decision]:
+    """The policy's decisions over committed steps and their manifests (None: unreadable,
+    always kept), for any root kind."""
+    candidates: list[Candidate] = []
+    unreadable: set[int] = set()
+    for step, manifest in manifests.items():
+        if manifest is None:
             unreadable.add(step)
             continue
         value = manifest.metric.get("value")
@@ -186,13 +199,9 @@ def plan_retention(root: str | os.PathLike[str], policy: RetentionPolicy) -> lis
     return sorted(decisions, key=lambda d: d.step)
 
 
-def apply_retention(
-    root: str | os.PathLike[str], policy: RetentionPolicy, *, dry_run: bool = False
-) -> tuple[list[Decision], list[str]]:
-    """Decide and (unless ``dry_run``) delete; logs one line; returns decisions and deleted."""
-    decisions = plan_retention(root, policy)
+def log_retention(decisions: list[Decision], *, dry_run: bool) -> None:
+    """The one line retention logs when it deletes (or would delete) something."""
     victims = [d.step for d in decisions if not d.keep]
-    deleted = [] if dry_run or not victims else delete_checkpoints(root, victims)
     if victims:
         kept = ", ".join(f"{d.step} ({'+'.join(d.reasons)})" for d in decisions if d.keep)
         verb = "would delete" if dry_run else "deleted"
@@ -202,4 +211,14 @@ def apply_retention(
             ", ".join(map(str, victims)),
             kept,
         )
+
+
+def apply_retention(
+    root: str | os.PathLike[str], policy: RetentionPolicy, *, dry_run: bool = False
+) -> tuple[list[Decision], list[str]]:
+    """Decide and (unless ``dry_run``) delete; logs one line; returns decisions and deleted."""
+    decisions = plan_retention(root, policy)
+    victims = [d.step for d in decisions if not d.keep]
+    deleted = [] if dry_run or not victims else delete_checkpoints(root, victims)
+    log_retention(decisions, dry_run=dry_run)
     return decisions, deleted

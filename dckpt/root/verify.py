@@ -49,6 +49,8 @@ class VerifyResult:
     files_checked: int = 0
     bytes_checked: int = 0
     problems: list[FileProblem] = field(default_factory=list)
+    where: str = ""
+    """Where the checkpoint lives when not at ``step_dir`` (an object store's URL)."""
 
     @property
     def ok(self) -> bool:

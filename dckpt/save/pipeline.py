@@ -66,7 +66,6 @@ from ..phases import Phase
 from ..robust import same_level_margin
 from ..root.commit import CommitStrategy
 from ..root.manifest import Manifest
-from ..root.upkeep import apply_retention
 from ..storage.hashing_writer import HashingWriter
 from ..train import rng
 from ..train.precision import PrecisionPolicy
@@ -130,9 +129,9 @@ class SavePipeline:
         self.io = io
         self.progress = progress
         self.strategy = strategy
-        self.coordinator = Coordinator(io, config.root, strategy)
+        self.coordinator = Coordinator(io, config.directory, strategy)
         self.config = config
-        self.root = config.root
+        self.root = config.directory
         self.state = state
         self.precision = precision
         self.run_id = run_id
@@ -282,7 +281,12 @@ class SavePipeline:
         decision = self._decide(job, ticket, tmp, reports) if self.rank == 0 else None  # 7
         if self.rank == 0:
             self.progress.mark(job.save_id, DECIDED)  # 8
-        outcome = self.coordinator.announce(decision.outcome if decision else None, job.step)  # 9
+        try:
+            outcome = self.coordinator.announce(decision.outcome if decision else None, job.step)
+        except SaveError:  # decided: nothing of this save is needed here any more
+            self._drop_local_copy(tmp)
+            raise
+        self._drop_local_copy(tmp)  # 9
         ticket.decided = True
         result = self._result(job, ticket, outcome)
         if decision is not None:
@@ -290,12 +294,20 @@ class SavePipeline:
             self._retention()  # 10
         return result
 
+    def _drop_local_copy(self, tmp: Path) -> None:
+        """After the outcome is known on every rank: a rank whose node does not share rank
+        0's root (an object store's local mirror) removes its own copy of the tmp dir."""
+        if self.rank != 0 and tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def _agree(self, job: SaveJob, trace: SaveTrace, tmp: Path) -> None:
         trace.passed(Phase.PREPARE)
         error = job.error
         if error is None:
             try:
                 trace.at(Phase.MAKE_TMP)
+                if self.rank == 0:  # e.g. uncommit a step saved again, before any byte lands
+                    self.strategy.begin(self.root, job.step)
                 tmp.mkdir(exist_ok=True)  # every rank (shared or not); DCP's mkdir finds it
             except Exception as exc:  # reported to every rank by the agreement below
                 error = f"cannot make {tmp}: {describe_os_error(exc, self.root)}"
@@ -313,6 +325,7 @@ class SavePipeline:
             thread_count=self.config.io_threads,
             direct=self.config.direct_io,
             trace=trace,
+            tee=self.strategy.tee(tmp, job.step, trace),
         )
         planner = StagingSavePlanner(
             self.stager, job.snapshot, ticket.staged, cancelled=ticket.cancelled, trace=trace
@@ -328,13 +341,21 @@ class SavePipeline:
                     no_dist=not self.io.distributed,
                 )
             trace.at(Phase.DCP_FINISH)
-            trace.passed(Phase.DCP_FINISH)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             error = f"writing shards failed: {describe_os_error(unwrap_dcp_error(exc), self.root)}"
         finally:
             ticket.staged.set()
+        publish_s = 0.0
+        if error is None:
+            try:  # an object store: this rank's files go up, hashed again as they are sent
+                publish_s = self.strategy.publish(
+                    tmp, writer.records(), rank=self.rank, step=job.step, trace=trace
+                )
+                trace.passed(Phase.DCP_FINISH)
+            except Exception as exc:
+                error = f"uploading shards failed: {describe_os_error(exc, self.root)}"
         return RankReport(
             rank=self.rank,
             records=tuple(writer.records()),
@@ -343,7 +364,8 @@ class SavePipeline:
             metric=job.metric,
             timings={
                 "prepare_s": t_staging - job.started,
-                "write_s": time.perf_counter() - t_staging,
+                "write_s": time.perf_counter() - t_staging - publish_s,
+                **({"upload_s": publish_s} if publish_s else {}),
                 **planner.stats.as_timings(),
             },
         )
@@ -441,14 +463,14 @@ class SavePipeline:
             describe_staging(decision.manifest.timings)
             if job.asynchronous
             else "live state written",
-            result.path,
+            self.strategy.where(self.root, job.step),
         )
 
     def _retention(self) -> None:
         if not self.config.retention.enabled:
             return
         try:
-            apply_retention(self.root, self.config.retention)
+            self.strategy.retain(self.root, self.config.retention)
         except Exception as exc:  # the save itself is committed; never fail it here
             log.error("dckpt retention failed, nothing more was deleted: %r", exc)
 

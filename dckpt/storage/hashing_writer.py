@@ -10,6 +10,9 @@ Invariants:
   final name (DCP's ``.metadata.tmp`` → ``.metadata`` rename moves the record with it);
 - a record exists only for a stream that was closed without error;
 - it never overwrites a DCP checkpoint (``overwrite=False``): dckpt writes into a fresh tmp dir;
+- with a ``tee`` (an object store's upload), every byte also goes to that file's sink in the
+  same order, hashed once for both; the sink is completed when the file closes cleanly and
+  aborted otherwise;
 - files are written with ``O_DIRECT`` where the file system allows it (``direct_file``): no
   page-cache copy, which was most of a background save's CPU;
 - ``torch.save``'s zip CRC-32 is off while it writes: the digest covers every byte the CRC would,
@@ -42,16 +45,18 @@ from ..phases import Phase, Trace
 from .digest import Hasher, format_digest, new_hasher
 from .direct_file import DirectFile, open_for_write
 from .records import FileRecord
+from .sink import Sink, Tee
 
-__all__ = ["HashingFileSystem", "HashingWriter"]
+__all__ = ["HashingFileSystem", "HashingWriter", "Sink", "Tee"]
 
 
 class _HashingStream(io.RawIOBase):
-    """A write-only file whose every written byte also feeds a hasher."""
+    """A write-only file whose every written byte also feeds a hasher (and a sink, if any)."""
 
-    def __init__(self, raw: BinaryIO, hasher: Hasher) -> None:
+    def __init__(self, raw: BinaryIO, hasher: Hasher, sink: Sink | None = None) -> None:
         super().__init__()
         self._raw = raw
+        self._sink = sink
         self._hasher: Hasher | None = hasher
         if isinstance(raw, DirectFile):  # it hashes each piece as it copies it
             raw.hasher, self._hasher = hasher, None
@@ -68,6 +73,8 @@ class _HashingStream(io.RawIOBase):
         # BufferedWriter writes everything or raises; a short write here would desync the digest.
         if written != len(view):
             raise OSError(f"short write: {written} of {len(view)} bytes")
+        if self._sink is not None:
+            self._sink.write(view)
         self.nbytes += written
         return written
 
@@ -95,10 +102,17 @@ class HashingFileSystem(FileSystem):
     """DCP's local FileSystem, with a FileRecord for each file written below ``base``."""
 
     def __init__(
-        self, base: str | os.PathLike[str], algorithm: str, rank: int, *, direct: bool = True
+        self,
+        base: str | os.PathLike[str],
+        algorithm: str,
+        rank: int,
+        *,
+        direct: bool = True,
+        tee: Tee | None = None,
     ) -> None:
         super().__init__()
         self.base = Path(base)
+        self.tee = tee
         self.algorithm = algorithm
         self.rank = rank
         self.direct = direct
@@ -118,11 +132,20 @@ class HashingFileSystem(FileSystem):
                 yield stream
             return
         hasher = new_hasher(self.algorithm)
-        stream = _HashingStream(open_for_write(path, direct=self.direct), hasher)
+        # DCP writes ``.metadata`` as ``.metadata.tmp`` and renames it: the tee gets the
+        # final name (nothing is committed before the manifest, so no rename is needed there).
+        sink = self.tee(self._key(path).removesuffix(".tmp")) if self.tee else None
+        stream = _HashingStream(open_for_write(path, direct=self.direct), hasher, sink)
         try:
             yield stream
+        except BaseException:
+            if sink is not None:
+                sink.abort()
+            raise
         finally:
             stream.close()
+        if sink is not None:
+            sink.close()  # the object is complete (raises, failing the write, if not)
         record = FileRecord(
             path=self._key(path),
             bytes=stream.nbytes,
@@ -171,6 +194,7 @@ class HashingWriter(FileSystemWriter):
         sync_files: bool = True,
         direct: bool = True,
         trace: Trace | None = None,
+        tee: Tee | None = None,
     ) -> None:
         # per_thread_copy_ahead=0: DCP's serial loader. The overlapping one (chosen whenever
         # CUDA is available) synchronizes the writer thread's stream every 10 MB, which on the
@@ -183,7 +207,9 @@ class HashingWriter(FileSystemWriter):
             per_thread_copy_ahead=0,
             overwrite=False,
         )
-        self.fs: HashingFileSystem = HashingFileSystem(path, algorithm, rank, direct=direct)
+        self.fs: HashingFileSystem = HashingFileSystem(
+            path, algorithm, rank, direct=direct, tee=tee
+        )
         self._trace = trace
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -204,8 +230,9 @@ class HashingWriter(FileSystemWriter):
         super().reset(checkpoint_id)
         if checkpoint_id:
             self.fs = HashingFileSystem(
-                checkpoint_id, self.fs.algorithm, self.fs.rank, direct=self.fs.direct
-            )
+                checkpoint_id, self.fs.algorithm, self.fs.rank, direct=self.fs.direct,
+                tee=self.fs.tee,
+            )  # fmt: skip
         self.fs.clear()
 
     def records(self) -> list[FileRecord]:

@@ -1,0 +1,311 @@
+"""dckpt on an s3:// root against the raw client's put and get of the same bytes, in one run.
+
+What it runs. A real S3 server (moto's standalone server on 127.0.0.1, started here; or any
+endpoint with ``--endpoint`` and the AWS variables), ``--world-size`` gloo ranks, the benchmark
+state of ``--size`` GB (bench/_harness.build_state: DDP stack + AdamW). Per round, interleaved
+and rotated like compare.py:
+
+- ``raw_put``: each rank uploads bytes of its shard's size with boto3's managed transfer
+  (``upload_fileobj``, the same part size and concurrency dckpt uses), all ranks at once;
+- ``dckpt_save``: ``CheckpointManager(CheckpointConfig(root="s3://...", async_save=False))
+  .save(step)``: the DCP write into the local mirror with digests, every shard uploaded and
+  re-hashed as it is sent, the manifest last; timed to the commit (the manifest's PUT);
+- ``raw_get``: each rank downloads its own shard object (``download_fileobj``, same settings);
+- ``dckpt_load``: ``CheckpointManager(...).load()`` on a fresh mirror (``LOCAL_RANK`` set as
+  torchrun would, so each rank fetches its share): every object hashed as it arrives, the
+  layout and ``.metadata`` checked, the DCP load through the verifying reader;
+
+and, once per round, the background save's cost to a training loop, for the local directory
+and the s3:// root: ``--steps`` iterations of fixed matmul work (``compute``) + ``opt.step()``,
+with one ``save()`` at the first, against the same loop without a save. Reported: dckpt's own
+stall (``handle.stall_s``: inside ``save()`` plus the wait before the next optimizer step) and
+the loop's loss (its wall time minus the no-save loop's), each the slowest rank's.
+
+Figures: throughput = the checkpoint's bytes / seconds (slowest rank), medians over rounds;
+ratios dckpt/raw in the same run. The targets (issue 13): save >= 0.8x raw put, verified load
+>= 0.8x raw get, the s3:// stall no worse than the local directory's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h
+
+METHODS = ("raw_put", "dckpt_save", "raw_get", "dckpt_load")
+
+
+def _moto() -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto's server did not start")
+
+
+def _compute(n: int) -> None:
+    a = torch.randn(n, n)
+    for _ in range(4):
+        a = torch.tanh(a @ a / n)
+
+
+def _loop(mgr: Any, opt: torch.optim.Optimizer, steps: int, n: int, save: bool) -> dict[str, float]:
+    """``steps`` iterations of compute + opt.step(); with ``save``, one save() at the first.
+    Returns the loop's wall time and dckpt's stall (0 without a save)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = None
+    for i in range(steps):
+        if save and i == 0:
+            handle = mgr.save(1_000_000 + int(time.time() * 1000) % 1_000_000)
+        _compute(n)
+        opt.step()
+    loop_s = time.perf_counter() - t0
+    stall = 0.0
+    if handle is not None:
+        handle.result()
+        stall = handle.stall_s
+    return {"loop_s": loop_s, "stall_s": stall}
+
+
+def _save_now(mgr: Any) -> None:
+    mgr.save(2).result()
+
+
+def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    import dckpt
+    from dckpt.tiers.s3_store import S3Store
+    from dckpt.tiers.url import parse_url
+
+    ranks = h.Ranks(cfg["settle_s"])
+    rank, world = ranks.rank, ranks.world_size
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
+    model, opt, _ = h.build_state(cfg["size"])
+    state = dckpt.TrainState(model, opt)
+    base = Path(cfg["base_dir"])
+    bucket = cfg["bucket"]
+    store = S3Store(parse_url(f"s3://{bucket}/x"))  # the settings dckpt uses, for the raw client
+    transfer = TransferConfig(
+        multipart_threshold=store.part_bytes,
+        multipart_chunksize=store.part_bytes,
+        max_concurrency=store.concurrency,
+    )
+    client = boto3.client("s3")
+    logging.getLogger("dckpt").setLevel(logging.WARNING)  # one line per save is noise here
+
+    # One warm-up save, untimed: the shard sizes, and every pool and buffer made once.
+    warm = f"s3://{bucket}/warm"
+    with dckpt.CheckpointManager(
+        dckpt.CheckpointConfig(root=warm, mirror=base / "warm", async_save=False, lock=False),
+        state,
+    ) as mgr:
+        saved = mgr.save(1).result()
+    share = ranks.gather(saved.bytes)[0] // world  # the checkpoint's bytes per rank
+    payload = os.urandom(share)
+    ranks.prefault = int(share * h.PREFAULT_FACTOR)
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    loops: dict[str, list[dict[str, float]]] = {"none": [], "local": [], "s3": []}
+
+    for rnd in range(cfg["repeats"]):
+        tag = f"r{rnd}"
+        key = f"raw/{tag}/{rank}"
+        # Untimed: what the reads of this round read (the raw object, a committed step).
+        client.upload_fileobj(io.BytesIO(payload), bucket, f"{key}-get", Config=transfer)
+        load_root = f"s3://{bucket}/{tag}-load"
+        conf = dckpt.CheckpointConfig(
+            root=load_root, mirror=base / f"prep-{rank}", async_save=False, lock=False
+        )
+        with dckpt.CheckpointManager(conf, state) as mgr:
+            mgr.save(2).result()
+        for method in h.round_order(METHODS, rnd):
+            if method == "raw_put":
+                put = functools.partial(
+                    client.upload_fileobj, io.BytesIO(payload), bucket, key, Config=transfer
+                )
+                times[method].append(ranks.timed(put))
+            elif method == "raw_get":
+                get = functools.partial(
+                    client.download_fileobj, bucket, f"{key}-get", io.BytesIO(), Config=transfer
+                )
+                times[method].append(ranks.timed(get))
+            elif method == "dckpt_save":
+                conf = dckpt.CheckpointConfig(
+                    root=f"s3://{bucket}/{tag}-save",
+                    mirror=base / f"save-{rank}",
+                    async_save=False,
+                    lock=False,
+                )
+                with dckpt.CheckpointManager(conf, state) as mgr:
+                    times[method].append(ranks.timed(functools.partial(_save_now, mgr)))
+            else:  # dckpt_load, into a mirror that holds nothing yet
+                fresh = base / f"load-{tag}"
+                conf = dckpt.CheckpointConfig(root=load_root, mirror=fresh, lock=False)
+                with dckpt.CheckpointManager(conf, state) as mgr:
+                    times[method].append(ranks.timed(mgr.load))
+                ranks.cleanup(fresh)
+        # The background save's cost to a training loop: none, local directory, s3:// root.
+        for kind in h.round_order(("none", "local", "s3"), rnd):
+            where = str(base / f"local-{tag}") if kind != "s3" else f"s3://{bucket}/bg-{tag}"
+            conf = dckpt.CheckpointConfig(
+                root=where, mirror=None if kind != "s3" else base / f"bg-{rank}", lock=False
+            )
+            with dckpt.CheckpointManager(conf, state) as mgr:
+                ranks.prepare()
+                got = _loop(mgr, opt, cfg["steps"], cfg["matmul"], save=kind != "none")
+            worst = max(ranks.gather(got["loop_s"])), max(ranks.gather(got["stall_s"]))
+            loops[kind].append({"loop_s": worst[0], "stall_s": worst[1]})
+            if kind != "s3":
+                ranks.cleanup(Path(where))
+    return {"share_bytes": share, "bytes": saved.bytes, "times": times, "loops": loops}
+
+
+def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    total = raw["bytes"]
+    gbps = {m: total / h.median(ts) / h.GB for m, ts in raw["times"].items()}
+    loops = raw["loops"]
+    base = h.median([r["loop_s"] for r in loops["none"]])
+    cost = {
+        kind: {
+            "stall_s": h.median([r["stall_s"] for r in loops[kind]]),
+            "loop_loss_s": h.median([r["loop_s"] for r in loops[kind]]) - base,
+        }
+        for kind in ("local", "s3")
+    }
+    return {
+        "name": args.name,
+        "date": h.now_iso(),
+        "command": h.command_line(),
+        "dckpt_revision": h.source_revision(),
+        "host": h.host_info(args.torch_threads),
+        "server": args.endpoint or "moto (python -m moto.server) on 127.0.0.1",
+        "bytes": total,
+        "world_size": args.world_size,
+        "rounds": args.repeats,
+        "seconds": raw["times"],
+        "gb_per_s": {m: round(v, 4) for m, v in gbps.items()},
+        "ratios": {
+            "save_vs_raw_put": round(gbps["dckpt_save"] / gbps["raw_put"], 3),
+            "verified_load_vs_raw_get": round(gbps["dckpt_load"] / gbps["raw_get"], 3),
+            "stall_s3_vs_local": round(
+                cost["s3"]["stall_s"] / max(cost["local"]["stall_s"], 1e-9), 3
+            ),
+        },
+        "background_save_cost": {
+            k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in cost.items()
+        },
+        "no_save_loop_s": round(base, 4),
+        "loops": loops,
+    }
+
+
+def render(doc: dict[str, Any]) -> str:
+    r, g, c = doc["ratios"], doc["gb_per_s"], doc["background_save_cost"]
+    lines = [
+        f"# s3:// root: dckpt against the raw client ({doc['date']})",
+        "",
+        f"`{doc['command']}`; {doc['server']}; {doc['bytes'] / 1e9:.2f} GB checkpoint, "
+        f"{doc['world_size']} ranks, {doc['rounds']} rounds, medians.",
+        "",
+        "| figure | dckpt | raw client | ratio | target |",
+        "|---|---:|---:|---:|---|",
+        f"| save (to the manifest's PUT) | {g['dckpt_save']:.3f} GB/s | {g['raw_put']:.3f} GB/s"
+        f" | {r['save_vs_raw_put']:.2f}x | >= 0.8x |",
+        f"| verified load | {g['dckpt_load']:.3f} GB/s | {g['raw_get']:.3f} GB/s"
+        f" | {r['verified_load_vs_raw_get']:.2f}x | >= 0.8x |",
+        "",
+        "| background save, one per loop | dckpt stall | loop's loss (vs no save) |",
+        "|---|---:|---:|",
+        f"| local directory | {c['local']['stall_s']:.3f} s | {c['local']['loop_loss_s']:.3f} s |",
+        f"| s3:// root | {c['s3']['stall_s']:.3f} s | {c['s3']['loop_loss_s']:.3f} s |",
+        "",
+        f"stall s3/local: {r['stall_s3_vs_local']:.2f}x (target: no worse). The loop's loss "
+        "counts every cost of the background save to the loop (CPU taken by the write, the "
+        "upload and, here, the S3 server itself, which runs on the same 2 cores).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size", type=float, default=0.25, help="GB of state (default 0.25)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="loop iterations per stall measure")
+    p.add_argument("--matmul", type=int, default=384, help="matmul size of one step's compute")
+    p.add_argument("--endpoint", default=None, help="an S3 endpoint (default: start moto)")
+    p.add_argument("--bucket", default=None, help="an existing bucket (default: a new one)")
+    h.add_common_args(p, "s3")
+    args = p.parse_args(argv)
+    server = None
+    if args.endpoint is None:
+        server, endpoint = _moto()
+        os.environ.update(
+            AWS_ENDPOINT_URL=endpoint,
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+    else:
+        os.environ["AWS_ENDPOINT_URL"] = args.endpoint
+    try:
+        import boto3
+
+        bucket = args.bucket or f"dckpt-bench-{uuid.uuid4().hex[:12]}"
+        if args.bucket is None:
+            boto3.client("s3").create_bucket(Bucket=bucket)
+        with h.bench_run(args.dir) as run:
+            cfg = {
+                "base_dir": run.base_dir,
+                "bucket": bucket,
+                "size": args.size,
+                "repeats": args.repeats,
+                "steps": args.steps,
+                "matmul": args.matmul,
+                "settle_s": args.settle,
+            }
+            raw = h.spawn(args.world_size, args.torch_threads, _rank_main, cfg)
+        doc = summarize(raw, args)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
+    h.write_json(args.name, doc)
+    text = render(doc)
+    h.write_result(args.name, "md", text)
+    print(text)
+    print(json.dumps(doc["ratios"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Where a load finds its candidates: ``CheckpointSource``, and the local directory's.
+
+A load reads a step from a local directory (``source.local``). For a directory root that is
+the root itself; for an object store (dckpt.tiers.object_source) it is the root's local
+mirror, filled and verified by ``fetch`` before anything reads it. The resume protocol
+(dckpt.load.resumer) talks to this protocol only, so every check after ``fetch`` is the same
+for both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from .layout import committed_steps, list_checkpoints, step_dir_name
+from .upkeep import quarantine
+
+__all__ = ["CheckpointSource", "Fetched", "LocalSource"]
+
+
+class Fetched(Protocol):
+    """What ``fetch`` did on this rank (for the resume report)."""
+
+    def line(self) -> str | None: ...
+
+
+class CheckpointSource(Protocol):
+    local: Path
+    """The directory the step directories are read from."""
+
+    def __str__(self) -> str: ...
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first (rank 0 asks; it may list a remote store)."""
+        ...
+
+    def origin(self, step: int) -> str:
+        """Where ``step`` lives, for the resume report ("" when it is read in place)."""
+        ...
+
+    def fetch(self, step: int) -> Fetched | None:
+        """Every rank: make ``local/step-N`` hold this rank's share of ``step``, verified."""
+        ...
+
+    def quarantine(self, step: int, reason: str) -> None:
+        """Rank 0: move a step that failed verification aside, with the reason."""
+        ...
+
+    def quarantined_count(self) -> int: ...
+
+
+class LocalSource:
+    """A directory root: its step directories are read in place."""
+
+    def __init__(self, root: Path) -> None:
+        self.local = Path(root)
+
+    def __str__(self) -> str:
+        return str(self.local)
+
+    def steps(self) -> list[int]:
+        return committed_steps(self.local) if self.local.is_dir() else []
+
+    def origin(self, step: int) -> str:
+        return ""
+
+    def fetch(self, step: int) -> Fetched | None:
+        return None
+
+    def quarantine(self, step: int, reason: str) -> None:
+        quarantine(self.local, self.local / step_dir_name(step), reason)
+
+    def quarantined_count(self) -> int:
+        if not self.local.is_dir():
+            return 0
+        return sum(1 for e in list_checkpoints(self.local) if e.status == "quarantined")

@@ -1,0 +1,190 @@
+"""The commit of an s3:// root: every shard object uploaded and re-hashed, the manifest last.
+
+``ObjectCommit`` is the second ``CommitStrategy`` (dckpt.root.commit), for stores with no
+rename. A save still writes into a local tmp dir first (the root's *mirror*, a local
+directory: DCP's writer, the digests computed while writing and the snapshot staging are
+unchanged), then:
+
+1. ``begin`` (rank 0, before any rank writes): if the step is already committed (a re-save),
+   its manifest is deleted first, since objects of a committed step are never overwritten
+   under its manifest; the older steps stay whole, but the step is gone until the re-save
+   commits (an object store cannot swap two copies; logged);
+2. ``tee`` (every rank, while DCP writes its files): every byte the hashing writer writes to
+   the local file also goes to ``step-N/<file>`` in the store, part by part as the parts
+   fill, several in flight (``UploadStream``), hashed once for both: the digest in the
+   manifest is of the bytes that went out. A file is complete in the store when it closes
+   cleanly (its upload is aborted otherwise; rank 0's include ``.metadata``); ``publish``
+   then checks that every file this rank wrote went up whole (and uploads, re-hashing, any
+   that did not);
+3. ``finalize`` (rank 0, after every rank reported success): ``manifest.json`` is put last:
+   that PUT is the commit point. Then (failures logged, never raised) a rollback's newer
+   steps move to ``quarantine/``, ``latest`` is written, and the tmp dir becomes the mirror's
+   copy of the step (the newest only), which a resume on this node re-verifies and uses
+   instead of downloading.
+
+A crash before step 3 leaves objects without a manifest: never listed as committed, removed
+with any open multipart upload by ``ObjectRoot.recover`` at the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import IntegrityError
+from ..faults import fault_point
+from ..phases import Phase, Trace
+from ..root.commit import Flag, RenameCommit
+from ..root.layout import STEP_RE, step_dir_name
+from ..root.manifest import MANIFEST_FILE
+from ..root.retention import RetentionPolicy
+from ..storage.records import FileRecord
+from ..storage.sink import Sink, Tee
+from .object_root import ObjectRoot
+from .s3_store import UploadStream
+
+__all__ = ["ObjectCommit", "keep_only"]
+
+log = logging.getLogger("dckpt")
+
+
+class _FirstPart:
+    """Fires the ``upload`` fault point when a file's first part is sent (its multipart
+    upload is then open in the store), or just before a one-part file's PUT."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace, self.fired = trace, False
+
+    def __call__(self, n: int) -> None:
+        if not self.fired:
+            self.fired = True
+            self.trace.at(Phase.UPLOAD)
+
+
+class _Counted:
+    """An upload whose completed size ``ObjectCommit.publish`` checks against the record."""
+
+    def __init__(self, stream: UploadStream, name: str, done: dict[str, int]) -> None:
+        self.stream, self.name, self.done = stream, name, done
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> None:
+        self.stream.write(data)
+
+    def close(self) -> None:
+        self.stream.close()
+        self.done[self.name] = self.stream.sent
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+
+def keep_only(mirror: Path, step: int | None) -> None:
+    """Remove the mirror's committed copies of every step but ``step`` (a cache of one)."""
+    for child in Path(mirror).iterdir():
+        m = STEP_RE.fullmatch(child.name)
+        if m and int(m.group(1)) != step and child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+class ObjectCommit:
+    """Commit to an object store by writing the manifest last; see the module docstring."""
+
+    name = "manifest-last"
+
+    def __init__(self, root: ObjectRoot) -> None:
+        self.objects = root
+        self._local = RenameCommit()  # names of the mirror's tmp dirs
+        self._uploaded: dict[str, int] = {}  # this rank's files sent by the tee: name -> bytes
+
+    def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
+        return self._local.tmp_location(root, step, save_id)
+
+    def is_temporary(self, name: str) -> bool:
+        return self._local.is_temporary(name)
+
+    def is_committed(self, path: Path) -> bool:
+        m = STEP_RE.fullmatch(path.name)
+        return m is not None and int(m.group(1)) in self.objects.committed_steps()
+
+    def where(self, root: Path, step: int) -> str:
+        return self.objects.where(step_dir_name(step))
+
+    def begin(self, root: Path, step: int) -> None:
+        if self.objects.store.head(self.objects.key(step_dir_name(step), MANIFEST_FILE)) is None:
+            return
+        log.warning(
+            "dckpt: step %d is saved again: its committed copy at %s is uncommitted first (an "
+            "object store cannot swap two copies); older steps stay whole",
+            step,
+            self.where(root, step),
+        )
+        self.objects.uncommit(step)
+        self.objects.publish_latest()
+
+    def tee(self, tmp: Path, step: int, trace: Trace) -> Tee:
+        name = step_dir_name(step)
+        self._uploaded = {}
+        progress = _FirstPart(trace)
+
+        def upload(relative: str) -> Sink:
+            stream = self.objects.store.open_upload(self.objects.key(name, relative), progress)
+            return _Counted(stream, relative, self._uploaded)
+
+        return upload
+
+    def publish(
+        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace
+    ) -> float:
+        """Every file went up while it was written (``tee``); one that did not (a writer that
+        bypassed the tee) is uploaded now from the local copy, re-hashed as it is sent."""
+        t0 = time.perf_counter()
+        name = step_dir_name(step)
+        for record in records:
+            if self._uploaded.get(record.path) == record.bytes:
+                continue
+            algorithm = record.digest.split(":", 1)[0]
+            digest, sent = self.objects.store.upload_file(
+                tmp / record.path, self.objects.key(name, record.path), algorithm,
+                _FirstPart(trace),
+            )  # fmt: skip
+            if digest != record.digest or sent != record.bytes:
+                raise IntegrityError(
+                    str(tmp / record.path),
+                    f"{record.digest} ({record.bytes} bytes), as written",
+                    f"{digest} ({sent} bytes), as uploaded",
+                    detail="the staged file changed between its write and its upload",
+                )
+        return time.perf_counter() - t0
+
+    def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
+        if not self.is_temporary(tmp.name) or tmp.parent != Path(root):
+            raise ValueError(f"{tmp} is not a dckpt tmp dir under {root}")
+        raw = (tmp / MANIFEST_FILE).read_bytes()
+        name = step_dir_name(step)
+        fault_point(Phase.RENAME, 0, step)
+        if cancelled is not None and cancelled.is_set():
+            raise RuntimeError(f"the save of step {step} was cancelled before its commit")
+        self.objects.store.put_small(self.objects.key(name, MANIFEST_FILE), raw)  # the commit
+        final = Path(root) / name
+        try:
+            for newer in [s for s in self.objects.committed_steps() if s > step]:
+                self.objects.quarantine(
+                    newer,
+                    f"superseded: the run was rolled back and saved step {step} after {newer}",
+                )
+            fault_point(Phase.PUBLISH_LATEST, 0, step)
+            self.objects.publish_latest()
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            keep_only(Path(root), step)
+        except Exception as exc:
+            log.warning("dckpt: step %d is committed, but tidying up failed: %r", step, exc)
+        return final
+
+    def retain(self, root: Path, policy: RetentionPolicy) -> None:
+        self.objects.apply_retention(policy)

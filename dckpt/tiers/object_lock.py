@@ -1,0 +1,128 @@
+"""The run lock on an object store: ``PREFIX/.dckpt-lock``, taken by a conditional put.
+
+The same owner record and staleness rules as the directory lock (dckpt.root.lock): a second
+job on the root fails fast, naming the owner; a restart of the same run, a dead pid on the same
+host, or an expired lease lets the next job take over, with a log line.
+
+How, with no O_EXCL and no rename: acquire is ``PUT If-None-Match: *`` (exactly one of two
+racing jobs gets it); a takeover and every lease renewal is ``PUT If-Match: <the ETag read>``,
+so a taker that read a stale record loses to anyone who wrote since. Stores without
+conditional writes (S3 before Aug. 2024, some S3-compatible servers) are refused with that
+reason rather than locked unsafely; ``lock=False`` opts out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from dataclasses import asdict
+
+from ..errors import LockError, StorageError
+from ..root.layout import LOCK_FILE
+from ..root.lock import LockOwner, stale_reason
+from .s3_store import S3Store
+
+__all__ = ["ObjectLock"]
+
+log = logging.getLogger("dckpt")
+
+
+class ObjectLock:
+    """Holds ``PREFIX/.dckpt-lock`` for one job; renews its lease on a daemon thread."""
+
+    def __init__(self, store: S3Store, run_id: str, lease_s: float = 300.0) -> None:
+        self.store = store
+        self.key = store.url.key(LOCK_FILE)
+        self.run_id = run_id
+        self.lease_s = lease_s
+        self._token = uuid.uuid4().hex
+        self._etag: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.took_over: str | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps(asdict(LockOwner.me(self.run_id, self._token, self.lease_s))).encode()
+
+    def _read(self) -> tuple[LockOwner, str] | None:
+        got = self.store.get_small(self.key, 1 << 16)
+        if got is None:
+            return None
+        raw, etag = got
+        try:
+            return LockOwner(**json.loads(raw.decode("utf-8"))), etag
+        except (ValueError, TypeError):
+            return LockOwner("?", -1, 0.0, "?", "?", 0.0), etag  # unreadable: stale
+
+    def acquire(self) -> None:
+        """Take the lock, or raise LockError naming the live owner."""
+        try:
+            etag = self.store.put_small(self.key, self._record(), if_absent=True)
+            if etag is None:
+                etag = self._take_over()
+        except StorageError as exc:
+            raise LockError(
+                f"cannot take the run lock {self.store.url}/{LOCK_FILE}: {exc}"
+            ) from None
+        self._etag = etag
+        self._thread = threading.Thread(target=self._renew, name="dckpt-lock", daemon=True)
+        self._thread.start()
+
+    def _take_over(self) -> str:
+        current = self._read()
+        if current is None:  # released between the two looks: try once more
+            etag = self.store.put_small(self.key, self._record(), if_absent=True)
+            if etag is None:
+                raise LockError(f"{self.store.url}: lost the race for the run lock")
+            return etag
+        owner, seen = current
+        reason = stale_reason(owner, self.run_id)
+        if reason is None:
+            raise LockError(
+                f"{self.store.url} is in use by {owner.describe()}. Two jobs writing one "
+                "checkpoint root would corrupt each other's history: stop that job, or point "
+                "this one at another root."
+            )
+        etag = self.store.put_small(self.key, self._record(), if_match=seen)
+        if etag is None:
+            raise LockError(f"{self.store.url}: lost the race for the run lock to another job")
+        self.took_over = f"took over the lock of {owner.describe()}: {reason}"
+        log.warning("dckpt: %s", self.took_over)
+        return etag
+
+    def holder(self) -> str | None:
+        """Who holds the lock now, unless it is stale (for ``dckpt gc``); None if free."""
+        current = self._read()
+        if current is None or stale_reason(current[0], self.run_id) is not None:
+            return None
+        return current[0].describe()
+
+    def _renew(self) -> None:
+        # A daemon on purpose: if the process dies, the lease must stop being renewed.
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                etag = self.store.put_small(self.key, self._record(), if_match=self._etag)
+            except StorageError as exc:
+                log.warning("dckpt: could not renew the run lock (will retry): %s", exc)
+                continue
+            if etag is None:
+                log.error("dckpt: the run lock %s was taken by someone else", self.store.url)
+                return
+            self._etag = etag
+
+    def abandon(self) -> None:
+        """Stop renewing the lease but leave the lock: it runs out by itself."""
+        self._stop.set()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            current = self._read()
+            if current is not None and current[0].token == self._token:
+                self.store.delete([self.key])
+        except StorageError as exc:
+            log.warning("dckpt: could not release the run lock (its lease runs out): %s", exc)

@@ -1,0 +1,155 @@
+"""Fetching a committed step from an object store into the local mirror, verified.
+
+``ObjectSource`` is the ``CheckpointSource`` (dckpt.root.source) of an s3:// root. A resume
+asks it for the committed steps (listed in the bucket: a manifest present), and before the
+usual checks of a candidate every rank calls ``fetch``:
+
+1. the manifest is read from the store and validated exactly as one on disk, and written
+   into ``MIRROR/step-N/`` (replacing any other save's);
+2. the files are shared out among the ranks of a node (``LOCAL_RANK``/``LOCAL_WORLD_SIZE``,
+   by position in the sorted manifest); for each file of its share a rank keeps the mirror's
+   copy only if its size and digest match the manifest (a cached copy is re-verified before
+   use), and otherwise downloads it, hashing every byte as it is written, into a part file
+   renamed into place; an object whose bytes differ from the writer's digest raises
+   ``IntegrityError`` naming its URL, and the resume falls back past the step (quarantined
+   in the bucket);
+3. the resume then runs the same checks as for a directory root on the mirror's copy (the
+   layout, ``.metadata`` through the allow-list, the digests across ranks as DCP loads).
+
+The mirror keeps one step (the newest fetched or saved); without torchrun's variables every
+rank fetches every file it lacks (correct, if slower, on any node layout).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointError, IntegrityError
+from ..root.layout import step_dir_name
+from ..root.manifest import MANIFEST_FILE, parse_manifest
+from ..storage.records import FileRecord
+from ..storage.verified_files import open_verified
+from ..units import human_bytes, plural
+from .object_commit import keep_only
+from .object_root import ObjectRoot
+
+__all__ = ["FetchReport", "ObjectSource", "local_share"]
+
+
+@dataclass(frozen=True)
+class FetchReport:
+    """What one rank's fetch did."""
+
+    source: str
+    downloaded: int
+    downloaded_bytes: int
+    reused: int
+    seconds: float
+
+    def line(self) -> str:
+        speed = self.downloaded_bytes / max(self.seconds, 1e-9)
+        return (
+            f"{plural(self.downloaded, 'file')} ({human_bytes(self.downloaded_bytes)}) "
+            f"downloaded from {self.source} at {human_bytes(speed)}/s, each hashed as it "
+            f"arrived; {self.reused} cached in the mirror, re-verified"
+        )
+
+
+def local_share() -> tuple[int, int]:
+    """(index, count) of this rank among its node's ranks, from torchrun's variables;
+    (0, 1), fetch everything, where they are not set."""
+    try:
+        index = int(os.environ["LOCAL_RANK"])
+        count = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return 0, 1
+    return (index, count) if 0 <= index < count else (0, 1)
+
+
+class ObjectSource:
+    """A committed step in the bucket, fetched into ``local`` (the mirror) on demand."""
+
+    def __init__(
+        self,
+        root: ObjectRoot,
+        mirror: Path,
+        share: tuple[int, int] | None = None,
+        *,
+        keep_one: bool = True,
+    ) -> None:
+        self.objects = root
+        self.local = Path(mirror)
+        self.share = share or local_share()
+        self.keep_one = keep_one  # the mirror keeps only the step fetched last
+
+    def __str__(self) -> str:
+        return str(self.objects.url)
+
+    def steps(self) -> list[int]:
+        return self.objects.committed_steps()
+
+    def origin(self, step: int) -> str:
+        return f"{self.objects.where(step_dir_name(step))} (via the mirror {self.local})"
+
+    def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> FetchReport:
+        t0 = time.perf_counter()
+        name = step_dir_name(step)
+        raw = self.objects.manifest_raw(step)
+        manifest = parse_manifest(raw, self.objects.where(name, MANIFEST_FILE))
+        index, count = self.share
+        target = self.local / name
+        target.mkdir(parents=True, exist_ok=True)
+        if index == 0:
+            if self.keep_one:
+                keep_only(self.local, step)
+            _write_replacing(target / MANIFEST_FILE, raw)
+        downloaded = reused = nbytes = 0
+        for i, record in enumerate(sorted(manifest.files, key=lambda r: r.path)):
+            if i % count != index:
+                continue
+            path = target / record.path
+            if _verified_copy(path, record):
+                reused += 1
+                continue
+            key = self.objects.key(name, record.path)
+            algorithm = record.digest.split(":", 1)[0]
+            digest = self.objects.store.download_file(key, path, record.bytes, algorithm, progress)
+            if digest != record.digest:
+                path.unlink(missing_ok=True)
+                raise IntegrityError(
+                    self.objects.where(name, record.path),
+                    record.digest,
+                    digest,
+                    detail="the object's bytes differ from the digest its writer computed",
+                )
+            downloaded += 1
+            nbytes += record.bytes
+        return FetchReport(str(self), downloaded, nbytes, reused, time.perf_counter() - t0)
+
+    def quarantine(self, step: int, reason: str) -> None:
+        self.objects.quarantine(step, reason)
+        shutil.rmtree(self.local / step_dir_name(step), ignore_errors=True)
+
+    def quarantined_count(self) -> int:
+        return sum(1 for e in self.objects.entries() if e.status == "quarantined")
+
+
+def _verified_copy(path: Path, record: FileRecord) -> bool:
+    """Whether ``path`` is a regular file holding exactly the recorded bytes (any failure to
+    prove it, damage or I/O, means: download it again)."""
+    try:
+        with open_verified(str(path), record):
+            return True
+    except (CheckpointError, OSError):
+        return False
+
+
+def _write_replacing(path: Path, data: bytes) -> None:
+    part = path.with_name(f".{path.name}.part-{os.getpid()}")
+    part.write_bytes(data)
+    os.replace(part, path)

@@ -1,0 +1,608 @@
+"""The S3 client of an s3:// root: bytes in and out, digests computed while they move.
+
+Role: the only module that talks to the object store. It knows keys, bytes and digests; it
+knows nothing of steps, manifests or policy (dckpt.tiers.object_root knows those).
+
+Client: boto3 (``pip install dckpt[s3]``), chosen by measurement against s3fs on the same
+server (``bench/s3_clients.py``; the README has the figures). Credentials, region and
+endpoint come the standard ways: the AWS environment variables, profiles and instance roles,
+and ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) for MinIO, Ceph and the like.
+
+Invariants:
+- an upload hashes exactly the bytes it sends, in order, as it reads them; a download hashes
+  exactly the bytes it writes, in order, and its file appears under its final name only once
+  all of them arrived (written beside it, then renamed);
+- a multipart upload that fails is aborted (best effort; ``ObjectRoot.recover`` aborts any
+  left open by a crash);
+- throttling (503 SlowDown), server errors and dropped connections are retried by botocore's
+  standard mode with backoff; a body that breaks off mid-read is re-requested by range here;
+  both are bounded (``attempts``);
+- every failure is a ``StorageError`` naming the object's URL and what the user can do; a
+  missing bucket and refused credentials say so in words.
+
+Tuning (environment): ``DCKPT_S3_PART_MB`` (part size, default 32, min 5),
+``DCKPT_S3_CONCURRENCY`` (parts in flight per file, default 8), ``DCKPT_S3_ATTEMPTS``
+(tries per request, default 8).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import IntegrityError, StorageError
+from ..storage.digest import Hasher, format_digest, new_hasher
+from .url import ObjectURL
+
+__all__ = ["ListedObject", "OpenUpload", "S3Store", "UploadStream"]
+
+MIN_PART = 5 << 20  # S3 refuses smaller parts, except the last
+Progress = Callable[[int], None]
+"""Called with the number of bytes just moved (progress bars, fault points)."""
+
+
+@dataclass(frozen=True)
+class ListedObject:
+    key: str
+    size: int
+    modified: float  # the server's clock, seconds since the epoch
+
+
+@dataclass(frozen=True)
+class OpenUpload:
+    key: str
+    upload_id: str
+    initiated: float
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a whole number") from None
+    if value < low:
+        raise ValueError(f"{name}={value} is below its minimum {low}")
+    return value
+
+
+def _boto() -> tuple[Any, Any, Any]:
+    try:
+        import boto3
+        import botocore.config
+        import botocore.exceptions
+    except ImportError:
+        raise StorageError(
+            "s3:// roots need boto3, which is not installed: pip install 'dckpt[s3]'"
+        ) from None
+    return boto3, botocore.config, botocore.exceptions
+
+
+class S3Store:
+    """One bucket and prefix, through one thread-safe boto3 client; see the module doc."""
+
+    def __init__(
+        self,
+        url: ObjectURL,
+        *,
+        part_bytes: int | None = None,
+        concurrency: int | None = None,
+        attempts: int | None = None,
+    ) -> None:
+        self.url = url
+        self.part_bytes = part_bytes or _env_int("DCKPT_S3_PART_MB", 32, 5) << 20
+        self.part_bytes = max(self.part_bytes, MIN_PART)
+        self.concurrency = concurrency or _env_int("DCKPT_S3_CONCURRENCY", 8, 1)
+        self.attempts = attempts or _env_int("DCKPT_S3_ATTEMPTS", 8, 1)
+        self._client: Any = None
+        self._lock = threading.Lock()
+        boto3, config, exceptions = _boto()
+        self._errors = exceptions
+        self._make = lambda: boto3.session.Session().client(
+            "s3",
+            config=config.Config(
+                retries={"max_attempts": self.attempts, "mode": "standard"},
+                max_pool_connections=2 * self.concurrency + 4,
+                connect_timeout=10,
+                read_timeout=60,
+            ),
+        )
+
+    @property
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = self._make()
+                except Exception as exc:  # a bad region, a broken profile
+                    raise StorageError(f"cannot set up an S3 client for {self.url}: {exc}") from exc
+            return self._client
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.client.meta.endpoint_url)
+
+    # --- errors -----------------------------------------------------------------------------
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.url.bucket}/{key}"
+
+    def fail(self, exc: BaseException, key: str, doing: str) -> StorageError:
+        """The StorageError for ``exc``, met while ``doing`` the object ``key``."""
+        where = self._where(key)
+        errors = self._errors
+        if isinstance(exc, (errors.NoCredentialsError, errors.PartialCredentialsError)):
+            return StorageError(
+                f"{doing} {where}: no AWS credentials were found. Set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance role applies."
+            )
+        if isinstance(exc, errors.ClientError):
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", "?"))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "NoSuchBucket":
+                return StorageError(
+                    f"{doing} {where}: the bucket {self.url.bucket!r} does not exist at "
+                    f"{self.endpoint}. Create it, or fix the root URL (or AWS_ENDPOINT_URL)."
+                )
+            if code in (
+                "InvalidAccessKeyId",
+                "SignatureDoesNotMatch",
+                "AccessDenied",
+                "ExpiredToken",
+                "InvalidToken",
+                "AllAccessDisabled",
+            ) or status in (401, 403):
+                return StorageError(
+                    f"{doing} {where}: the store refused the credentials ({code}). Check "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and that they "
+                    f"may read, write and list s3://{self.url.bucket}/{self.url.under()}."
+                )
+            if status is not None and (status >= 500 or code in ("SlowDown", "Throttling")):
+                return StorageError(
+                    f"{doing} {where}: the store kept answering {status} {code} through "
+                    f"{self.attempts} attempts with backoff. Nothing was committed by this "
+                    "call; retry later, or raise DCKPT_S3_ATTEMPTS."
+                )
+            return StorageError(f"{doing} {where}: {code} ({error.get('Message', '')})")
+        if isinstance(exc, (errors.BotoCoreError, OSError)):
+            return StorageError(
+                f"{doing} {where}: cannot reach the store at {self.endpoint} after "
+                f"{self.attempts} attempts ({type(exc).__name__}: {exc}). Check the endpoint "
+                "and the network; nothing was committed by this call."
+            )
+        return StorageError(f"{doing} {where}: {type(exc).__name__}: {exc}")
+
+    def _call(self, key: str, doing: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        try:
+            return fn(Bucket=self.url.bucket, **kwargs)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self.fail(exc, key, doing) from exc
+
+    def _code(self, exc: BaseException) -> str | None:
+        if isinstance(exc, self._errors.ClientError):
+            return str(exc.response.get("Error", {}).get("Code"))
+        return None
+
+    # --- small objects ----------------------------------------------------------------------
+
+    def head(self, key: str) -> int | None:
+        """The size of ``key``, or None if there is no such object."""
+        try:
+            resp = self.client.head_object(Bucket=self.url.bucket, Key=key)
+        except Exception as exc:
+            if self._code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self.fail(exc, key, "looking up") from exc
+        return int(resp["ContentLength"])
+
+    def get_small(self, key: str, limit: int) -> tuple[bytes, str] | None:
+        """Up to ``limit + 1`` bytes of ``key`` and its ETag, or None if there is no such
+        object (the caller refuses anything over ``limit``)."""
+        try:
+            resp = self.client.get_object(Bucket=self.url.bucket, Key=key, Range=f"bytes=0-{limit}")
+            return resp["Body"].read(limit + 1), str(resp.get("ETag", ""))
+        except Exception as exc:
+            if self._code(exc) in ("NoSuchKey", "404"):
+                return None
+            if self._code(exc) == "InvalidRange":  # an empty object
+                return b"", ""
+            raise self.fail(exc, key, "reading") from exc
+
+    def put_small(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
+    ) -> str | None:
+        """Write ``data`` to ``key``; returns its ETag, or None when the condition failed
+        (``if_absent``: the key exists; ``if_match``: its ETag changed)."""
+        kwargs: dict[str, Any] = {"Key": key, "Body": data}
+        if if_absent:
+            kwargs["IfNoneMatch"] = "*"
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+        try:
+            resp = self.client.put_object(Bucket=self.url.bucket, **kwargs)
+        except Exception as exc:
+            if self._code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+                return None
+            raise self.fail(exc, key, "writing") from exc
+        return str(resp.get("ETag", ""))
+
+    def delete(self, keys: builtins.list[str]) -> None:
+        """Delete ``keys`` (missing ones are fine), in the order given, 1000 per request."""
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            resp = self._call(
+                batch[0],
+                "deleting",
+                self.client.delete_objects,
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            if resp.get("Errors"):
+                first = resp["Errors"][0]
+                raise StorageError(
+                    f"deleting {self._where(first.get('Key', '?'))}: {first.get('Code')} "
+                    f"({first.get('Message', '')}); {len(resp['Errors'])} object(s) were not "
+                    "deleted"
+                )
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy ``src`` to ``dst`` inside the bucket (multipart above 5 GiB, server-side)."""
+        try:
+            self.client.copy({"Bucket": self.url.bucket, "Key": src}, self.url.bucket, dst)
+        except Exception as exc:
+            raise self.fail(exc, src, "copying") from exc
+
+    def list(self, prefix: str) -> builtins.list[ListedObject]:
+        """Every object whose key starts with ``prefix``."""
+        found: builtins.list[ListedObject] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            resp = self._call(prefix, "listing", self.client.list_objects_v2, **kwargs)
+            found += [
+                ListedObject(o["Key"], int(o["Size"]), o["LastModified"].timestamp())
+                for o in resp.get("Contents", [])
+            ]
+            if not resp.get("IsTruncated"):
+                return found
+            token = resp.get("NextContinuationToken")
+
+    def open_uploads(self, prefix: str) -> builtins.list[OpenUpload]:
+        """Multipart uploads begun under ``prefix`` and neither completed nor aborted."""
+        found: builtins.list[OpenUpload] = []
+        marker: dict[str, Any] = {}
+        while True:
+            resp = self._call(
+                prefix,
+                "listing uploads",
+                self.client.list_multipart_uploads,
+                Prefix=prefix,
+                **marker,
+            )
+            found += [
+                OpenUpload(u["Key"], u["UploadId"], u["Initiated"].timestamp())
+                for u in resp.get("Uploads", [])
+            ]
+            if not resp.get("IsTruncated"):
+                return found
+            marker = {
+                "KeyMarker": resp.get("NextKeyMarker"),
+                "UploadIdMarker": resp.get("NextUploadIdMarker"),
+            }
+
+    def abort(self, upload: OpenUpload) -> None:
+        try:
+            self.client.abort_multipart_upload(
+                Bucket=self.url.bucket, Key=upload.key, UploadId=upload.upload_id
+            )
+        except Exception as exc:
+            if self._code(exc) != "NoSuchUpload":
+                raise self.fail(exc, upload.key, "aborting the upload of") from exc
+
+    # --- large objects ----------------------------------------------------------------------
+
+    def upload_file(
+        self,
+        path: str | os.PathLike[str],
+        key: str,
+        algorithm: str,
+        progress: Progress | None = None,
+    ) -> tuple[str, int]:
+        """Upload the file at ``path`` to ``key``, hashing each byte as it is read to be sent;
+        returns (digest, bytes). Parts go up ``concurrency`` at a time; a file of one part
+        or less is a single PUT."""
+        hasher = new_hasher(algorithm)
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size <= self.part_bytes:
+                data = f.read()
+                hasher.update(data)
+                if progress is not None:
+                    progress(len(data))
+                self._call(key, "uploading", self.client.put_object, Key=key, Body=data)
+                return format_digest(algorithm, hasher), len(data)
+            return self._multipart(f, key, algorithm, hasher, progress)
+
+    def _multipart(
+        self, f: Any, key: str, algorithm: str, hasher: Hasher, progress: Progress | None
+    ) -> tuple[str, int]:
+        upload_id = self._call(
+            key, "starting the upload of", self.client.create_multipart_upload, Key=key
+        )["UploadId"]
+        sent = 0
+        try:
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="dckpt-s3-up") as pool:
+                pending: deque[Future[str]] = deque()
+                etags: list[str] = []
+                number = 0
+                while chunk := f.read(self.part_bytes):
+                    hasher.update(chunk)
+                    number += 1
+                    pending.append(pool.submit(self._part, key, upload_id, number, chunk))
+                    sent += len(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+                    while len(pending) >= self.concurrency:  # bounds the memory in flight
+                        etags.append(pending.popleft().result())
+                etags += [p.result() for p in pending]
+            parts = [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]
+            self._call(
+                key,
+                "completing the upload of",
+                self.client.complete_multipart_upload,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            with contextlib.suppress(StorageError):  # else recover() aborts it at next start
+                self.abort(OpenUpload(key, upload_id, 0.0))
+            raise
+        return format_digest(algorithm, hasher), sent
+
+    def open_upload(self, key: str, progress: Progress | None = None) -> UploadStream:
+        """A write-only stream into ``key``: parts go up as they fill (see ``UploadStream``)."""
+        return UploadStream(self, key, progress)
+
+    def _part(self, key: str, upload_id: str, number: int, chunk: bytes | bytearray) -> str:
+        resp = self._call(
+            key,
+            f"uploading part {number} of",
+            self.client.upload_part,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=chunk,
+        )
+        return str(resp["ETag"])
+
+    def iter_ranges(self, key: str, size: int, fd: int | None = None) -> Iterator[bytes]:
+        """The bytes of ``key`` in order, fetched as ranged GETs ``concurrency`` at a time;
+        with ``fd``, each range is also written at its offset by the thread that fetched it
+        (writes in parallel, in any order; the caller hashes in order). IntegrityError if the
+        object is not ``size`` bytes long."""
+        if size == 0:  # no range to ask for: look at its size instead
+            actual = self.head(key)
+            if actual is None:
+                raise IntegrityError(self._where(key), "0 bytes", "no object", "object missing")
+            if actual:
+                raise IntegrityError(
+                    self._where(key), "0 bytes", f"{actual} bytes", "size mismatch"
+                )
+            return
+        spans = [(o, min(self.part_bytes, size - o)) for o in range(0, size, self.part_bytes)]
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="dckpt-s3-get") as pool:
+            pending: deque[Future[bytes]] = deque()
+            todo = iter(spans)
+            for span in todo:
+                pending.append(pool.submit(self._fetch_range, key, span, size, fd))
+                if len(pending) >= self.concurrency:
+                    break
+            while pending:
+                data = pending.popleft().result()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append(pool.submit(self._fetch_range, key, nxt, size, fd))
+                yield data
+
+    def _fetch_range(self, key: str, span: tuple[int, int], size: int, fd: int | None) -> bytes:
+        data = self._get_range(key, span, size)
+        if fd is not None:
+            view, offset = memoryview(data), span[0]
+            while view:  # os.pwrite may write less than asked
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        return data
+
+    def _get_range(self, key: str, span: tuple[int, int], size: int) -> bytes:
+        """One ranged GET, re-requested when the body breaks off (bounded, with backoff)."""
+        errors = self._errors
+        broken = (
+            errors.IncompleteReadError,
+            errors.ResponseStreamingError,
+            errors.ReadTimeoutError,
+            errors.ConnectionClosedError,
+            errors.EndpointConnectionError,
+            ConnectionError,
+        )
+        where = self._where(key)
+        byte_range = f"bytes={span[0]}-{span[0] + span[1] - 1}"
+        for attempt in range(self.attempts):
+            try:
+                resp = self.client.get_object(Bucket=self.url.bucket, Key=key, Range=byte_range)
+                total = _total_size(resp)
+                if total is not None and total != size:
+                    raise IntegrityError(where, f"{size} bytes", f"{total} bytes", "size mismatch")
+                data: bytes = resp["Body"].read()
+                if len(data) == span[1]:
+                    return data
+                reason: BaseException = ConnectionError(f"{len(data)} of {span[1]} bytes arrived")
+            except broken as exc:
+                reason = exc
+            except IntegrityError:
+                raise
+            except Exception as exc:
+                code = self._code(exc)
+                if code == "InvalidRange":
+                    raise IntegrityError(where, f"{size} bytes", "fewer", "size mismatch") from None
+                if code in ("NoSuchKey", "404"):
+                    raise IntegrityError(
+                        where, f"{size} bytes", "no object", "object missing"
+                    ) from None
+                raise self.fail(exc, key, "downloading") from exc
+            if attempt + 1 < self.attempts:
+                time.sleep(min(20.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
+        raise self.fail(reason, key, "downloading")
+
+    def download_file(
+        self,
+        key: str,
+        dest: Path,
+        size: int,
+        algorithm: str,
+        progress: Progress | None = None,
+    ) -> str:
+        """Download ``key`` (``size`` bytes) to ``dest``, hashing every byte as it is written;
+        returns the digest. ``dest`` appears only once every byte arrived; the caller
+        compares the digest before anything uses the file."""
+        hasher = new_hasher(algorithm)
+        part = dest.with_name(f".{dest.name}.part-{os.getpid()}-{threading.get_ident()}")
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for data in self.iter_ranges(key, size, fd):
+                    hasher.update(data)
+                    if progress is not None:
+                        progress(len(data))
+            finally:
+                os.close(fd)
+            os.replace(part, dest)
+        finally:
+            part.unlink(missing_ok=True)
+        return format_digest(algorithm, hasher)
+
+    def digest(self, key: str, size: int, algorithm: str, progress: Progress | None = None) -> str:
+        """The digest of ``key``'s bytes, streamed (nothing written)."""
+        hasher = new_hasher(algorithm)
+        for data in self.iter_ranges(key, size):
+            hasher.update(data)
+            if progress is not None:
+                progress(len(data))
+        return format_digest(algorithm, hasher)
+
+
+def _total_size(resp: dict[str, Any]) -> int | None:
+    """The object's whole size from a ranged GET's ``Content-Range: bytes a-b/TOTAL``."""
+    content_range = resp.get("ContentRange")
+    if not content_range or "/" not in content_range:
+        return None
+    total = content_range.rsplit("/", 1)[1]
+    return int(total) if total.isdigit() else None
+
+
+class UploadStream:
+    """Bytes written here go up to one object as they come: each full part is sent at once,
+    ``concurrency`` parts in flight (the writer waits for the oldest beyond that, which bounds
+    the memory to ``concurrency * part_bytes``). ``close`` completes the object (one PUT when
+    it never filled a part); ``abort`` gives it up. The caller hashes what it writes."""
+
+    def __init__(self, store: S3Store, key: str, progress: Progress | None) -> None:
+        self.store, self.key, self.progress = store, key, progress
+        self.sent = 0
+        self._buf = bytearray(store.part_bytes)  # filled in place: one copy of each byte
+        self._fill = 0
+        self._upload_id: str | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[Future[str]] = deque()
+        self._etags: builtins.list[str] = []
+        self._number = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        part = self.store.part_bytes
+        while view:
+            n = min(len(view), part - self._fill)
+            self._buf[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == part:
+                full, self._buf, self._fill = self._buf, bytearray(part), 0
+                self._send(full)
+
+    def _send(self, chunk: bytes | bytearray) -> None:
+        store = self.store
+        if self._upload_id is None:
+            self._upload_id = store._call(
+                self.key, "starting the upload of", store.client.create_multipart_upload,
+                Key=self.key,
+            )["UploadId"]  # fmt: skip
+            self._pool = ThreadPoolExecutor(store.concurrency, thread_name_prefix="dckpt-s3-up")
+        assert self._pool is not None
+        self._number += 1
+        self._pending.append(
+            self._pool.submit(store._part, self.key, self._upload_id, self._number, chunk)
+        )
+        self.sent += len(chunk)
+        if self.progress is not None:
+            self.progress(len(chunk))
+        while len(self._pending) >= store.concurrency:
+            self._etags.append(self._pending.popleft().result())
+
+    def close(self) -> None:
+        """Send what is left and complete the object; raises (and aborts) on any failure."""
+        store = self.store
+        try:
+            if self._upload_id is None:
+                data = bytes(self._buf[: self._fill])
+                if self.progress is not None:
+                    self.progress(len(data))
+                store._call(self.key, "uploading", store.client.put_object, Key=self.key, Body=data)
+                self.sent += len(data)
+                return
+            if self._fill:
+                self._send(self._buf[: self._fill])
+                self._fill = 0
+            self._etags += [p.result() for p in self._pending]
+            self._pending.clear()
+            parts = [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(self._etags)]
+            store._call(
+                self.key,
+                "completing the upload of",
+                store.client.complete_multipart_upload,
+                Key=self.key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """Give the object up (best effort: ``ObjectRoot.recover`` aborts what is left)."""
+        for pending in self._pending:
+            pending.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._upload_id is not None:
+            with contextlib.suppress(StorageError):
+                self.store.abort(OpenUpload(self.key, self._upload_id, 0.0))
+            self._upload_id = None

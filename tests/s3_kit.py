@@ -1,0 +1,182 @@
+"""A real S3 server for the s3:// tests: moto's standalone server on 127.0.0.1, started by the
+tests, and a proxy in front of it that answers 503 or drops connections on purpose.
+
+moto speaks the S3 HTTP API (multipart uploads, conditional writes, ranged GETs); dckpt talks
+to it through boto3 exactly as to AWS, with ``AWS_ENDPOINT_URL`` pointing here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "dckpt-test",
+    "AWS_SECRET_ACCESS_KEY": "dckpt-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """``python -m moto.server`` on a free port, in its own process."""
+
+    def __init__(self, *, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto's server exited with {self.proc.returncode}")
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("moto's server did not start within 30 s")
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        """The environment a process needs to use this server as its S3."""
+        return {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint or self.endpoint}
+
+    def client(self, endpoint: str | None = None, **credentials: str) -> Any:
+        import boto3
+
+        creds = {
+            "aws_access_key_id": credentials.get("key", CREDENTIALS["AWS_ACCESS_KEY_ID"]),
+            "aws_secret_access_key": credentials.get(
+                "secret", CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+            ),
+        }
+        return boto3.client(
+            "s3", endpoint_url=endpoint or self.endpoint, region_name="us-east-1", **creds
+        )
+
+    def bucket(self) -> str:
+        """A new, empty bucket."""
+        name = f"t-{uuid.uuid4().hex[:20]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> dict[str, int]:
+        """Every object under ``prefix``: key -> size."""
+        out: dict[str, int] = {}
+        pages = self.client().get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=prefix
+        )
+        for page in pages:
+            out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+        return out
+
+    def open_uploads(self, bucket: str) -> list[str]:
+        resp = self.client().list_multipart_uploads(Bucket=bucket)
+        return [u["Key"] for u in resp.get("Uploads", [])]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+Rule = Callable[[str, str], str | None]
+"""(method, path?query) -> None (forward), "503" (answer SlowDown) or "drop" (close the
+connection without an answer)."""
+
+
+class FaultProxy:
+    """An HTTP proxy in front of the S3 server that breaks chosen requests on purpose."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.rule: Rule = lambda method, path: None
+        self.seen: list[tuple[str, str, str]] = []  # (method, path, what was done)
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    action = proxy.rule(self.command, self.path)
+                    proxy.seen.append((self.command, self.path, action or "forward"))
+                if action == "drop":
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if action == "503":
+                    payload = (
+                        b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                        b"<Message>Please reduce your request rate.</Message></Error>"
+                    )
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward  # noqa: N815
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextlib.contextmanager
+def moto_server(**kwargs: Any) -> Iterator[MotoServer]:
+    server = MotoServer(**kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()

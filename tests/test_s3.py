@@ -1,0 +1,320 @@
+"""s3:// roots against a real S3 server (moto's, on 127.0.0.1, started here): the client's
+verified transfers, the manifest-last commit on 2 ranks, fallback past a damaged object, the
+run lock as a conditional put, retention, recovery and the errors a user meets first."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import run_world
+from s3_kit import MotoServer, moto_server
+from torch import nn
+
+from dckpt.errors import IntegrityError, LockError, StorageError
+from dckpt.storage.digest import hash_file
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[MotoServer]:
+    with moto_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    env = s3.env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+def _store(bucket: str, prefix: str = "run", **kwargs: Any) -> Any:
+    from dckpt.tiers.s3_store import S3Store
+    from dckpt.tiers.url import parse_url
+
+    return S3Store(parse_url(f"s3://{bucket}/{prefix}"), **kwargs)
+
+
+def test_multipart_upload_and_ranged_download_hash_the_bytes_that_move(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    bucket = s3.bucket()
+    store = _store(bucket, part_bytes=5 << 20, concurrency=3)
+    src = tmp_path / "shard"
+    src.write_bytes(os.urandom((12 << 20) + 123))  # three parts, the last one short
+    want, _ = hash_file(src, "xxh3_128")
+    digest, sent = store.upload_file(src, "run/shard", "xxh3_128")
+    assert (digest, sent) == (want, src.stat().st_size)
+    assert s3.open_uploads(bucket) == []  # completed, none left open
+    dest = tmp_path / "back"
+    assert store.download_file("run/shard", dest, sent, "xxh3_128") == want
+    assert dest.read_bytes() == src.read_bytes()
+    assert not list(tmp_path.glob(".back.part-*"))  # written beside, renamed into place
+
+    # The stream the hashing writer tees into: odd-sized writes, parts sent as they fill.
+    stream = store.open_upload("run/streamed")
+    data = src.read_bytes()
+    for i in range(0, len(data), 3 << 20 | 7):
+        stream.write(memoryview(data)[i : i + (3 << 20 | 7)])
+    stream.close()
+    assert stream.sent == len(data)
+    assert store.download_file("run/streamed", dest, sent, "xxh3_128") == want
+    small = store.open_upload("run/small")  # never fills a part: one PUT
+    small.write(b"abc")
+    small.close()
+    assert s3.client().get_object(Bucket=bucket, Key="run/small")["Body"].read() == b"abc"
+    aborted = store.open_upload("run/aborted")
+    aborted.write(data[: 6 << 20])  # one part sent: the multipart upload is open
+    assert s3.open_uploads(bucket) == ["run/aborted"]
+    aborted.abort()
+    assert s3.open_uploads(bucket) == [] and "run/aborted" not in s3.keys(bucket)
+
+    # One byte changed in the store: the download's digest differs (the caller refuses it).
+    data = bytearray(src.read_bytes())
+    data[7 << 20] ^= 0x01
+    s3.client().put_object(Bucket=bucket, Key="run/shard", Body=bytes(data))
+    assert store.download_file("run/shard", dest, sent, "xxh3_128") != want
+    # A shorter object than the manifest says is a size mismatch, not a short file.
+    s3.client().put_object(Bucket=bucket, Key="run/shard", Body=bytes(data[:-1]))
+    with pytest.raises(IntegrityError, match="size mismatch"):
+        store.download_file("run/shard", dest, sent, "xxh3_128")
+    with pytest.raises(IntegrityError, match="object missing"):
+        store.download_file("run/absent", dest, 10, "xxh3_128")
+
+
+def test_a_missing_bucket_and_an_unreachable_endpoint_say_what_to_fix(
+    s3: MotoServer, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store("no-such-bucket-here")
+    with pytest.raises(StorageError, match="the bucket 'no-such-bucket-here' does not exist"):
+        store.list("run/")
+    from s3_kit import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    store = _store("some-bucket", attempts=2)
+    with pytest.raises(StorageError, match=r"cannot reach the store at http://127\.0\.0\.1"):
+        store.list("run/")
+
+
+def test_the_lock_is_a_conditional_put_and_a_second_job_is_refused(
+    s3: MotoServer, s3_env: dict[str, str]
+) -> None:
+    from dckpt.tiers.object_lock import ObjectLock
+
+    bucket = s3.bucket()
+    first = ObjectLock(_store(bucket), "run-a", lease_s=30)
+    first.acquire()
+    second = ObjectLock(_store(bucket), "run-b", lease_s=30)
+    with pytest.raises(LockError, match="is in use by run run-a"):
+        second.acquire()
+    again = ObjectLock(_store(bucket), "run-a", lease_s=30)  # the same run, restarted
+    again.acquire()
+    assert again.took_over and "the same run restarted" in again.took_over
+    first.release()  # no longer its lock: leaves it in place
+    assert "run/.dckpt-lock" in s3.keys(bucket)
+    again.release()
+    assert "run/.dckpt-lock" not in s3.keys(bucket)
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _flat(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _save_steps(rank: int, world: int, root: str, mirror: str, steps: list[int]) -> Any:
+    import dckpt
+
+    model, opt = _model()
+    state = dckpt.TrainState(model, opt)
+    config = dckpt.CheckpointConfig(root=root, mirror=Path(mirror) / f"node{rank}", keep_last=2)
+    with dckpt.CheckpointManager(config, state) as mgr:
+        for step in steps:
+            state.step = step
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(float(step))
+            mgr.save(step).result()
+    return [t.tolist() for t in _flat(model)]
+
+
+def _resume(rank: int, world: int, root: str, mirror: str) -> Any:
+    import dckpt
+
+    model, opt = _model()
+    state = dckpt.TrainState(model, opt)
+    config = dckpt.CheckpointConfig(root=root, mirror=Path(mirror) / f"node{rank}")
+    with dckpt.CheckpointManager(config, state) as mgr:
+        report = mgr.resume()
+    return state.step, [t.tolist() for t in _flat(model)], report.format()
+
+
+def test_two_ranks_commit_by_manifest_last_and_resume_verified_from_the_bucket(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/jobs/a"
+    # Each rank its own mirror: as on two nodes, no local file is shared.
+    saved = run_world(_save_steps, 2, root, str(tmp_path), [1, 2, 3], env=s3_env)
+    keys = s3.keys(bucket)
+    steps = sorted({k.split("/")[2] for k in keys if k.startswith("jobs/a/step-")})
+    assert steps == ["step-00000002", "step-00000003"]  # keep_last=2, deleted in the bucket
+    for step in steps:
+        names = {k.rsplit("/", 1)[1] for k in keys if f"/{step}/" in k}
+        assert names == {"manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert s3.client().get_object(Bucket=bucket, Key="jobs/a/latest")["Body"].read() == (
+        b"step-00000003"
+    )
+    assert s3.open_uploads(bucket) == []
+    # The saving node's mirror keeps its newest copy only; the other rank's tmp copy is gone.
+    assert sorted(p.name for p in (tmp_path / "node0").iterdir() if p.is_dir()) == [
+        "step-00000003"
+    ]
+    assert not [p for p in (tmp_path / "node1").iterdir() if p.name.startswith("step-")]
+
+    # Resume on fresh mirrors: everything comes from the bucket, verified as it arrives.
+    fresh = tmp_path / "fresh"
+    results = run_world(_resume, 2, root, str(fresh), env=s3_env)
+    for rank, (step, weights, report) in enumerate(results):
+        assert step == 3
+        assert weights == saved[rank]
+        assert "downloaded from s3://" in report
+        assert "digests" in report
+    # Resume where the files are already in the mirror: re-verified, nothing downloaded.
+    results = run_world(_resume, 2, root, str(fresh), env=s3_env)
+    assert "0 files (0 B) downloaded" in results[0][2] and "cached in the mirror" in results[0][2]
+
+
+def test_peek_reads_one_manifest_from_the_bucket(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    import dckpt
+
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/peeked"
+    with pytest.raises(dckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+        dckpt.peek(root)
+    run_world(_save_steps, 2, root, str(tmp_path), [4, 5], env=s3_env)
+    info = dckpt.peek(root)
+    assert (info.step, info.world_size, info.path) == (5, 2, f"{root}/step-00000005")
+    assert dckpt.peek(root, step=4).step == 4
+    assert dckpt.read_config(root) == {}
+
+
+def test_a_damaged_object_is_named_and_resume_falls_back_to_the_previous_step(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/r"
+    run_world(_save_steps, 2, root, str(tmp_path / "save"), [1, 2], env=s3_env)
+    key = "r/step-00000002/__1_0.distcp"
+    body = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x10  # one flipped bit, in the store
+    s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    results = run_world(_resume, 2, root, str(tmp_path / "load"), env=s3_env)
+    assert [r[0] for r in results] == [1, 1]
+    report = results[0][2]
+    assert "step 2" in report and "__1_0.distcp" in report
+    keys = s3.keys(bucket)
+    assert "r/step-00000002/manifest.json" not in keys  # uncommitted in the bucket
+    assert any(k.startswith("r/quarantine/step-00000002/") for k in keys)
+    assert any(k.endswith("step-00000002.reason.txt") for k in keys)
+
+
+def _save_expecting_failure(rank: int, world: int, root: str, mirror: str, step: int) -> str:
+    import dckpt
+
+    model, opt = _model()
+    state = dckpt.TrainState(model, opt)
+    config = dckpt.CheckpointConfig(root=root, mirror=Path(mirror) / f"node{rank}")
+    try:
+        with dckpt.CheckpointManager(config, state) as mgr:
+            state.step = step
+            mgr.save(step).result()
+    except dckpt.SaveError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_throttling_and_dropped_connections_are_retried_and_a_failing_store_fails_cleanly(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    from s3_kit import FaultProxy
+
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/p"
+    proxy = FaultProxy(s3.port)
+    broken = {"503": 0, "drop": 0}
+
+    def flaky(method: str, path: str) -> str | None:
+        if method == "PUT" and ".distcp" in path and broken["503"] < 3:
+            broken["503"] += 1
+            return "503"
+        if method == "GET" and ".distcp" in path and broken["drop"] < 2:
+            broken["drop"] += 1
+            return "drop"
+        return None
+
+    proxy.rule = flaky
+    env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+    try:
+        saved = run_world(_save_steps, 2, root, str(tmp_path / "save"), [1], env=env)
+        loaded = run_world(_resume, 2, root, str(tmp_path / "load"), env=env)
+        assert broken == {"503": 3, "drop": 2}  # each one really happened, and was retried
+        assert [r[0] for r in loaded] == [1, 1]
+        assert [r[1] for r in loaded] == saved
+
+        # The manifest's PUT answered 503 every time: the save fails on every rank, saying
+        # so, and nothing is committed; step 1 stays the newest.
+        def manifest_refused(method: str, path: str) -> str | None:
+            if method == "PUT" and "step-00000002/manifest.json" in path:
+                return "503"
+            return None
+
+        proxy.rule = manifest_refused
+        env["DCKPT_S3_ATTEMPTS"] = "2"
+        errors = run_world(_save_expecting_failure, 2, root, str(tmp_path / "s2"), 2, env=env)
+        for error in errors:
+            assert "save of step 2 failed, nothing was committed" in error
+            assert "kept answering 503 SlowDown through 2 attempts" in error
+            assert "step-00000002/manifest.json" in error
+        keys = s3.keys(bucket, "p/")
+        assert "p/step-00000002/manifest.json" not in keys
+        assert "p/step-00000002/__0_0.distcp" in keys  # debris, never listed as committed
+        proxy.rule = lambda method, path: None
+        loaded = run_world(_resume, 2, root, str(tmp_path / "load2"), env=env)
+        assert [r[0] for r in loaded] == [1, 1]
+        assert not [k for k in s3.keys(bucket, "p/step-00000002/")]  # removed at the start
+    finally:
+        proxy.close()
+
+
+def test_refused_credentials_name_the_bucket_and_what_to_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A second server that checks signatures against its own users (it has none).
+    with moto_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as strict:
+        for k, v in strict.env().items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(StorageError) as caught:
+            _store("secured-bucket").list("run/")
+    text = str(caught.value)
+    assert "refused the credentials (InvalidAccessKeyId)" in text
+    assert "s3://secured-bucket/run/" in text and "AWS_ACCESS_KEY_ID" in text

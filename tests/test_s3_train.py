@@ -1,0 +1,98 @@
+"""The example trainer on an s3:// root, against a real S3 server: a rank SIGKILLed halfway
+through a multipart upload, the restart that cleans up and resumes loss for loss, and the
+``dckpt`` commands on the bucket."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import dckpt_cli, losses, torchrun_train
+from s3_kit import MotoServer, moto_server
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+# FSDP halves the state between the ranks; with 5 MiB parts each rank's shard is several parts.
+ARGS = ["--parallel", "fsdp", "--d-model", "256", "--steps", "6", "--save-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[MotoServer]:
+    with moto_server() as server:
+        yield server
+
+
+def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_resumes(
+    s3: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("DCKPT_S3_PART_MB", "5")
+    monkeypatch.setenv("DCKPT_CACHE_DIR", str(tmp_path / "cache"))
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/runs/lm"
+
+    ref = torchrun_train(tmp_path / "ref", *ARGS, "--loss-log", str(tmp_path / "ref.jsonl"))
+    assert ref.returncode == 0, ref.stderr
+
+    log = tmp_path / "run.jsonl"
+    monkeypatch.setenv("DCKPT_FAULT", "phase=upload,rank=1,action=sigkill,step=4")
+    crashed = torchrun_train(root, *ARGS, "--loss-log", str(log), "--no-async")
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert crashed.returncode != 0
+    keys = s3.keys(bucket, "runs/lm/")
+    assert "runs/lm/step-00000002/manifest.json" in keys, crashed.stderr[-3000:]
+    assert "runs/lm/step-00000004/manifest.json" not in keys  # nothing became visible
+    half_done = s3.open_uploads(bucket)
+    assert "runs/lm/step-00000004/__1_0.distcp" in half_done  # killed mid-upload, really
+    listed = json.loads(dckpt_cli("ls", root, "--json").stdout)
+    assert [(r["step"], r["status"]) for r in listed] == [(2, "committed"), (4, "incomplete")]
+
+    resumed = torchrun_train(root, *ARGS, "--loss-log", str(log))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "aborted the unfinished upload of runs/lm/step-00000004/__1_0.distcp" in resumed.stderr
+    assert re.search(r"removed \d+ object\(s\) of the uncommitted s3://\S+/step-00000004", (
+        resumed.stderr
+    ))  # fmt: skip
+    assert f"dckpt resume: step 2 from s3://{bucket}/runs/lm/step-00000002" in resumed.stderr
+    assert "downloaded from s3://" in resumed.stderr or "cached in the mirror" in resumed.stderr
+    assert s3.open_uploads(bucket) == []
+    want, got = losses(tmp_path / "ref.jsonl"), losses(log)
+    assert [got[s] for s in range(3, 7)] == [want[s] for s in range(3, 7)]  # loss for loss
+
+    # The commands on the bucket.
+    listed = json.loads(dckpt_cli("ls", root, "--json").stdout)
+    assert [(r["step"], r["status"]) for r in listed] == [
+        (2, "committed"),
+        (4, "committed"),
+        (6, "committed"),
+    ]
+    assert all(r["path"].startswith(f"s3://{bucket}/runs/lm/step-") for r in listed)
+    checked = dckpt_cli("verify", root, "--json")
+    assert checked.returncode == 0, checked.stderr
+    assert json.loads(checked.stdout)["ok"] is True
+    shown = dckpt_cli("inspect", root, "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["step"] == 6, shown.stderr
+    assert dckpt_cli("pin", root, "2").returncode == 0
+    gc = dckpt_cli("gc", root, "--keep-last", "2", "--json")
+    assert gc.returncode == 0, gc.stderr + gc.stdout
+    assert json.loads(gc.stdout)["deleted"] == []  # 2 pinned, 4 and 6 the newest two
+    assert dckpt_cli("unpin", root, "2").returncode == 0
+    gc = dckpt_cli("gc", root, "--keep-last", "2", "--json")
+    assert json.loads(gc.stdout)["deleted"] == ["step-00000002"]
+    assert not [k for k in s3.keys(bucket, "runs/lm/step-00000002/")]
+
+    # One byte changed in the bucket: verify names the object and exits 3.
+    key = "runs/lm/step-00000006/__0_0.distcp"
+    body = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[1000] ^= 0x01
+    s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    bad = dckpt_cli("verify", root, "--step", "6")
+    assert bad.returncode == 3
+    assert "FAILED  step-00000006: __0_0.distcp: digest mismatch" in bad.stdout
+    export = dckpt_cli("export", root, "--step", "4", "--out", str(tmp_path / "m.safetensors"))
+    assert export.returncode == 0, export.stderr
+    assert (tmp_path / "m.safetensors").stat().st_size > 0
