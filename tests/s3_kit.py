@@ -82,8 +82,8 @@ class MotoServer:
     def keys(self, bucket: str, prefix: str = "") -> dict[str, int]:
         """Every object under ``prefix``: key -> size."""
         out: dict[str, int] = {}
-        pages = self.client().get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=prefix
+        pages = (
+            self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         )
         for page in pages:
             out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
