@@ -144,6 +144,7 @@ class CheckpointManager:
             )
         )
         strategy, self._source, self._objects = self._root_kind()
+        self._commit = strategy
         self._locks = self._open_root()
         clock, mode, progress = StepClock(), SaveMode(config.async_save), Progress(self._io)
         pipeline = SavePipeline(
@@ -193,11 +194,16 @@ class CheckpointManager:
             return RenameCommit(), LocalSource(self.root), None
         try:
             objects = ObjectRoot(S3Store(parse_url(self.config.remote)))
-        except CheckpointError:  # boto3 missing: every rank says so, and lets go of its groups
+        except (CheckpointError, ValueError):  # boto3 missing, a bad DCKPT_S3_* setting
             self._ctl.close()
             self._io.close()
             raise
         return ObjectCommit(objects), ObjectSource(objects, self.root), objects
+
+    def _strategy_lock(self, lock: ObjectLock) -> None:
+        """The object commit checks, right before each manifest PUT, that the lock is held."""
+        if isinstance(self._commit, ObjectCommit):
+            self._commit.lock = lock
 
     def _open_root(self) -> list[RunLock | ObjectLock]:
         """Rank 0 makes the root, takes the run lock and recovers from crashed saves; every
@@ -216,8 +222,10 @@ class CheckpointManager:
                     locks[-1].acquire()
                     if self._objects is not None:
                         store = self._objects.store
-                        locks.append(ObjectLock(store, self.run_id, self.config.lock_lease_s))
-                        locks[-1].acquire()
+                        remote_lock = ObjectLock(store, self.run_id, self.config.lock_lease_s)
+                        locks.append(remote_lock)
+                        remote_lock.acquire()
+                        self._strategy_lock(remote_lock)
                 recover(self.root)
                 if self._objects is not None:
                     self._objects.recover()

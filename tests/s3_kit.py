@@ -102,8 +102,8 @@ class MotoServer:
 
 
 Rule = Callable[[str, str], str | None]
-"""(method, path?query) -> None (forward), "503" (answer SlowDown) or "drop" (close the
-connection without an answer)."""
+"""(method, path?query) -> None (forward), "503" (answer SlowDown), "drop" (close the
+connection without an answer) or "strip-conditions" (forward without If-None-Match/If-Match)."""
 
 
 class FaultProxy:
@@ -145,7 +145,10 @@ class FaultProxy:
                     self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                dropped = {"connection"}
+                if action == "strip-conditions":  # a store that ignores conditional writes
+                    dropped |= {"if-none-match", "if-match"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()

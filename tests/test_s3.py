@@ -316,3 +316,115 @@ def test_refused_credentials_name_the_bucket_and_what_to_check(
     text = str(caught.value)
     assert "refused the credentials (InvalidAccessKeyId)" in text
     assert "s3://secured-bucket/run/" in text and "AWS_ACCESS_KEY_ID" in text
+
+
+def _resume_local_share(rank: int, world: int, root: str, mirror: str) -> Any:
+    # As under torchrun, but each rank with its own mirror (mirrors that are not shared).
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
+    return _resume(rank, world, root, mirror)
+
+
+def test_ranks_of_one_node_with_separate_mirrors_fetch_what_they_lack_and_quarantine_nothing(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/sep"
+    saved = run_world(_save_steps, 2, root, str(tmp_path / "save"), [1, 2], env=s3_env)
+    results = run_world(_resume_local_share, 2, root, str(tmp_path / "load"), env=s3_env)
+    assert [r[0] for r in results] == [2, 2]
+    assert [r[1] for r in results] == saved
+    assert not [k for k in s3.keys(bucket) if "/quarantine/" in k]
+
+
+def test_damage_found_only_in_the_mirror_is_not_blamed_on_the_bucket(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    from dckpt.errors import IntegrityError
+    from dckpt.tiers.object_root import ObjectRoot
+    from dckpt.tiers.object_source import ObjectSource
+
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/m"
+    run_world(_save_steps, 2, root, str(tmp_path / "save"), [3], env=s3_env)
+    source = ObjectSource(ObjectRoot(_store(bucket, "m")), tmp_path / "mirror", (0, 1))
+    source.fetch(3)
+    local = tmp_path / "mirror" / "step-00000003" / "__0_0.distcp"
+    local_damage = IntegrityError(str(local), "xxh3_128:aa", "xxh3_128:bb")
+    with pytest.raises(StorageError, match="matches its digest: the local copy was damaged"):
+        source.confirm_damage(3, local_damage)
+    assert not local.exists()  # the mirror's copy is dropped, the bucket's kept
+    assert "m/step-00000003/manifest.json" in s3.keys(bucket)
+    # Damage found while downloading is the bucket's: confirmed, so it is quarantined.
+    source.confirm_damage(3, IntegrityError(f"{root}/step-00000003/x", "a", "b"))
+    key = "m/step-00000003/__1_0.distcp"
+    body = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[5] ^= 1
+    s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    source.confirm_damage(3, local_damage)  # the bucket's copy is bad too: no objection
+
+
+def _save_while_an_object_vanishes(rank: int, world: int, root: str, mirror: str) -> str:
+    return _save_expecting_failure(rank, world, root, mirror, 1)
+
+
+def test_the_commit_refuses_when_an_uploaded_object_is_gone(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    import threading
+    import time
+
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/gone"
+    key = "gone/step-00000001/__1_0.distcp"
+
+    def delete_when_uploaded() -> None:  # while rank 0 sleeps right before the commit point
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "gone/step-00000001/.metadata" not in s3.keys(
+            bucket, "gone/"
+        ):
+            time.sleep(0.05)
+        s3.client().delete_object(Bucket=bucket, Key=key)
+
+    thread = threading.Thread(target=delete_when_uploaded, daemon=True)
+    thread.start()
+    env = {**s3_env, "DCKPT_FAULT": "phase=rename,rank=0,action=sleep,seconds=3"}
+    errors = run_world(_save_while_an_object_vanishes, 2, root, str(tmp_path), env=env)
+    thread.join(timeout=5)
+    for error in errors:
+        assert "an uploaded object is gone or changed before the commit" in error
+        assert f"s3://{bucket}/{key}" in error
+    assert "gone/step-00000001/manifest.json" not in s3.keys(bucket)
+
+
+def test_a_lock_taken_away_is_noticed_before_the_next_commit(
+    s3: MotoServer, s3_env: dict[str, str]
+) -> None:
+    from dckpt.tiers.object_lock import ObjectLock
+
+    bucket = s3.bucket()
+    mine = ObjectLock(_store(bucket), "run-a", lease_s=30)
+    mine.acquire()
+    mine.check_held()
+    s3.client().put_object(Bucket=bucket, Key="run/.dckpt-lock", Body=b'{"not": "mine"}')
+    with pytest.raises(LockError, match="another job may own this root now"):
+        mine.check_held()
+    mine.release()
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused_a_lock(
+    s3: MotoServer, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from s3_kit import FaultProxy
+
+    from dckpt.tiers.object_lock import ObjectLock
+
+    bucket = s3.bucket()
+    proxy = FaultProxy(s3.port)
+    proxy.rule = lambda method, path: "strip-conditions"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        with pytest.raises(LockError, match="does not honour conditional writes"):
+            ObjectLock(_store(bucket), "run-a", lease_s=30).acquire()
+    finally:
+        proxy.close()
+    assert "run/.dckpt-lock" not in s3.keys(bucket)

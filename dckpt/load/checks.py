@@ -35,7 +35,7 @@ from ..errors import (
 from ..faults import fault_point
 from ..phases import Phase
 from ..root.manifest import Manifest, check_layout, read_manifest
-from ..root.source import CheckpointSource
+from ..root.source import CheckpointSource, Fetched
 from ..storage.verified_files import open_verified
 from ..storage.verifying_reader import VerifyingReader
 from ..train.precision import PrecisionPolicy, check_scaler
@@ -63,16 +63,22 @@ def fetch_candidate(
     """Every rank brings its share of ``step`` to where it is read (an object store's
     mirror; nothing for a directory root); any rank's failure is raised on every rank (a
     damaged object is evidence of damage: the resume falls back past the step)."""
-    failure: CheckpointError | None = None
-    fetched = None
-    try:
-        fetched = source.fetch(step)
-    except CheckpointError as exc:
-        failure = exc
-    except OSError as exc:  # the local mirror: a full disk, no permission
-        failure = StorageError(f"fetching step {step} into {source.local} failed: {exc}")
-    raise_first(comm, failure)
-    lines = comm.all_gather(fetched.line() if fetched is not None else None)
+    done: list[Fetched] = []
+    for step_part in (source.fetch, source.complete):  # this rank's share, then any gaps
+        failure: CheckpointError | None = None
+        try:
+            got = step_part(step)
+            if got is not None:
+                done.append(got)
+        except CheckpointError as exc:
+            failure = exc
+        except OSError as exc:  # the local mirror: a full disk, no permission
+            failure = StorageError(f"fetching step {step} into {source.local} failed: {exc}")
+        raise_first(comm, failure)
+    mine = "; then what this rank's mirror lacked: ".join(
+        line for d in done if (line := d.line()) is not None
+    )
+    lines = comm.all_gather(mine or None)
     if any(line is not None for line in lines):
         report.check("fetch", True, f"rank 0: {lines[0]}" if len(lines) > 1 else str(lines[0]))
 

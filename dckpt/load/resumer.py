@@ -190,7 +190,7 @@ class Resumer:
                 divergent = isinstance(exc, IntegrityError) and exc.divergent
                 if not fallback or divergent or isinstance(exc, IncompatibleCheckpointError):
                     raise
-                self._quarantine(step, f"{type(exc).__name__}: {exc}")
+                self._quarantine(step, exc)
                 # The report keeps the first sentence; quarantine/<step>.reason.txt has it all.
                 skipped.append((step, f"{type(exc).__name__}: {str(exc).split('. ')[0]}"))
         report = ResumeReport.of(chosen, skipped, self.world_size)
@@ -373,13 +373,14 @@ class Resumer:
     def _quarantined_count(self) -> int:
         return self.source.quarantined_count()
 
-    def _quarantine(self, step: int, reason: str) -> None:
+    def _quarantine(self, step: int, exc: CheckpointError) -> None:
         error: str | None = None
         if self.rank == 0:
             try:
-                self.source.quarantine(step, reason)
-            except (OSError, ValueError, CheckpointError) as exc:
-                error = f"could not quarantine step {step}: {exc}"
+                self.source.confirm_damage(step, exc)  # a local fault raises StorageError
+                self.source.quarantine(step, f"{type(exc).__name__}: {exc}")
+            except (OSError, ValueError, CheckpointError) as failed:
+                error = f"could not quarantine step {step}: {failed}"
         error = self._ctl.broadcast(error)
         if error is not None:
             raise CheckpointError(error)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from ..errors import CheckpointError
 from .layout import committed_steps, list_checkpoints, step_dir_name
 from .upkeep import quarantine
 
@@ -42,6 +43,15 @@ class CheckpointSource(Protocol):
         """Every rank: make ``local/step-N`` hold this rank's share of ``step``, verified."""
         ...
 
+    def complete(self, step: int) -> Fetched | None:
+        """Every rank, after every rank's ``fetch``: whatever ``local/step-N`` still lacks."""
+        ...
+
+    def confirm_damage(self, step: int, exc: CheckpointError) -> None:
+        """Rank 0, before a quarantine: raise StorageError if the failure was local (the
+        checkpoint where it lives is intact), so it is not quarantined."""
+        ...
+
     def quarantine(self, step: int, reason: str) -> None:
         """Rank 0: move a step that failed verification aside, with the reason."""
         ...
@@ -66,6 +76,12 @@ class LocalSource:
 
     def fetch(self, step: int) -> Fetched | None:
         return None
+
+    def complete(self, step: int) -> Fetched | None:
+        return None
+
+    def confirm_damage(self, step: int, exc: CheckpointError) -> None:
+        pass  # read in place: what failed is the checkpoint itself
 
     def quarantine(self, step: int, reason: str) -> None:
         quarantine(self.local, self.local / step_dir_name(step), reason)

@@ -82,6 +82,10 @@ __all__ = ["SaveJob", "SavePipeline"]
 log = logging.getLogger("dckpt")
 
 
+class _PreparingError(Exception):
+    """The commit strategy could not make room for a save (its message says where)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveJob:
     """What the foreground hands the save thread for one save; never changed after."""
@@ -307,8 +311,15 @@ class SavePipeline:
             try:
                 trace.at(Phase.MAKE_TMP)
                 if self.rank == 0:  # e.g. uncommit a step saved again, before any byte lands
-                    self.strategy.begin(self.root, job.step)
+                    try:
+                        self.strategy.begin(self.root, job.step)
+                    except Exception as exc:
+                        raise _PreparingError(
+                            f"cannot prepare {self.strategy.where(self.root, job.step)}: {exc}"
+                        ) from exc
                 tmp.mkdir(exist_ok=True)  # every rank (shared or not); DCP's mkdir finds it
+            except _PreparingError as exc:
+                error = str(exc)
             except Exception as exc:  # reported to every rank by the agreement below
                 error = f"cannot make {tmp}: {describe_os_error(exc, self.root)}"
         if error is None:

@@ -137,13 +137,14 @@ class HashingFileSystem(FileSystem):
         sink = self.tee(self._key(path).removesuffix(".tmp")) if self.tee else None
         stream = _HashingStream(open_for_write(path, direct=self.direct), hasher, sink)
         try:
-            yield stream
+            try:
+                yield stream
+            finally:
+                stream.close()
         except BaseException:
-            if sink is not None:
+            if sink is not None:  # the write or the local close failed: no object either
                 sink.abort()
             raise
-        finally:
-            stream.close()
         if sink is not None:
             sink.close()  # the object is complete (raises, failing the write, if not)
         record = FileRecord(

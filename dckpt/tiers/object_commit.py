@@ -35,15 +35,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StorageError
 from ..faults import fault_point
 from ..phases import Phase, Trace
 from ..root.commit import Flag, RenameCommit
 from ..root.layout import STEP_RE, step_dir_name
-from ..root.manifest import MANIFEST_FILE
+from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..root.retention import RetentionPolicy
 from ..storage.records import FileRecord
 from ..storage.sink import Sink, Tee
+from .object_lock import ObjectLock
 from .object_root import ObjectRoot
 from .s3_store import UploadStream
 
@@ -99,6 +100,8 @@ class ObjectCommit:
         self.objects = root
         self._local = RenameCommit()  # names of the mirror's tmp dirs
         self._uploaded: dict[str, int] = {}  # this rank's files sent by the tee: name -> bytes
+        self.lock: ObjectLock | None = None
+        """Rank 0's run lock in the bucket, checked right before each commit."""
 
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return self._local.tmp_location(root, step, save_id)
@@ -168,7 +171,10 @@ class ObjectCommit:
         fault_point(Phase.RENAME, 0, step)
         if cancelled is not None and cancelled.is_set():
             raise RuntimeError(f"the save of step {step} was cancelled before its commit")
-        self.objects.store.put_small(self.objects.key(name, MANIFEST_FILE), raw)  # the commit
+        self._check_objects(step, parse_manifest(raw, str(tmp / MANIFEST_FILE)))
+        if self.lock is not None:  # a job that lost its lock may have lost its objects too
+            self.lock.check_held()
+        self._put_manifest(step, raw)  # the commit point
         final = Path(root) / name
         try:
             for newer in [s for s in self.objects.committed_steps() if s > step]:
@@ -185,6 +191,38 @@ class ObjectCommit:
         except Exception as exc:
             log.warning("dckpt: step %d is committed, but tidying up failed: %r", step, exc)
         return final
+
+    def _check_objects(self, step: int, manifest: Manifest) -> None:
+        """Every object the manifest lists is in the store at its recorded size."""
+        name = step_dir_name(step)
+        listed = {o.key: o.size for o in self.objects.store.list(self.objects.key(name) + "/")}
+        for record in manifest.files:
+            size = listed.get(self.objects.key(name, record.path))
+            if size != record.bytes:
+                raise IntegrityError(
+                    self.objects.where(name, record.path),
+                    f"{record.bytes} bytes, uploaded",
+                    "no object" if size is None else f"{size} bytes",
+                    detail="an uploaded object is gone or changed before the commit",
+                )
+
+    def _put_manifest(self, step: int, raw: bytes) -> None:
+        """PUT the manifest; when the PUT fails, read it back: a reply lost after the store
+        applied it means the step IS committed, and the caller must not say otherwise."""
+        key = self.objects.key(step_dir_name(step), MANIFEST_FILE)
+        try:
+            self.objects.store.put_small(key, raw)
+        except StorageError as exc:
+            try:
+                there = self.objects.store.get_small(key, len(raw))
+            except StorageError:
+                raise StorageError(
+                    f"{exc} The manifest may or may not have landed; the next resume lists "
+                    "and verifies what is committed."
+                ) from None
+            if there is None or there[0] != raw:
+                raise
+            log.warning("dckpt: the manifest PUT of step %d failed but landed: %s", step, exc)
 
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
         self.objects.apply_retention(policy)

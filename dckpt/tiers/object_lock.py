@@ -42,6 +42,8 @@ class ObjectLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.took_over: str | None = None
+        self.lost: str | None = None
+        """Set when a renewal found the lock in other hands: this job must not commit."""
 
     def _record(self) -> bytes:
         return json.dumps(asdict(LockOwner.me(self.run_id, self._token, self.lease_s))).encode()
@@ -67,6 +69,16 @@ class ObjectLock:
                 f"cannot take the run lock {self.store.url}/{LOCK_FILE}: {exc}"
             ) from None
         self._etag = etag
+        # A store that ignores If-None-Match would let two jobs both "take" the lock: ask
+        # again for the key that now exists, which a store that honours it must refuse.
+        if self.store.put_small(self.key, self._record(), if_absent=True) is not None:
+            self.store.delete([self.key])
+            raise LockError(
+                f"{self.store.url}: the store does not honour conditional writes "
+                "(If-None-Match), so a run lock there would not keep a second job out. Use "
+                "a store that does (AWS S3, recent MinIO), or CheckpointConfig(lock=False) "
+                "and make sure only one job writes this root."
+            )
         self._thread = threading.Thread(target=self._renew, name="dckpt-lock", daemon=True)
         self._thread.start()
 
@@ -107,10 +119,28 @@ class ObjectLock:
             except StorageError as exc:
                 log.warning("dckpt: could not renew the run lock (will retry): %s", exc)
                 continue
-            if etag is None:
-                log.error("dckpt: the run lock %s was taken by someone else", self.store.url)
+            if etag is None:  # the ETag changed: a lost reply to our own retried PUT?
+                current = self._read()
+                if current is not None and current[0].token == self._token:
+                    self._etag = current[1]
+                    continue
+                self.lost = f"the run lock {self.store.url}/{LOCK_FILE} was taken by " + (
+                    current[0].describe() if current is not None else "no one (it was deleted)"
+                )
+                log.error("dckpt: %s; this job will not commit again", self.lost)
                 return
             self._etag = etag
+
+    def check_held(self) -> None:
+        """Raise LockError unless this job still holds the lock (read from the store now):
+        the commit runs this right before its manifest PUT."""
+        if self.lost is None:
+            current = self._read()
+            if current is None or current[0].token != self._token:
+                who = current[0].describe() if current is not None else "no one"
+                self.lost = f"the run lock {self.store.url}/{LOCK_FILE} is held by {who}"
+        if self.lost is not None:
+            raise LockError(f"{self.lost}: another job may own this root now")
 
     def abandon(self) -> None:
         """Stop renewing the lease but leave the lock: it runs out by itself."""

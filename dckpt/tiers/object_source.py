@@ -12,7 +12,9 @@ usual checks of a candidate every rank calls ``fetch``:
    use), and otherwise downloads it, hashing every byte as it is written, into a part file
    renamed into place; an object whose bytes differ from the writer's digest raises
    ``IntegrityError`` naming its URL, and the resume falls back past the step (quarantined
-   in the bucket);
+   in the bucket); once every rank's share is in (``complete``, after a barrier), a rank
+   whose mirror still lacks a file (mirrors not shared by a node's ranks) downloads it too,
+   so a wrong guess about which ranks share a mirror costs traffic, never a checkpoint;
 3. the resume then runs the same checks as for a directory root on the mirror's copy (the
    layout, ``.metadata`` through the allow-list, the digests across ranks as DCP loads).
 
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError, IntegrityError
+from ..errors import CheckpointError, IntegrityError, StorageError
 from ..root.layout import step_dir_name
 from ..root.manifest import MANIFEST_FILE, parse_manifest
 from ..storage.records import FileRecord
@@ -97,23 +100,47 @@ class ObjectSource:
         return f"{self.objects.where(step_dir_name(step))} (via the mirror {self.local})"
 
     def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> FetchReport:
+        """This rank's share of ``step``: each file kept if verified, else downloaded."""
+        index, count = self.share
+        return self._bring(step, lambda i: i % count == index, progress, write_manifest=index == 0)
+
+    def complete(
+        self, step: int, progress: Callable[[int], None] | None = None
+    ) -> FetchReport | None:
+        """After every rank fetched its share: whatever this rank's mirror still lacks (a
+        mirror not shared by the node's ranks), so every rank can read every file; None
+        when nothing was missing."""
+        report = self._bring(step, lambda i: True, progress, write_manifest=True, missing=True)
+        if self.keep_one:
+            keep_only(self.local, step)
+        return report if report.downloaded else None
+
+    def _bring(
+        self,
+        step: int,
+        mine: Callable[[int], bool],
+        progress: Callable[[int], None] | None,
+        *,
+        write_manifest: bool,
+        missing: bool = False,
+    ) -> FetchReport:
         t0 = time.perf_counter()
         name = step_dir_name(step)
         raw = self.objects.manifest_raw(step)
         manifest = parse_manifest(raw, self.objects.where(name, MANIFEST_FILE))
-        index, count = self.share
         target = self.local / name
         target.mkdir(parents=True, exist_ok=True)
-        if index == 0:
-            if self.keep_one:
-                keep_only(self.local, step)
+        if write_manifest and _read_or_none(target / MANIFEST_FILE) != raw:
             _write_replacing(target / MANIFEST_FILE, raw)
         downloaded = reused = nbytes = 0
         for i, record in enumerate(sorted(manifest.files, key=lambda r: r.path)):
-            if i % count != index:
+            if not mine(i):
                 continue
             path = target / record.path
-            if _verified_copy(path, record):
+            if missing:  # another rank of this node verified what it fetched: look at the size
+                if _size_or_none(path) == record.bytes:
+                    continue
+            elif _verified_copy(path, record):
                 reused += 1
                 continue
             key = self.objects.key(name, record.path)
@@ -131,6 +158,25 @@ class ObjectSource:
             nbytes += record.bytes
         return FetchReport(str(self), downloaded, nbytes, reused, time.perf_counter() - t0)
 
+    def confirm_damage(self, step: int, exc: CheckpointError) -> None:
+        """Before a quarantine: a digest, size or missing-file failure found in the mirror
+        (not while downloading) is checked against the bucket; if every object there matches
+        its digest, the damage is local: the mirror's copy is dropped and StorageError
+        raised, so an intact checkpoint is never quarantined for a local fault."""
+        if not isinstance(exc, IntegrityError) or exc.path.startswith("s3://"):
+            return
+        _, problems = self.objects.verify(step)
+        if problems:
+            return
+        shutil.rmtree(self.local / step_dir_name(step), ignore_errors=True)
+        raise StorageError(
+            f"step {step} failed verification in the local mirror ({exc.detail or exc}: "
+            f"{exc.path}), but every object of it in {self.objects.where(step_dir_name(step))} "
+            "matches its digest: the local copy was damaged after it was downloaded (the "
+            "disk, or a mirror shared by ranks that should not share it). It was not "
+            "quarantined and the mirror's copy was removed; start the job again."
+        )
+
     def quarantine(self, step: int, reason: str) -> None:
         self.objects.quarantine(step, reason)
         shutil.rmtree(self.local / step_dir_name(step), ignore_errors=True)
@@ -147,6 +193,21 @@ def _verified_copy(path: Path, record: FileRecord) -> bool:
             return True
     except (CheckpointError, OSError):
         return False
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _size_or_none(path: Path) -> int | None:
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _write_replacing(path: Path, data: bytes) -> None:

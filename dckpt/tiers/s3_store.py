@@ -114,7 +114,8 @@ class S3Store:
             "s3",
             config=config.Config(
                 retries={"max_attempts": self.attempts, "mode": "standard"},
-                max_pool_connections=2 * self.concurrency + 4,
+                # several files (io_threads) may upload at once, each `concurrency` parts
+                max_pool_connections=max(16, 4 * self.concurrency),
                 connect_timeout=10,
                 read_timeout=60,
             ),
@@ -245,12 +246,17 @@ class S3Store:
         """Delete ``keys`` (missing ones are fine), in the order given, 1000 per request."""
         for i in range(0, len(keys), 1000):
             batch = keys[i : i + 1000]
-            resp = self._call(
-                batch[0],
-                "deleting",
-                self.client.delete_objects,
-                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
-            )
+            try:
+                resp = self.client.delete_objects(
+                    Bucket=self.url.bucket,
+                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+                )
+            except Exception as exc:
+                if self._code(exc) not in ("NotImplemented", "MethodNotAllowed", "501"):
+                    raise self.fail(exc, batch[0], "deleting") from exc
+                for key in batch:  # a store without multi-object delete (GCS's XML API)
+                    self._call(key, "deleting", self.client.delete_object, Key=key)
+                continue
             if resp.get("Errors"):
                 first = resp["Errors"][0]
                 raise StorageError(
@@ -279,9 +285,9 @@ class S3Store:
                 ListedObject(o["Key"], int(o["Size"]), o["LastModified"].timestamp())
                 for o in resp.get("Contents", [])
             ]
-            if not resp.get("IsTruncated"):
-                return found
             token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:  # no token: nothing more to ask for
+                return found
 
     def open_uploads(self, prefix: str) -> builtins.list[OpenUpload]:
         """Multipart uploads begun under ``prefix`` and neither completed nor aborted."""
@@ -299,12 +305,16 @@ class S3Store:
                 OpenUpload(u["Key"], u["UploadId"], u["Initiated"].timestamp())
                 for u in resp.get("Uploads", [])
             ]
-            if not resp.get("IsTruncated"):
-                return found
             marker = {
-                "KeyMarker": resp.get("NextKeyMarker"),
-                "UploadIdMarker": resp.get("NextUploadIdMarker"),
+                k: v
+                for k, v in (
+                    ("KeyMarker", resp.get("NextKeyMarker")),
+                    ("UploadIdMarker", resp.get("NextUploadIdMarker")),
+                )
+                if v
             }
+            if not resp.get("IsTruncated") or not marker:
+                return found
 
     def abort(self, upload: OpenUpload) -> None:
         try:
