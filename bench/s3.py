@@ -11,6 +11,9 @@ and rotated like compare.py:
   .save(step)``: the DCP write into the local mirror with digests, every shard uploaded and
   re-hashed as it is sent, the manifest last; timed to the commit (the manifest's PUT);
 - ``raw_put_one`` (for reference): the same bytes in one ``put_object`` (no multipart);
+- ``raw_get_dcp_load``: what a user would do without dckpt: each rank downloads its share of
+  the committed step's objects with boto3 into a local directory, then ``dcp.load`` of model
+  and optimizer from it (nothing verified);
 - ``raw_get``: each rank downloads its own shard object (``download_fileobj``, same settings);
 - ``dckpt_load``: ``CheckpointManager(...).load()`` on a fresh mirror (``LOCAL_RANK`` set as
   torchrun would, so each rank fetches its share): every object hashed as it arrives, the
@@ -49,7 +52,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
 
-METHODS = ("raw_put", "dckpt_save", "raw_get", "dckpt_load", "raw_put_one")
+METHODS = ("raw_put", "dckpt_save", "raw_get", "dckpt_load", "raw_put_one", "raw_get_dcp_load")
 
 
 def _moto() -> tuple[subprocess.Popen[bytes], str]:
@@ -98,6 +101,24 @@ def _loop(mgr: Any, opt: torch.optim.Optimizer, steps: int, n: int, save: bool) 
 
 def _save_now(mgr: Any) -> None:
     mgr.save(2).result()
+
+
+def _raw_get_then_dcp_load(
+    client: Any, bucket: str, prefix: str, into: Path, state: Any, transfer: Any
+) -> None:
+    """Each rank downloads its share of the step's objects (boto3, no digest), then
+    ``dcp.load`` of model and optimizer from the local copy (no verification)."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    step = f"{prefix}/step-00000002/"
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=step)["Contents"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, key in enumerate(keys):
+        if i % world == rank and not key.endswith("manifest.json"):
+            client.download_file(bucket, key, str(into / key[len(step) :]), Config=transfer)
+    dist.barrier()
+    full = state.state_dict()
+    dcp_load({"model": full["model"], "optimizer": full["optimizer"]}, checkpoint_id=str(into))
 
 
 def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +192,14 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 )
                 with dckpt.CheckpointManager(conf, state) as mgr:
                     times[method].append(ranks.timed(functools.partial(_save_now, mgr)))
+            elif method == "raw_get_dcp_load":  # what a user would do without dckpt
+                into = base / f"rawload-{tag}"
+                ranks.on_rank0(functools.partial(into.mkdir, parents=True, exist_ok=True))
+                job = functools.partial(
+                    _raw_get_then_dcp_load, client, bucket, f"{tag}-load", into, state, transfer
+                )
+                times[method].append(ranks.timed(job))
+                ranks.cleanup(into)
             else:  # dckpt_load, into a mirror that holds nothing yet
                 fresh = base / f"load-{tag}"
                 conf = dckpt.CheckpointConfig(root=load_root, mirror=fresh, lock=False)
@@ -220,6 +249,9 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "ratios": {
             "save_vs_raw_put": round(gbps["dckpt_save"] / gbps["raw_put"], 3),
             "verified_load_vs_raw_get": round(gbps["dckpt_load"] / gbps["raw_get"], 3),
+            "verified_load_vs_raw_get_then_dcp_load": round(
+                gbps["dckpt_load"] / gbps["raw_get_dcp_load"], 3
+            ),
             "stall_s3_vs_local": round(
                 cost["s3"]["stall_s"] / max(cost["local"]["stall_s"], 1e-9), 3
             ),
@@ -246,6 +278,9 @@ def render(doc: dict[str, Any]) -> str:
         f" | {r['save_vs_raw_put']:.2f}x | >= 0.8x |",
         f"| verified load | {g['dckpt_load']:.3f} GB/s | {g['raw_get']:.3f} GB/s"
         f" | {r['verified_load_vs_raw_get']:.2f}x | >= 0.8x |",
+        f"| verified load vs raw get + `dcp.load` | {g['dckpt_load']:.3f} GB/s | "
+        f"{g['raw_get_dcp_load']:.3f} GB/s | {r['verified_load_vs_raw_get_then_dcp_load']:.2f}x"
+        " | (what a user does without dckpt: no digest) |",
         "",
         f"For reference, the raw client's single PUT (no multipart) of the same bytes: "
         f"{g['raw_put_one']:.3f} GB/s. Both save rows use multipart uploads of the same part "

@@ -76,6 +76,14 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_
     assert json.loads(checked.stdout)["ok"] is True
     shown = dckpt_cli("inspect", root, "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["step"] == 6, shown.stderr
+    assert "downloaded from s3://" in shown.stderr  # fetched, each object hashed on arrival
+    diff = dckpt_cli("diff", root, "4", "6", "--json")
+    assert diff.returncode == 0, diff.stderr
+    compared = json.loads(diff.stdout)
+    assert (compared["a"], compared["b"], compared["config"]) == (4, 6, [])
+    assert compared["differences"]  # the weights moved between steps 4 and 6
+    planned = dckpt_cli("plan", root, "--json")
+    assert planned.returncode == 0, planned.stderr
     assert dckpt_cli("pin", root, "2").returncode == 0
     gc = dckpt_cli("gc", root, "--keep-last", "2", "--json")
     assert gc.returncode == 0, gc.stderr + gc.stdout

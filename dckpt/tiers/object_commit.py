@@ -177,13 +177,14 @@ class ObjectCommit:
         self._put_manifest(step, raw)  # the commit point
         final = Path(root) / name
         try:
-            for newer in [s for s in self.objects.committed_steps() if s > step]:
+            steps = self.objects.committed_steps()
+            for newer in [s for s in steps if s > step]:
                 self.objects.quarantine(
                     newer,
                     f"superseded: the run was rolled back and saved step {step} after {newer}",
                 )
             fault_point(Phase.PUBLISH_LATEST, 0, step)
-            self.objects.publish_latest()
+            self.objects.publish_latest([s for s in steps if s <= step])
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)

@@ -202,9 +202,10 @@ class ObjectRoot:
 
     # --- changing ---------------------------------------------------------------------------
 
-    def publish_latest(self) -> None:
-        """Point ``latest`` at the newest committed step (or remove it when there is none)."""
-        steps = self.committed_steps()
+    def publish_latest(self, steps: list[int] | None = None) -> None:
+        """Point ``latest`` at the newest committed step (or remove it when there is none);
+        ``steps``: the committed steps, when the caller just listed them."""
+        steps = self.committed_steps() if steps is None else steps
         if steps:
             self.store.put_small(self.key(LATEST_FILE), step_dir_name(steps[-1]).encode())
         else:
