@@ -216,8 +216,9 @@ def test_peek_reads_one_manifest_from_the_bucket(
     assert dckpt.read_config(root) == {}
 
 
+@pytest.mark.faults
 def test_a_damaged_object_is_named_and_resume_falls_back_to_the_previous_step(
-    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, fault_trials: Any
 ) -> None:
     bucket = s3.bucket()
     root = f"s3://{bucket}/r"
@@ -234,6 +235,7 @@ def test_a_damaged_object_is_named_and_resume_falls_back_to_the_previous_step(
     assert "r/step-00000002/manifest.json" not in keys  # uncommitted in the bucket
     assert any(k.startswith("r/quarantine/step-00000002/") for k in keys)
     assert any(k.endswith("step-00000002.reason.txt") for k in keys)
+    fault_trials.record("s3: a byte changed in the bucket", "resume falls back", survived=True)
 
 
 def _save_expecting_failure(rank: int, world: int, root: str, mirror: str, step: int) -> str:
@@ -251,8 +253,9 @@ def _save_expecting_failure(rank: int, world: int, root: str, mirror: str, step:
     return "saved"
 
 
+@pytest.mark.faults
 def test_throttling_and_dropped_connections_are_retried_and_a_failing_store_fails_cleanly(
-    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, fault_trials: Any
 ) -> None:
     from s3_kit import FaultProxy
 
@@ -300,6 +303,9 @@ def test_throttling_and_dropped_connections_are_retried_and_a_failing_store_fail
         loaded = run_world(_resume, 2, root, str(tmp_path / "load2"), env=env)
         assert [r[0] for r in loaded] == [1, 1]
         assert not [k for k in s3.keys(bucket, "p/step-00000002/")]  # removed at the start
+        fault_trials.record("s3: 503 SlowDown and dropped connections", "retried", survived=True)
+        fault_trials.record("s3: 503 SlowDown and dropped connections", "manifest PUT refused",
+                            survived=True)  # fmt: skip
     finally:
         proxy.close()
 
@@ -367,8 +373,9 @@ def _save_while_an_object_vanishes(rank: int, world: int, root: str, mirror: str
     return _save_expecting_failure(rank, world, root, mirror, 1)
 
 
+@pytest.mark.faults
 def test_the_commit_refuses_when_an_uploaded_object_is_gone(
-    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, fault_trials: Any
 ) -> None:
     import threading
     import time
@@ -394,6 +401,7 @@ def test_the_commit_refuses_when_an_uploaded_object_is_gone(
         assert "an uploaded object is gone or changed before the commit" in error
         assert f"s3://{bucket}/{key}" in error
     assert "gone/step-00000001/manifest.json" not in s3.keys(bucket)
+    fault_trials.record("s3: an uploaded object deleted before the commit", "rank 0", survived=True)
 
 
 def test_a_lock_taken_away_is_noticed_before_the_next_commit(

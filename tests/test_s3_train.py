@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import dckpt_cli, losses, torchrun_train
@@ -25,8 +26,9 @@ def s3() -> Iterator[MotoServer]:
         yield server
 
 
+@pytest.mark.faults
 def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_resumes(
-    s3: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault_trials: Any
 ) -> None:
     for k, v in s3.env().items():
         monkeypatch.setenv(k, v)
@@ -62,6 +64,7 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_
     assert s3.open_uploads(bucket) == []
     want, got = losses(tmp_path / "ref.jsonl"), losses(log)
     assert [got[s] for s in range(3, 7)] == [want[s] for s in range(3, 7)]  # loss for loss
+    fault_trials.record("s3: SIGKILL mid-upload, then restart", "rank 1, step 4", survived=True)
 
     # The commands on the bucket.
     listed = json.loads(dckpt_cli("ls", root, "--json").stdout)
@@ -101,6 +104,7 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_
     bad = dckpt_cli("verify", root, "--step", "6")
     assert bad.returncode == 3
     assert "FAILED  step-00000006: __0_0.distcp: digest mismatch" in bad.stdout
+    fault_trials.record("s3: a byte changed in the bucket", "dckpt verify", survived=True)
     export = dckpt_cli("export", root, "--step", "4", "--out", str(tmp_path / "m.safetensors"))
     assert export.returncode == 0, export.stderr
     assert (tmp_path / "m.safetensors").stat().st_size > 0
