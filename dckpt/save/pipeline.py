@@ -17,17 +17,21 @@ In the foreground (``dckpt.save.saver.Saver.save``, on the caller's thread):
 In the background (``SavePipeline.run``, on the save thread, on dckpt's *io* group; steps
 4-10 below are its body, in this order; nothing calls back up into the manager):
 
-4. **agree**: every rank makes the tmp location (``CommitStrategy.tmp_location``) and all
-   ranks learn whether any rank failed to prepare (``Coordinator.agree``);
+4. **agree**: rank 0 lets the strategy make room (``CommitStrategy.begin``: an object store
+   uncommits a step saved again), every rank makes the tmp location
+   (``CommitStrategy.tmp_location``) and all ranks learn whether any rank failed to prepare
+   (``Coordinator.agree``);
 5. **DCP save**: ``dcp.save`` plans; the ``StagingSavePlanner`` drains device buffers to pinned
    host memory (and, with ``overlap_staging``, takes the copies it deferred), then sets the
    ticket's ``staged``; the ``HashingWriter`` writes each shard file with its digest computed
-   as the bytes go out;
+   as the bytes go out (for an object store, ``CommitStrategy.tee`` also sends them to the
+   store as they are written, and ``publish`` then checks that each file arrived whole);
 6. **gather**: every rank's ``RankReport`` (files and digests, or its error) on every rank;
 7. **commit**, rank 0 only: any report's error refuses the save (the tmp location removed);
    else rank 0 reads what the save cost the training loop (``StepClock``), builds the manifest
    from every report, writes it and runs the commit strategy (``RenameCommit``: fsync, rename,
-   ``latest``), unless the ticket was cancelled;
+   ``latest``; ``ObjectCommit``: every object present, the lock still held, the manifest PUT
+   last, ``latest``), unless the ticket was cancelled;
 8. **mark decided**: rank 0's progress marker (past ``rename``: committed, or refused), so a
    rank that loses rank 0 now can say whether a commit may have happened;
 9. **broadcast**: rank 0's outcome; every rank returns the committed path or raises the same
@@ -360,7 +364,7 @@ class SavePipeline:
             ticket.staged.set()
         publish_s = 0.0
         if error is None:
-            try:  # an object store: this rank's files go up, hashed again as they are sent
+            try:  # an object store: every file this rank wrote must be complete there
                 publish_s = self.strategy.publish(
                     tmp, writer.records(), rank=self.rank, step=job.step, trace=trace
                 )
