@@ -14,11 +14,11 @@ import socket
 from rich.table import Table
 
 from ..root.layout import LOCK_FILE, read_small_file
-from ..root.retention import RetentionPolicy
+from ..root.retention import Decision, RetentionPolicy
 from ..root.upkeep import apply_retention, pin, plan_retention, unpin
 from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
 
-__all__ = ["cmd_gc", "cmd_pin", "cmd_unpin"]
+__all__ = ["cmd_gc", "cmd_pin", "cmd_unpin", "print_gc"]
 
 
 def _live_lock_owner(args: argparse.Namespace) -> str | None:
@@ -55,6 +55,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         decisions, deleted = plan_retention(root, policy), list[str]()
     else:
         decisions, deleted = apply_retention(root, policy)
+    return print_gc(args, decisions, deleted, str(root))
+
+
+def print_gc(
+    args: argparse.Namespace, decisions: list[Decision], deleted: list[str], root: str
+) -> int:
+    """``gc``'s table (or JSON) of the retention decisions; the exit code."""
     if args.json:
         rows = [{"step": d.step, "keep": d.keep, "reasons": list(d.reasons)} for d in decisions]
         print(json.dumps({"dry_run": args.dry_run, "decisions": rows, "deleted": deleted}))

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from ..errors import IntegrityError, ManifestError
 from ..root.layout import CheckpointEntry, list_checkpoints, pinned_steps
-from ..root.manifest import read_manifest
+from ..root.manifest import Manifest, read_manifest
 from ..root.verify import VerifyResult, read_verification, record_verification, verify_checkpoint
 from ..save.step_clock import describe_cost
 from ..units import describe_staging
@@ -41,26 +41,51 @@ from .common import (
     root_arg,
 )
 
-__all__ = ["cmd_inspect", "cmd_ls", "cmd_verify", "print_ls", "print_verify"]
+__all__ = [
+    "cmd_inspect",
+    "cmd_ls",
+    "cmd_verify",
+    "ls_record",
+    "print_ls",
+    "print_verify",
+    "with_manifest",
+]
 
 
 # --- ls ------------------------------------------------------------------------------------
 
 
-def _ls_record(entry: CheckpointEntry, now: float, pins: set[int]) -> dict[str, Any]:
-    record: dict[str, Any] = {
-        "step": entry.step,
-        "status": entry.status,
-        "path": str(entry.path),
-        "bytes": 0,
+def ls_record(step: int, status: str, path: str, nbytes: int, pins: set[int]) -> dict[str, Any]:
+    """One ``ls --json`` record, before its manifest is read (see the output contract)."""
+    return {
+        "step": step,
+        "status": status,
+        "path": path,
+        "bytes": nbytes,
         "milestone": False,
-        "pinned": entry.status == "committed" and entry.step in pins,
+        "pinned": status == "committed" and step in pins,
         "verified": None,
         "files": None,
         "created_at": None,
         "age_s": None,
         "error": None,
     }
+
+
+def with_manifest(record: dict[str, Any], manifest: Manifest, now: float) -> dict[str, Any]:
+    """``record`` completed from its checkpoint's manifest."""
+    record.update(
+        bytes=manifest.total_bytes,
+        milestone=manifest.milestone,
+        files=len(manifest.files),
+        created_at=manifest.created_at,
+        age_s=max(0.0, now - manifest.created_at),
+    )
+    return record
+
+
+def _ls_record(entry: CheckpointEntry, now: float, pins: set[int]) -> dict[str, Any]:
+    record = ls_record(entry.step, entry.status, str(entry.path), 0, pins)
     if entry.status == "committed":
         try:
             manifest = read_manifest(entry.path)
@@ -72,12 +97,8 @@ def _ls_record(entry: CheckpointEntry, now: float, pins: set[int]) -> dict[str, 
         record.update(
             verified=None if check is None else ("ok" if check["ok"] else "failed"),
             verified_at=None if check is None else check["time"],
-            bytes=manifest.total_bytes,
-            milestone=manifest.milestone,
-            files=len(manifest.files),
-            created_at=manifest.created_at,
-            age_s=max(0.0, now - manifest.created_at),
         )
+        with_manifest(record, manifest, now)
     else:
         record["bytes"] = dir_bytes(entry.path)
     return record

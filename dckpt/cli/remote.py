@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-from rich.table import Table
 
 from ..errors import CheckpointError, IntegrityError, ManifestError
 from ..root.layout import step_dir_name
@@ -31,7 +29,8 @@ from ..tiers.object_source import ObjectSource
 from ..tiers.s3_store import S3Store
 from ..tiers.url import parse_url
 from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, err, fail, out
-from .reading import print_ls, print_verify
+from .manage import print_gc
+from .reading import ls_record, print_ls, print_verify, with_manifest
 
 __all__ = ["run_remote"]
 
@@ -86,32 +85,12 @@ def _ls(args: argparse.Namespace, objects: ObjectRoot) -> int:
     pins = objects.pinned_steps()
     records: list[dict[str, Any]] = []
     for entry in objects.entries():
-        record: dict[str, Any] = {
-            "step": entry.step,
-            "status": entry.status,
-            "path": objects.where(entry.name),
-            "bytes": entry.bytes,
-            "milestone": False,
-            "pinned": entry.status == "committed" and entry.step in pins,
-            "verified": None,
-            "files": None,
-            "created_at": None,
-            "age_s": None,
-            "error": None,
-        }
+        record = ls_record(entry.step, entry.status, objects.where(entry.name), entry.bytes, pins)
         if entry.status == "committed":
             try:
-                manifest = objects.read_manifest(entry.step)
+                with_manifest(record, objects.read_manifest(entry.step), now)
             except (ManifestError, IntegrityError) as exc:
                 record["error"] = str(exc)
-            else:
-                record.update(
-                    bytes=manifest.total_bytes,
-                    milestone=manifest.milestone,
-                    files=len(manifest.files),
-                    created_at=manifest.created_at,
-                    age_s=max(0.0, now - manifest.created_at),
-                )
         records.append(record)
     return print_ls(args, records, str(objects))
 
@@ -175,18 +154,7 @@ def _gc(args: argparse.Namespace, objects: ObjectRoot) -> int:
         decisions, deleted = objects.plan_retention(policy), list[str]()
     else:
         decisions, deleted = objects.apply_retention(policy)
-    if args.json:
-        rows = [{"step": d.step, "keep": d.keep, "reasons": list(d.reasons)} for d in decisions]
-        print(json.dumps({"dry_run": args.dry_run, "decisions": rows, "deleted": deleted}))
-        return EXIT_OK
-    table = Table(title=f"retention under {objects}" + (" (dry run)" if args.dry_run else ""))
-    for col in ("step", "decision", "why"):
-        table.add_column(col)
-    for d in decisions:
-        verb = "keep" if d.keep else ("would delete" if args.dry_run else "deleted")
-        table.add_row(str(d.step), verb, ", ".join(d.reasons))
-    out.print(table)
-    return EXIT_OK
+    return print_gc(args, decisions, deleted, str(objects))
 
 
 def _pin(args: argparse.Namespace, objects: ObjectRoot) -> int:
