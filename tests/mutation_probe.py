@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VR = "tests/test_verified_resume.py"
 AD = "tests/test_adoption.py"
+S3 = "tests/test_s3.py"
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,34 @@ MUTANTS = (
         "newest = {c.step for c in ordered[-1:]}",
         "newest: set[int] = set()",
         ("tests/test_retention_lock.py::test_policy_keeps_newest_last_milestones_pins_and_best",),
+    ),
+    Mutant(
+        "s3: a downloaded object is not compared with the writer's digest",
+        "dckpt/tiers/object_source.py",
+        "if digest != record.digest:",
+        "if False:",
+        (f"{S3}::test_a_damaged_object_is_named_and_resume_falls_back_to_the_previous_step",),
+    ),
+    Mutant(
+        "s3: the manifest is PUT without checking that every object is there",
+        "dckpt/tiers/object_commit.py",
+        "self._check_objects(step, parse_manifest(raw, str(tmp / MANIFEST_FILE)))",
+        "pass",
+        (f"{S3}::test_the_commit_refuses_when_an_uploaded_object_is_gone",),
+    ),
+    Mutant(
+        "s3: damage found only in the mirror quarantines the bucket's intact copy",
+        "dckpt/tiers/object_source.py",
+        "        if problems:\n            return\n        shutil.rmtree",
+        "        if problems or True:\n            return\n        shutil.rmtree",
+        (f"{S3}::test_damage_found_only_in_the_mirror_is_not_blamed_on_the_bucket",),
+    ),
+    Mutant(
+        "s3: the run lock's acquire is not conditional",
+        "dckpt/tiers/object_lock.py",
+        "try:\n            etag = self.store.put_small(self.key, self._record(), if_absent=True)",
+        "try:\n            etag = self.store.put_small(self.key, self._record())",
+        (f"{S3}::test_the_lock_is_a_conditional_put_and_a_second_job_is_refused",),
     ),
 )
 

@@ -230,7 +230,9 @@ def test_a_damaged_object_is_named_and_resume_falls_back_to_the_previous_step(
     results = run_world(_resume, 2, root, str(tmp_path / "load"), env=s3_env)
     assert [r[0] for r in results] == [1, 1]
     report = results[0][2]
-    assert "step 2" in report and "__1_0.distcp" in report
+    # Named by its URL in the bucket: caught as it was downloaded, before anything read it.
+    assert "skipped step 2 (quarantined): IntegrityError: the object's bytes differ" in report
+    assert f"s3://{bucket}/r/step-00000002/__1_0.distcp" in report
     keys = s3.keys(bucket)
     assert "r/step-00000002/manifest.json" not in keys  # uncommitted in the bucket
     assert any(k.startswith("r/quarantine/step-00000002/") for k in keys)
