@@ -15,6 +15,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,19 @@ def torchrun_train(
         _train_cmd(ckpt, args, nproc), capture_output=True, text=True, timeout=timeout, env=env,
         check=False,
     )  # fmt: skip
+
+
+@contextmanager
+def torchrun_train_beside(
+    ckpt: Path, *args: str, nproc: int = 2, timeout: float = 240
+) -> Iterator[Future[subprocess.CompletedProcess[str]]]:
+    """``torchrun_train`` on a thread, for a run that shares no root and no log with the runs
+    of the body (an uninterrupted reference, a run on a copy of the root): it runs while the body
+    runs, filling the cores that a job leaves idle while its processes start and stop (each job
+    alone keeps 2 cores about half busy). ``.result()`` is what ``torchrun_train`` returns;
+    leaving the block waits for the run (its timeout still holds)."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(torchrun_train, ckpt, *args, nproc=nproc, timeout=timeout)
 
 
 def torchrun_start(ckpt: Path, *args: str, nproc: int = 2) -> subprocess.Popen[str]:
@@ -84,21 +100,21 @@ def crash_and_resume_matches(tmp_path: Path, extra: list[str], nproc: int = 2) -
     from dckpt.root.layout import committed_steps
 
     args = ["--steps", "10", "--save-every", "3", *extra]
-    ref = torchrun_train(
-        tmp_path / "ref", *args, "--loss-log", str(tmp_path / "ref.jsonl"), nproc=nproc
-    )
-    assert ref.returncode == 0, ref.stderr
-    log = tmp_path / "run.jsonl"
-    crashed = torchrun_train(
-        tmp_path / "run", *args, "--loss-log", str(log), "--crash-at-step", "8", nproc=nproc
-    )
-    assert crashed.returncode != 0  # it really died (SIGKILL), between the saves of 6 and 9
-    # Saves are asynchronous: step 6's may still have been writing when step 8 crashed. Either
-    # it committed, or only its tmp dir is left; nothing under a final name is partial.
-    committed = committed_steps(tmp_path / "run")
-    assert committed in ([3], [3, 6])
-    resumed = torchrun_train(tmp_path / "run", *args, "--loss-log", str(log), nproc=nproc)
-    assert resumed.returncode == 0, resumed.stderr
+    ref_log = str(tmp_path / "ref.jsonl")
+    # The reference shares nothing with the crashed run (its own root and log): it runs beside.
+    with torchrun_train_beside(tmp_path / "ref", *args, "--loss-log", ref_log, nproc=nproc) as ref:
+        log = tmp_path / "run.jsonl"
+        crashed = torchrun_train(
+            tmp_path / "run", *args, "--loss-log", str(log), "--crash-at-step", "8", nproc=nproc
+        )
+        assert crashed.returncode != 0  # it really died (SIGKILL), between the saves of 6 and 9
+        # Saves are asynchronous: step 6's may still have been writing when step 8 crashed.
+        # Either it committed, or only its tmp dir is left; nothing under a final name is partial.
+        committed = committed_steps(tmp_path / "run")
+        assert committed in ([3], [3, 6])
+        resumed = torchrun_train(tmp_path / "run", *args, "--loss-log", str(log), nproc=nproc)
+        assert resumed.returncode == 0, resumed.stderr
+    assert ref.result().returncode == 0, ref.result().stderr
     assert f"dckpt resume: step {committed[-1]}" in resumed.stderr
     verified = re.search(
         r"\[ok  \] digests: (\d+) of (\d+) files hashed and matched", resumed.stderr

@@ -23,11 +23,30 @@ from typing import Any
 # A fork server that imported torch once: each rank forks from it, clean (no pytest state, no
 # threads) and in a fraction of a second, where a spawned interpreter spends seconds importing
 # torch. DCKPT_TEST_SPAWN=1 goes back to plain spawn.
+#
+# It also imports what ranks otherwise import on first use, each rank of each world again: DDP's
+# constructor imports torch._dynamo (about 3 s of CPU), and FSDP2, DCP and dckpt's save and resume
+# modules add about 1 s more. Importing them here creates no thread (checked: the server still
+# has the threads `import torch` leaves), so forking from it stays as clean as before.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "dckpt",
+    "fault_kit",
+    "torch._dynamo",
+    "torch.nn.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "dckpt.manager",
+    "dckpt.load.resumer",
+    "dckpt.load.offline",
+]
 if os.environ.get("DCKPT_TEST_SPAWN") == "1":
     _CTX = mp.get_context("spawn")
 else:
     _CTX = mp.get_context("forkserver")
-    _CTX.set_forkserver_preload(["torch", "torch.distributed", "dckpt", "fault_kit"])
+    _CTX.set_forkserver_preload(_PRELOAD)
 
 
 def _entry(
@@ -98,11 +117,21 @@ def run_world(
             if remaining <= 0:
                 break
             try:
-                rank, status, value = out.get(timeout=min(remaining, 1.0))
+                # A short poll: when a rank was killed, the loop ends this soon after the last
+                # rank did (a rank that was killed never answers, so the wait was all waste).
+                rank, status, value = out.get(timeout=min(remaining, 0.05))
                 results[rank] = (status, value)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
                 if dead and all(not p.is_alive() for p in procs):
+                    # What a rank put just before it ended is in the pipe by now (a process
+                    # flushes its queue before it exits): take it rather than call it lost.
+                    while True:
+                        try:
+                            rank, status, value = out.get_nowait()
+                        except queue.Empty:
+                            break
+                        results[rank] = (status, value)
                     break
     finally:
         for p in procs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,15 @@ def test_every_command_is_listed(trained_root: Path) -> None:
 
 
 def test_diff_reports_config_and_tensor_differences(trained_root: Path) -> None:
-    proc = dckpt_cli("diff", str(trained_root), "4", "12", "--json")
+    root = str(trained_root)
+    # Three commands that each import torch, only reading the root: run at once, checked in turn.
+    with ThreadPoolExecutor(3) as pool:
+        runs = [
+            pool.submit(dckpt_cli, "diff", root, "4", "12", "--json"),
+            pool.submit(dckpt_cli, "diff", root, "8", "8", "--json"),
+            pool.submit(dckpt_cli, "diff", root, "4", "8", "--top", "3"),
+        ]
+    proc = runs[0].result()
     assert proc.returncode == 0, proc.stderr
     obj = json.loads(proc.stdout)
     assert obj["config"] == []  # one run: the same config
@@ -168,9 +177,9 @@ def test_diff_reports_config_and_tensor_differences(trained_root: Path) -> None:
     assert model == sorted(model, reverse=True)
     counter = by_name["optimizer.state.head.weight.step"]
     assert counter["max_abs_diff"] == 8.0 and names.index(counter["name"]) > len(model)
-    same = json.loads(dckpt_cli("diff", str(trained_root), "8", "8", "--json").stdout)
+    same = json.loads(runs[1].result().stdout)
     assert same["differences"] == [] and same["tensors_compared"] > 10
-    human = dckpt_cli("diff", str(trained_root), "4", "8", "--top", "3").stdout
+    human = runs[2].result().stdout
     assert "largest differences first" in human and "more rows not shown" in human
     shown = [line.split("│")[1].strip() for line in human.splitlines() if "│ changed" in line]
     assert len(shown) == 3 and all(n.startswith("model.") for n in shown), human
@@ -209,16 +218,21 @@ def test_export_writes_the_model_alone_and_loads_back(trained_root: Path, tmp_pa
     from safetensors.torch import load_file
 
     out_file = tmp_path / "model.safetensors"
-    proc = dckpt_cli("export", str(trained_root), "--step", "12", "--out", str(out_file))
+    bf16 = tmp_path / "model.pt"
+    # Two commands that each import torch, writing different files: run at once.
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(
+            dckpt_cli, "export", str(trained_root), "--step", "12", "--out", str(out_file)
+        )
+        small_export = pool.submit(
+            dckpt_cli, "export", str(trained_root), "--out", str(bf16), "--dtype", "bf16"
+        )
+    proc = plain.result()
     assert proc.returncode == 0, proc.stderr
     tensors = load_file(str(out_file))
     assert "head.weight" in tensors and not any(k.startswith("optimizer") for k in tensors)
     assert all(t.dtype == torch.float32 for t in tensors.values())
-    bf16 = tmp_path / "model.pt"
-    assert (
-        dckpt_cli("export", str(trained_root), "--out", str(bf16), "--dtype", "bf16").returncode
-        == 0
-    )
+    assert small_export.result().returncode == 0
     small = torch.load(bf16, weights_only=True)
     assert small["head.weight"].dtype == torch.bfloat16
     assert torch.equal(small["head.weight"], tensors["head.weight"].to(torch.bfloat16))

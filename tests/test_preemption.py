@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import dckpt_cli, torchrun_start, torchrun_train, torchrun_workers
+from conftest import (
+    dckpt_cli,
+    torchrun_start,
+    torchrun_train,
+    torchrun_train_beside,
+    torchrun_workers,
+)
 from dist_harness import run_world
 
 from dckpt.root.layout import committed_steps
@@ -60,30 +66,32 @@ def test_a_signal_to_one_rank_saves_the_agreed_step_and_exits_0(
     tmp_path: Path, sig: int, rank: int, precision: str, save_every: int
 ) -> None:
     args = ["--steps", str(STEPS), "--save-every", str(save_every), "--precision", precision]
-    ref = torchrun_train(tmp_path / "ref", *args, "--loss-log", str(tmp_path / "ref.jsonl"))
-    assert ref.returncode == 0, ref.stderr
-    root, log = tmp_path / "run", tmp_path / "run.jsonl"
-    out = _signal_one_rank_midway(root, log, sig, rank, *args)
+    ref_log = str(tmp_path / "ref.jsonl")
+    # The reference shares nothing with the preempted run (its own root and log): it runs beside.
+    with torchrun_train_beside(tmp_path / "ref", *args, "--loss-log", ref_log) as ref:
+        root, log = tmp_path / "run", tmp_path / "run.jsonl"
+        out = _signal_one_rank_midway(root, log, sig, rank, *args)
 
-    name = signal.Signals(sig).name
-    assert f"preempted ({name} on rank {rank})" in out, out[-2000:]
-    agreed = max(_losses(log))  # the last step trained is the one both ranks agreed on
-    assert agreed < STEPS, "the run finished before the signal: nothing was tested"
-    assert f"the ranks agreed on step {agreed}" in out
-    steps = committed_steps(root)
-    assert steps[-1] == agreed and verify_checkpoint(root / f"step-{agreed:08d}").ok
-    if save_every > STEPS:
-        assert steps == [agreed]  # the one checkpoint of this run: the preemption save
+        name = signal.Signals(sig).name
+        assert f"preempted ({name} on rank {rank})" in out, out[-2000:]
+        agreed = max(_losses(log))  # the last step trained is the one both ranks agreed on
+        assert agreed < STEPS, "the run finished before the signal: nothing was tested"
+        assert f"the ranks agreed on step {agreed}" in out
+        steps = committed_steps(root)
+        assert steps[-1] == agreed and verify_checkpoint(root / f"step-{agreed:08d}").ok
+        if save_every > STEPS:
+            assert steps == [agreed]  # the one checkpoint of this run: the preemption save
 
-    info = json.loads(dckpt_cli("inspect", str(root), "--json").stdout)
-    assert info["step"] == agreed and info["precision"]["mode"] == precision
-    if precision == "fp16":
-        assert info["precision"]["grad_scaler"] is True
-        assert info["precision"]["scaler"]["scale"] > 0
+        info = json.loads(dckpt_cli("inspect", str(root), "--json").stdout)
+        assert info["step"] == agreed and info["precision"]["mode"] == precision
+        if precision == "fp16":
+            assert info["precision"]["grad_scaler"] is True
+            assert info["precision"]["scaler"]["scale"] > 0
 
-    again = torchrun_train(root, *args, "--loss-log", str(log))
-    assert again.returncode == 0, again.stderr
-    assert f"dckpt resume: step {agreed} from" in again.stderr
+        again = torchrun_train(root, *args, "--loss-log", str(log))
+        assert again.returncode == 0, again.stderr
+        assert f"dckpt resume: step {agreed} from" in again.stderr
+    assert ref.result().returncode == 0, ref.result().stderr
     want, got = _losses(tmp_path / "ref.jsonl"), _losses(log)
     after = range(agreed + 1, STEPS + 1)
     assert [got[s] for s in after] == [want[s] for s in after]  # bit-identical

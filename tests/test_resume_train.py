@@ -3,10 +3,11 @@ one, loss for loss; a corrupted newest checkpoint falls back; a changed config i
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import crash_and_resume_matches, losses, torchrun_train
+from conftest import crash_and_resume_matches, losses, torchrun_train, torchrun_train_beside
 
 from dckpt.root.layout import committed_steps, list_checkpoints
 
@@ -54,14 +55,19 @@ def test_corrupted_newest_checkpoint_is_quarantined_and_the_previous_one_used(
 def test_changed_config_is_refused_with_a_diff_and_safe_keys_only_warn(tmp_path: Path) -> None:
     base = ["--steps", "4", "--save-every", "2", "--no-async"]
     assert torchrun_train(tmp_path / "ckpt", *base).returncode == 0
-    lr = torchrun_train(tmp_path / "ckpt", *base, "--lr", "0.01")
+    # The two refused runs at once, each on its own copy of the root (one root would refuse
+    # the second job for the first one's lock, not for its config).
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "copy", symlinks=True)
+    with torchrun_train_beside(tmp_path / "copy", *base, "--d-model", "96") as pending:
+        lr = torchrun_train(tmp_path / "ckpt", *base, "--lr", "0.01")
+    width = pending.result()
     assert lr.returncode != 0
     # One readable block, once, from rank 0; no rank prints a traceback through dckpt's code.
     assert lr.stderr.count("dckpt resume: REFUSED (ConfigMismatchError)") == 1, lr.stderr
     assert "lr: 0.003 -> 0.01   <- refused" in lr.stderr and "dckpt/load/" not in lr.stderr
-    width = torchrun_train(tmp_path / "ckpt", *base, "--d-model", "96")
     assert width.returncode != 0 and "d_model: 64 -> 96" in width.stderr
-    assert committed_steps(tmp_path / "ckpt") == [2, 4]  # refused runs touched nothing
+    for root in (tmp_path / "ckpt", tmp_path / "copy"):
+        assert committed_steps(root) == [2, 4]  # refused runs touched nothing
     longer = ["--steps", "6", "--save-every", "1", "--no-async", "--lr", "0.01"]
     passed = torchrun_train(tmp_path / "ckpt", *longer, "--allow-config-change", "lr")
     assert passed.returncode == 0, passed.stderr

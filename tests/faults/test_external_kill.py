@@ -15,11 +15,13 @@ import os
 import random
 import re
 import signal
+import subprocess
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from conftest import torchrun_start, torchrun_train, torchrun_workers
+from conftest import torchrun_start, torchrun_train, torchrun_train_beside, torchrun_workers
 from fault_kit import Trials, capture, check
 
 from dckpt.root.layout import committed_steps
@@ -37,9 +39,19 @@ def _losses(log: Path) -> dict[int, float]:
 
 
 def test_sigkill_of_one_rank_during_an_async_save(tmp_path: Path, fault_trials: Trials) -> None:
-    ref = torchrun_train(tmp_path / "ref", *ARGS, "--loss-log", str(tmp_path / "ref.jsonl"))
-    assert ref.returncode == 0, ref.stderr
-    want = _losses(tmp_path / "ref.jsonl")
+    # The reference shares nothing with the trials (its own root and log): it runs beside the
+    # first trial's run, and is only read once that run was killed and rerun.
+    with torchrun_train_beside(
+        tmp_path / "ref", *ARGS, "--loss-log", str(tmp_path / "ref.jsonl")
+    ) as pending:
+        failures = _trials(tmp_path, fault_trials, pending)
+    assert not failures, failures
+
+
+def _trials(
+    tmp_path: Path, fault_trials: Trials, pending: Future[subprocess.CompletedProcess[str]]
+) -> list[str]:
+    want: dict[int, float] | None = None
     rng = random.Random(20261130)
     failures: list[str] = []
     for trial in range(TRIALS):
@@ -80,6 +92,10 @@ def test_sigkill_of_one_rank_during_an_async_save(tmp_path: Path, fault_trials: 
         resumed = torchrun_train(root, *ARGS, "--loss-log", str(log))
         if resumed.returncode != 0:
             why.append(f"the rerun failed: {resumed.stderr[-800:]}")
+        if want is None:
+            ref = pending.result()
+            assert ref.returncode == 0, ref.stderr
+            want = _losses(tmp_path / "ref.jsonl")
         got = _losses(log)
         found = re.search(r"dckpt resume: step (\d+) from", resumed.stderr)
         start = int(found.group(1)) if found else 0
@@ -93,4 +109,4 @@ def test_sigkill_of_one_rank_during_an_async_save(tmp_path: Path, fault_trials: 
                                   detail="; ".join(why))  # fmt: skip
         if why or not outcome.ok:
             failures.append(f"trial {trial}: {why + outcome.problems}")
-    assert not failures, failures
+    return failures
