@@ -80,15 +80,18 @@ def _compute(n: int) -> None:
         a = torch.tanh(a @ a / n)
 
 
-def _loop(mgr: Any, opt: torch.optim.Optimizer, steps: int, n: int, save: bool) -> dict[str, float]:
-    """``steps`` iterations of compute + opt.step(); with ``save``, one save() at the first.
+def _loop(
+    mgr: Any, opt: torch.optim.Optimizer, steps: int, n: int, save: int | None
+) -> dict[str, float]:
+    """``steps`` iterations of compute + opt.step(); with ``save`` (a step, the same on every
+    rank), one save() at the first.
     Returns the loop's wall time and dckpt's stall (0 without a save)."""
     dist.barrier()
     t0 = time.perf_counter()
     handle = None
     for i in range(steps):
-        if save and i == 0:
-            handle = mgr.save(1_000_000 + int(time.time() * 1000) % 1_000_000)
+        if save is not None and i == 0:
+            handle = mgr.save(save)
         _compute(n)
         opt.step()
     loop_s = time.perf_counter() - t0
@@ -207,14 +210,15 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     times[method].append(ranks.timed(mgr.load))
                 ranks.cleanup(fresh)
         # The background save's cost to a training loop: none, local directory, s3:// root.
-        for kind in h.round_order(("none", "local", "s3"), rnd):
+        for number, kind in enumerate(h.round_order(("none", "local", "s3"), rnd)):
             where = str(base / f"local-{tag}") if kind != "s3" else f"s3://{bucket}/bg-{tag}"
             conf = dckpt.CheckpointConfig(
                 root=where, mirror=None if kind != "s3" else base / f"bg-{rank}", lock=False
             )
             with dckpt.CheckpointManager(conf, state) as mgr:
                 ranks.prepare()
-                got = _loop(mgr, opt, cfg["steps"], cfg["matmul"], save=kind != "none")
+                step = None if kind == "none" else 1000 * (rnd + 1) + number
+                got = _loop(mgr, opt, cfg["steps"], cfg["matmul"], save=step)
             worst = max(ranks.gather(got["loop_s"])), max(ranks.gather(got["stall_s"]))
             loops[kind].append({"loop_s": worst[0], "stall_s": worst[1]})
             if kind != "s3":

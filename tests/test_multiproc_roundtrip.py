@@ -139,3 +139,28 @@ def test_flipped_byte_in_any_shard_fails_load_naming_the_file(tmp_path: Path) ->
         for msg in messages:
             assert name in msg and "digest mismatch" in msg, msg
         path.write_bytes(original)
+
+
+def _save_another_step_per_rank(rank: int, world: int, root: str) -> str:
+    import dckpt
+
+    model, opt = _build(rank, "ddp")
+    state = dckpt.TrainState(model, opt)
+    try:
+        with dckpt.CheckpointManager(root, state) as mgr:
+            mgr.save(10 + rank).result()  # a script bug: each rank passes its own step
+    except dckpt.SaveError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_ranks_that_pass_different_steps_to_save_are_refused_and_nothing_is_committed(
+    tmp_path: Path,
+) -> None:
+    from dckpt.root.layout import committed_steps
+
+    errors = run_world(_save_another_step_per_rank, 2, str(tmp_path))
+    for error in errors:
+        assert "save() was called with different steps on different ranks" in error
+        assert "rank 0: 10, rank 1: 11" in error
+    assert committed_steps(tmp_path) == []

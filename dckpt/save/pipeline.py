@@ -328,7 +328,7 @@ class SavePipeline:
                 error = f"cannot make {tmp}: {describe_os_error(exc, self.root)}"
         if error is None:
             trace.passed(Phase.MAKE_TMP)
-        self.coordinator.agree(error, f"preparing the save of step {job.step}")
+        self.coordinator.agree(error, f"preparing the save of step {job.step}", job.step)
 
     def _write(self, job: SaveJob, ticket: SaveTicket, trace: SaveTrace, tmp: Path) -> RankReport:
         assert job.snapshot is not None  # a rank without one failed the agreement
