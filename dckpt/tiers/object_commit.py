@@ -16,11 +16,13 @@ unchanged), then:
    cleanly (its upload is aborted otherwise; rank 0's include ``.metadata``); ``publish``
    then checks that every file this rank wrote went up whole (and uploads, re-hashing, any
    that did not);
-3. ``finalize`` (rank 0, after every rank reported success): ``manifest.json`` is put last:
-   that PUT is the commit point. Then (failures logged, never raised) a rollback's newer
-   steps move to ``quarantine/``, ``latest`` is written, and the tmp dir becomes the mirror's
-   copy of the step (the newest only), which a resume on this node re-verifies and uses
-   instead of downloading.
+3. ``finalize`` (rank 0, after every rank reported success): every object the manifest names
+   must be listed at its size, and the run lock must still be this job's (read back); then
+   ``manifest.json`` is put last: that PUT is the commit point (a PUT that errors is read
+   back, so a reply lost after the store applied it is reported as the commit it is). Then
+   (failures logged, never raised) a rollback's newer steps move to ``quarantine/``,
+   ``latest`` is written, and the tmp dir becomes the mirror's copy of the step (the newest
+   only), which a resume on this node re-verifies and uses instead of downloading.
 
 A crash before step 3 leaves objects without a manifest: never listed as committed, removed
 with any open multipart upload by ``ObjectRoot.recover`` at the next start.
