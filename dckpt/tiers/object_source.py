@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, IntegrityError, StorageError
 from ..root.layout import step_dir_name
-from ..root.manifest import MANIFEST_FILE, parse_manifest
+from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..storage.records import FileRecord
 from ..storage.verified_files import open_verified
 from ..units import human_bytes, plural
@@ -89,6 +89,7 @@ class ObjectSource:
         self.local = Path(mirror)
         self.share = share or local_share()
         self.keep_one = keep_one  # the mirror keeps only the step fetched last
+        self._read: tuple[int, bytes, Manifest] | None = None  # the last manifest read
 
     def __str__(self) -> str:
         return str(self.objects.url)
@@ -102,7 +103,9 @@ class ObjectSource:
     def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> FetchReport:
         """This rank's share of ``step``: each file kept if verified, else downloaded."""
         index, count = self.share
-        return self._bring(step, lambda i: i % count == index, progress, write_manifest=index == 0)
+        return self._bring(
+            step, lambda i: i % count == index, progress, write_manifest=index == 0, fresh=True
+        )
 
     def complete(
         self, step: int, progress: Callable[[int], None] | None = None
@@ -123,11 +126,14 @@ class ObjectSource:
         *,
         write_manifest: bool,
         missing: bool = False,
+        fresh: bool = False,
     ) -> FetchReport:
         t0 = time.perf_counter()
         name = step_dir_name(step)
-        raw = self.objects.manifest_raw(step)
-        manifest = parse_manifest(raw, self.objects.where(name, MANIFEST_FILE))
+        if fresh or self._read is None or self._read[0] != step:  # complete reuses fetch's
+            raw = self.objects.manifest_raw(step)
+            self._read = (step, raw, parse_manifest(raw, self.objects.where(name, MANIFEST_FILE)))
+        _, raw, manifest = self._read
         target = self.local / name
         target.mkdir(parents=True, exist_ok=True)
         if write_manifest and _read_or_none(target / MANIFEST_FILE) != raw:
