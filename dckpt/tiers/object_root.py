@@ -141,16 +141,6 @@ class ObjectRoot:
             )
         return manifest
 
-    def read_latest(self) -> str | None:
-        got = self.store.get_small(self.key(LATEST_FILE), 256)
-        if got is None:
-            return None
-        try:
-            name = got[0].decode("utf-8").strip()
-        except UnicodeDecodeError:
-            return None
-        return name if STEP_RE.fullmatch(name) else None
-
     def pinned_steps(self) -> set[int]:
         prefix = self.key(PINS_DIR) + "/"
         return {

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError, StorageError
-from ..storage.digest import Hasher, format_digest, new_hasher
+from ..storage.digest import format_digest, new_hasher
 from .url import ObjectURL
 
 __all__ = ["ListedObject", "OpenUpload", "S3Store", "UploadStream"]
@@ -334,57 +334,20 @@ class S3Store:
         algorithm: str,
         progress: Progress | None = None,
     ) -> tuple[str, int]:
-        """Upload the file at ``path`` to ``key``, hashing each byte as it is read to be sent;
-        returns (digest, bytes). Parts go up ``concurrency`` at a time; a file of one part
-        or less is a single PUT."""
+        """Upload the file at ``path`` to ``key`` through an ``UploadStream``, hashing each
+        byte as it is read to be sent; returns (digest, bytes)."""
         hasher = new_hasher(algorithm)
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            if size <= self.part_bytes:
-                data = f.read()
-                hasher.update(data)
-                if progress is not None:
-                    progress(len(data))
-                self._call(key, "uploading", self.client.put_object, Key=key, Body=data)
-                return format_digest(algorithm, hasher), len(data)
-            return self._multipart(f, key, algorithm, hasher, progress)
-
-    def _multipart(
-        self, f: Any, key: str, algorithm: str, hasher: Hasher, progress: Progress | None
-    ) -> tuple[str, int]:
-        upload_id = self._call(
-            key, "starting the upload of", self.client.create_multipart_upload, Key=key
-        )["UploadId"]
-        sent = 0
+        stream = self.open_upload(key, progress)
         try:
-            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="dckpt-s3-up") as pool:
-                pending: deque[Future[str]] = deque()
-                etags: list[str] = []
-                number = 0
+            with open(path, "rb") as f:
                 while chunk := f.read(self.part_bytes):
                     hasher.update(chunk)
-                    number += 1
-                    pending.append(pool.submit(self._part, key, upload_id, number, chunk))
-                    sent += len(chunk)
-                    if progress is not None:
-                        progress(len(chunk))
-                    while len(pending) >= self.concurrency:  # bounds the memory in flight
-                        etags.append(pending.popleft().result())
-                etags += [p.result() for p in pending]
-            parts = [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]
-            self._call(
-                key,
-                "completing the upload of",
-                self.client.complete_multipart_upload,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            )
+                    stream.write(chunk)
         except BaseException:
-            with contextlib.suppress(StorageError):  # else recover() aborts it at next start
-                self.abort(OpenUpload(key, upload_id, 0.0))
+            stream.abort()
             raise
-        return format_digest(algorithm, hasher), sent
+        stream.close()
+        return format_digest(algorithm, hasher), stream.sent
 
     def open_upload(self, key: str, progress: Progress | None = None) -> UploadStream:
         """A write-only stream into ``key``: parts go up as they fill (see ``UploadStream``)."""
