@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import xxhash
+
 from .root.retention import BestMode, RetentionPolicy
 from .storage.digest import ALGORITHMS
 from .tiers.url import default_mirror, is_url, parse_url
@@ -77,6 +79,16 @@ class CheckpointConfig:
             kept forever (as is any ``save(..., milestone=True)``).
         best_k, best_mode: also keep the k best by the metric given to ``save(metric=...)``.
         lock: hold ``ROOT/.dckpt-lock`` so a second job on the same root fails fast.
+        memory: turn on the memory tier: ``save(step, tier="memory")`` keeps the checkpoint
+            in host memory (``memory_dir``) and, through each node's keeper, on a partner
+            node; ``resume()`` tries it before the durable root when it holds a newer step
+            (see dckpt.save.memory and dckpt.load.memory).
+        memory_dir: a directory on a memory file system that holds ``node-<n>/`` for each
+            node. None: ``$DCKPT_MEMORY_DIR`` or ``/dev/shm/dckpt``, under a name derived from
+            the root, so two runs never share it.
+        memory_keep: memory checkpoints each keeper keeps of its own node and of its
+            partner's (the footprint is ``memory_keep + 1`` copies of each, reserved by the
+            first memory save).
     """
 
     root: Path | str
@@ -101,11 +113,23 @@ class CheckpointConfig:
     best_mode: BestMode = "min"
     lock: bool = True
     lock_lease_s: float = 300.0
+    memory: bool = False
+    memory_dir: Path | None = None
+    memory_keep: int = 1
 
     @property
     def directory(self) -> Path:
         """The local directory: the root itself, or an s3:// root's mirror."""
         return Path(self.root)
+
+    @property
+    def memory_root(self) -> Path:
+        """Where this run's memory tier lives (``node-<n>/`` under it, one per node)."""
+        if self.memory_dir is not None:
+            return Path(self.memory_dir)
+        base = Path(os.environ.get("DCKPT_MEMORY_DIR") or "/dev/shm/dckpt")
+        key = xxhash.xxh64_hexdigest((self.remote or str(Path(self.root).resolve())).encode())
+        return base / f"{Path(self.remote or self.root).name or 'root'}-{key[:12]}"
 
     @property
     def watchdog_s(self) -> float:
@@ -167,5 +191,9 @@ class CheckpointConfig:
                 f"device_staging_bytes must be >= 0 (0 turns device staging off), got "
                 f"{self.device_staging_bytes}"
             )
+        if self.memory_keep < 1:
+            raise ValueError(f"memory_keep must be >= 1, got {self.memory_keep}")
+        if self.memory_dir is not None:
+            object.__setattr__(self, "memory_dir", Path(self.memory_dir))
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")

@@ -46,6 +46,9 @@ from .save.pipeline import SavePipeline
 from .save.saver import Saver
 from .save.stager import Stager
 from .save.step_clock import StepClock
+from .tiers import memory_layout
+from .tiers.keeper_client import ensure_keeper
+from .tiers.memory_node import MemoryNode, Topology
 from .tiers.object_commit import ObjectCommit
 from .tiers.object_lock import ObjectLock
 from .tiers.object_root import ObjectRoot
@@ -68,6 +71,14 @@ def _ensure_visible_logging() -> None:
         log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
+
+
+def _node_index() -> int:
+    """This process's node: torchrun's ``GROUP_RANK`` (its node rank), else 0 (one node)."""
+    try:
+        return max(0, int(os.environ.get("GROUP_RANK", "0")))
+    except ValueError:
+        return 0
 
 
 class CheckpointManager:
@@ -146,6 +157,7 @@ class CheckpointManager:
         strategy, self._source, self._objects = self._root_kind()
         self._commit = strategy
         self._locks = self._open_root()
+        self._memory = self._open_memory() if config.memory else None
         clock, mode, progress = StepClock(), SaveMode(config.async_save), Progress(self._io)
         pipeline = SavePipeline(
             io=self._io,
@@ -159,6 +171,7 @@ class CheckpointManager:
             stager=Stager(config.device_staging_bytes),
             clock=clock,
             mode=mode,
+            memory=self._memory,
         )
         self._saver = Saver(
             ctl=self._ctl,
@@ -179,6 +192,7 @@ class CheckpointManager:
                 allow_config_changes, strict_keys, precision_checked=precision is not None
             ),
             loss_watch=self._loss_watch,
+            memory=self._memory,
         )
         self._stop = PreemptionStop(self._ctl, self._saver)
         self._hook: Any = None
@@ -251,6 +265,36 @@ class CheckpointManager:
             raise failure
         return locks
 
+    def _open_memory(self) -> MemoryNode:
+        """The memory tier: every node's first rank makes sure its keeper runs (starting one
+        that outlives this process if none answers) and tidies saves the last workers left
+        half-done; every rank learns the topology. Fails on every rank if any node fails."""
+        node = _node_index()
+        node_of = tuple(self._ctl.all_gather(node))
+        failure: CheckpointError | None = None
+        addr: str | None = None
+        if node_of.index(node) == self.rank:
+            node_dir = memory_layout.node_dir(self.config.memory_root, node)
+            try:
+                addr = ensure_keeper(node_dir, node, keep=self.config.memory_keep)
+            except (OSError, CheckpointError) as exc:
+                failure = CheckpointError(
+                    f"the memory tier cannot start on node {node} ({node_dir}): {exc}"
+                )
+        told = self._ctl.all_gather((node, addr, failure))
+        failure = next((f for _, _, f in told if f is not None), None)
+        if failure is not None:
+            self._ctl.close()
+            self._io.close()
+            raise failure
+        keepers = {n: a for n, a, _ in told if a is not None}
+        tier = MemoryNode(
+            self.config.memory_root, self.rank, Topology(node_of, keepers), self.config.memory_keep
+        )
+        if tier.first:
+            tier.clean_abandoned()
+        return tier
+
     # --- saving -----------------------------------------------------------------------------
 
     def save(
@@ -260,8 +304,14 @@ class CheckpointManager:
         epoch: int | None = None,
         milestone: bool = False,
         metric: float | None = None,
+        tier: Literal["durable", "memory"] = "durable",
     ) -> SaveHandle:
         """Save the state as ``step`` on every rank; returns once training may go on.
+
+        ``tier="memory"`` (with ``CheckpointConfig(memory=True)``) keeps it in host memory
+        and on the partner node instead of the durable root (dckpt.save.memory): seconds to
+        restore after a crash, gone with both nodes. Save to memory often and to the root
+        less often: ``resume()`` takes the newest step of either.
 
         ``milestone=True`` (or a step that is a multiple of ``milestone_every``) keeps this
         checkpoint through retention; ``metric`` ranks it for ``best_k``.
@@ -274,8 +324,19 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if metric is not None and not math.isfinite(metric):
             raise ValueError(f"metric must be a finite number (best-k ranks by it), got {metric}")
+        if tier not in ("durable", "memory"):
+            raise ValueError(f"tier must be 'durable' or 'memory', got {tier!r}")
+        if tier == "memory" and self._memory is None:
+            raise ValueError(
+                "save(tier='memory') needs the memory tier: CheckpointConfig(memory=True)"
+            )
         return self._saver.save(
-            step, epoch=epoch, milestone=milestone, metric=metric, loss=self._loss_watch.summary()
+            step,
+            epoch=epoch,
+            milestone=milestone,
+            metric=metric,
+            loss=self._loss_watch.summary(),
+            tier=tier,
         )
 
     def before_optimizer_step(self) -> None:

@@ -132,6 +132,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=20, help="train until this step")
     p.add_argument("--save-every", type=int, default=5, help="save after every K-th step")
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=None,
+        help="also save to the memory tier (host memory, replicated to a partner node) after "
+        "every N-th step that is not a --save-every step; resume takes the newer of the two",
+    )
+    p.add_argument("--memory-dir", default=None, help="the memory tier's directory (a tmpfs)")
+    p.add_argument("--memory-keep", type=int, default=1, help="memory checkpoints per keeper")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-log", default=None, help="rank 0 appends a JSON line per step")
     p.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL after this step")
@@ -187,6 +196,9 @@ NOT_CONFIG = (
     "async_save",
     "keep_last",
     "milestone_every",
+    "memory_every",
+    "memory_dir",
+    "memory_keep",
     "preemption",
     "preempt_deadline",
     "allow_config_change",
@@ -241,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         async_save="auto" if args.async_save is None else args.async_save,
         keep_last=args.keep_last,
         milestone_every=args.milestone_every,
+        memory=args.memory_every is not None,
+        memory_dir=args.memory_dir,
+        memory_keep=args.memory_keep,
     )
     run_config = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
     manager = dckpt.CheckpointManager(
@@ -303,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if step % args.save_every == 0 or step == args.steps:
             manager.save(step)
+        elif args.memory_every and step % args.memory_every == 0:
+            manager.save(step, tier="memory")
         if manager.preempted(step):
             if rank == 0:
                 print(f"train: preempted after step {step}; checkpoint committed", flush=True)

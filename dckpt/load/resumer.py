@@ -65,6 +65,7 @@ from ..root.layout import step_dir_name
 from ..root.manifest import Manifest
 from ..root.source import CheckpointSource
 from ..storage.verifying_reader import SafeLoadPlanner
+from ..tiers.memory_node import MemoryNode
 from ..train import rng
 from ..train.precision import PrecisionPolicy
 from ..train.state import TrainState
@@ -72,6 +73,7 @@ from ..units import human_bytes, plural
 from . import checks
 from .config_check import ConfigPolicy
 from .loss_watch import LossVerdict, LossWatch
+from .memory import MemoryRestore
 from .report import CandidateReport, ResumeReport
 
 __all__ = ["LoadResult", "Resumer"]
@@ -105,8 +107,10 @@ class Resumer:
         run_config: dict[str, Any],
         config_policy: ConfigPolicy,
         loss_watch: LossWatch,
+        memory: MemoryNode | None = None,
     ) -> None:
         self._ctl = ctl
+        self._memory = memory
         self._config = config
         self.root = config.directory
         self.source = source
@@ -178,6 +182,26 @@ class Resumer:
         steps = self._candidates()  # 1
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
+        memory_notes: list[str] = []
+        if self._memory is not None:  # 1b: a newer (or as new) step in host memory first
+            got = MemoryRestore(self._ctl, self._memory).restore(
+                self._state, steps[0] if steps else None, self._check_candidate
+            )
+            if isinstance(got, tuple):
+                loaded, chosen = got
+                result = LoadResult(
+                    step=loaded.step,
+                    path=loaded.path,
+                    bytes=loaded.bytes,
+                    files_verified=len(loaded.manifest.files),
+                    seconds=loaded.seconds,
+                    manifest=loaded.manifest,
+                )
+                steps = []
+            else:
+                memory_notes = [
+                    f"memory tier: step {s} not used, the durable tier was: {why}" for s, why in got
+                ]
         for step in steps:
             candidate = CandidateReport(step, self._path(step), self.source.origin(step))
             try:
@@ -194,6 +218,7 @@ class Resumer:
                 # The report keeps the first sentence; quarantine/<step>.reason.txt has it all.
                 skipped.append((step, f"{type(exc).__name__}: {str(exc).split('. ')[0]}"))
         report = ResumeReport.of(chosen, skipped, self.world_size)
+        report.warnings.extend(memory_notes)
         if result is None:
             self._nothing_loaded(report, len(steps))
             return report
@@ -252,17 +277,7 @@ class Resumer:
         checks.fetch_candidate(self._ctl, self.source, step, report)
         manifest, reader = checks.read_candidate(self._ctl, path, step, report)
         checks.agree_on_manifest(self._ctl, manifest, path, report)
-        if with_config:  # every rank decides; all raise the first refusal together
-            refused: CheckpointError | None = None
-            try:
-                checks.check_config_and_precision(
-                    manifest, self._run_config, self._precision, self._policy, name, report
-                )
-            except CheckpointError as exc:
-                refused = exc
-            checks.raise_first(self._ctl, refused)
-        checks.check_state_kinds(manifest, state, name, report)
-        checks.check_grad_scaler(manifest, state, name, report)
+        self._check_candidate(manifest, report, with_config=with_config)
         state_dict = state.state_dict()
         if manifest.world_size != self.world_size:
             checks.resolve_per_rank(state, state_dict, manifest.world_size, name, report)
@@ -309,6 +324,24 @@ class Resumer:
             seconds=time.perf_counter() - t0,
             manifest=manifest,
         )
+
+    def _check_candidate(
+        self, manifest: Manifest, report: CandidateReport, *, with_config: bool = True
+    ) -> None:
+        """The checks before any byte is loaded: config and precision (every rank decides;
+        all raise the first refusal together), the kinds of state, the GradScaler."""
+        name = report.path.name
+        if with_config:
+            refused: CheckpointError | None = None
+            try:
+                checks.check_config_and_precision(
+                    manifest, self._run_config, self._precision, self._policy, name, report
+                )
+            except CheckpointError as exc:
+                refused = exc
+            checks.raise_first(self._ctl, refused)
+        checks.check_state_kinds(manifest, self._state, name, report)
+        checks.check_grad_scaler(manifest, self._state, name, report)
 
     def _restore_rng(
         self,

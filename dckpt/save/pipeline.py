@@ -47,6 +47,7 @@ dckpt's group as lost (``group_lost``): the next ``save()`` asks for a restart. 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import platform
@@ -65,18 +66,22 @@ from .. import __version__
 from ..config import CheckpointConfig
 from ..dist.comm import Comm
 from ..dist.progress import DECIDED, Progress, SaveTrace
-from ..errors import SaveError, describe_os_error, unwrap_dcp_error
+from ..errors import SaveError, StorageError, describe_os_error, unwrap_dcp_error
 from ..phases import Phase
 from ..robust import same_level_margin
 from ..root.commit import CommitStrategy
-from ..root.manifest import Manifest
+from ..root.layout import step_dir_name
+from ..root.manifest import Manifest, manifest_bytes
 from ..storage.hashing_writer import HashingWriter
+from ..storage.records import FileRecord
+from ..tiers.memory_node import MemoryNode, memory_file_name
 from ..train import rng
 from ..train.precision import PrecisionPolicy
 from ..train.state import TrainState
 from ..units import describe_staging, human_bytes
 from .coordinator import Coordinator, RankReport, SaveOutcome
 from .handle import SaveResult, SaveTicket
+from .memory import stage
 from .mode import SaveMode
 from .stager import Snapshot, Stager, StagingSavePlanner, Watch, watch_versions
 from .step_clock import LoopCost, StepClock
@@ -107,6 +112,9 @@ class SaveJob:
     loss: dict[str, Any]
     metric: dict[str, float]
     scaler: dict[str, Any] | None
+    tier: str = "durable"
+    memory_file: Path | None = None
+    """A memory save: this rank's file, written in ``save()`` (dckpt.save.memory)."""
 
 
 @dataclass(frozen=True)
@@ -133,8 +141,10 @@ class SavePipeline:
         stager: Stager,
         clock: StepClock,
         mode: SaveMode,
+        memory: MemoryNode | None = None,
     ) -> None:
         self.io = io
+        self.memory = memory
         self.progress = progress
         self.strategy = strategy
         self.coordinator = Coordinator(io, config.directory, strategy)
@@ -169,6 +179,7 @@ class SavePipeline:
         metric: float | None,
         loss: dict[str, Any],
         asynchronous: bool,
+        tier: str = "durable",
     ) -> SaveJob:
         """Step 3: this rank's snapshot of the state as the immutable job (on error, the job
         carries the error, for every rank to learn in step 4)."""
@@ -183,6 +194,7 @@ class SavePipeline:
         snapshot: Snapshot | None = None
         scaler: dict[str, Any] | None = None
         error: str | None = None
+        memory_file: Path | None = None
         try:
             state_dict = self.state.state_dict()
             # Taken now, at the point the training loop will continue from after a resume.
@@ -193,15 +205,24 @@ class SavePipeline:
                     "scale": scale if math.isfinite(scale) else str(scale),  # JSON has no NaN
                     "growth_tracker": int(state_dict["scaler"].get("_growth_tracker", 0)),
                 }
-            if self.rank == 0:
+            if tier == "memory":
+                assert self.memory is not None  # the manager refuses the tier without one
+                memory_file = stage(self.memory, step, save_id, state_dict)
+            elif self.rank == 0:
                 self._check_free_space(step, state_dict)
-            if asynchronous:
+            if tier == "memory":
+                pass  # the memory file is the snapshot
+            elif asynchronous:
                 snapshot = self.stager.snapshot(state_dict, self._deferred())
             else:  # the caller waits for the commit: write the live state
                 snapshot = self.stager.live(state_dict)
             self.progress.trace(save_id, step).at(Phase.PREPARE)
         except Exception as exc:
-            error = f"taking the state dict failed: {exc!r}"
+            error = (
+                str(exc)
+                if isinstance(exc, StorageError)
+                else f"taking the state dict failed: {exc!r}"
+            )
         return SaveJob(
             step=step,
             save_id=save_id,
@@ -214,6 +235,8 @@ class SavePipeline:
             loss=loss,
             metric={} if metric is None else {"value": float(metric)},
             scaler=scaler,
+            tier=tier,
+            memory_file=memory_file,
         )
 
     def _deferred(self) -> Watch:
@@ -256,16 +279,23 @@ class SavePipeline:
         """Steps 4-10 on the save thread. Any failure becomes a SaveError that names the ranks
         that were behind (from the progress markers), so a dead or stuck rank is named on
         every rank."""
-        tmp = self.strategy.tmp_location(self.root, job.step, job.save_id)
+        memory = self.memory if job.tier == "memory" else None
+        if memory is not None:
+            tmp = memory.tmp_location(job.step, job.save_id)
+        else:
+            tmp = self.strategy.tmp_location(self.root, job.step, job.save_id)
         try:
-            result = self._steps(job, ticket, tmp)
+            if memory is not None:
+                result = self._memory_steps(job, ticket, tmp, memory)
+            else:
+                result = self._steps(job, ticket, tmp)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             if not isinstance(exc, SaveError):  # a collective failed: the group is unusable
                 self.group_lost = f"{type(exc).__name__}: {str(exc)[:200]}"
-            if self.rank == 0:  # whatever failed, no half-written tmp dir outlives the save
-                shutil.rmtree(tmp, ignore_errors=True)
+            if self.rank == 0 or (memory is not None and memory.first):
+                shutil.rmtree(tmp, ignore_errors=True)  # no half-written tmp dir outlives it
             if isinstance(exc, SaveError):  # an outcome every rank agreed on: it says it all
                 raise
             outcome = self._failed_outcome(job.step, job.save_id)
@@ -301,6 +331,125 @@ class SavePipeline:
             self._log(job, result, decision)
             self._retention()  # 10
         return result
+
+    def _memory_steps(
+        self, job: SaveJob, ticket: SaveTicket, tmp: Path, memory: MemoryNode
+    ) -> SaveResult:
+        """Steps 4-10 for a memory save, in dckpt.save.memory's protocol order."""
+        ticket.staged.set()  # the memory file, written in save(), is the snapshot
+        self.progress.trace(job.save_id, job.step).passed(Phase.PREPARE)
+        what = f"preparing the memory save of step {job.step}"
+        self.coordinator.agree(job.error, what, job.step)
+        t_hash = time.perf_counter()
+        error: str | None = None
+        records: tuple[FileRecord, ...] = ()
+        try:
+            assert job.memory_file is not None
+            records = (memory.digest(job.memory_file, self.config.digest),)
+        except Exception as exc:  # reported to every rank by the gather below
+            error = f"hashing its memory copy failed: {describe_os_error(exc, memory.dir)}"
+        report = RankReport(
+            rank=self.rank,
+            records=records,
+            error=error,
+            loss=job.loss,
+            metric=job.metric,
+            timings={"hash_s": time.perf_counter() - t_hash},
+        )
+        reports = self.coordinator.gather(report)  # 6
+        cost: LoopCost | None = None
+        told: bytes | str | None = None
+        if self.rank == 0:  # 7: the manifest, or why there is none
+            failed = [f"rank {r.rank}: {r.error}" for r in reports if r.error is not None]
+            if failed:
+                told = "; ".join(failed)
+            else:
+                try:
+                    cost = self.clock.cost(job.started, ticket.stall_s, time.perf_counter())
+                    manifest = self._manifest(job, reports, ticket.stall_s, cost)
+                    mesh = {
+                        **manifest.mesh,
+                        "tier": "memory",
+                        "nodes": list(memory.topology.node_of),
+                        "replicas": memory.topology.replicas(),
+                    }
+                    told = manifest_bytes(dataclasses.replace(manifest, mesh=mesh))
+                except Exception as exc:
+                    told = f"rank 0 could not build the manifest: {exc!r}"
+        told = self.io.broadcast(told)
+        committed_here = False
+        mine: str | None = None
+        if isinstance(told, bytes) and memory.first:  # the node's commit
+            try:
+                memory.commit_node(tmp, job.step, told)
+                committed_here = True
+            except Exception as exc:
+                mine = f"node {memory.node}: {describe_os_error(exc, memory.dir)}"
+        node_errors = [e for e in self.io.all_gather(mine) if e is not None]
+        failure = told if isinstance(told, str) else "; ".join(node_errors) or None
+        if failure is not None:
+            if committed_here:  # another node failed: no node keeps half a memory save
+                memory.uncommit(job.step)
+            raise SaveError(
+                f"memory save of step {job.step} failed, nothing was committed (the durable "
+                f"checkpoints are untouched): {failure}"
+            )
+        ticket.decided = True
+        commit_s = time.perf_counter() - job.started
+        result = SaveResult(
+            step=job.step,
+            path=memory.own / step_dir_name(job.step),
+            bytes=sum(r.bytes for rep in reports for r in rep.records),
+            files=len(reports),
+            stall_s=ticket.stall_s,
+            commit_s=commit_s,
+        )
+        # 10: the replicas, then (first save) a reserved slot; neither fails the save
+        replicas = self.io.all_gather(memory.replicate(job.step) if memory.first else None)
+        memory.reserve(memory.own / step_dir_name(job.step) / memory_file_name(self.rank))
+        if self.rank == 0:
+            assert cost is not None
+            self._log_memory(job, result, cost, memory, replicas)
+        return result
+
+    def _log_memory(
+        self,
+        job: SaveJob,
+        result: SaveResult,
+        cost: LoopCost,
+        memory: MemoryNode,
+        replicas: list[dict[str, Any] | None],
+    ) -> None:
+        topology = memory.topology
+        parts = []
+        for rank, reply in enumerate(replicas):
+            if reply is None:
+                continue
+            node, partner = topology.node_of[rank], topology.partner(topology.node_of[rank])
+            if partner is None:
+                parts.append("no partner node (one node): local copy only")
+            elif reply.get("ok"):
+                parts.append(
+                    f"node {node} -> node {partner} verified in {float(reply['seconds']):.3f} s"
+                )
+            else:
+                parts.append(f"node {node} -> node {partner} FAILED: {reply.get('error')}")
+        line = (
+            "dckpt: saved step %d to memory | %s in %d files | %s | committed in %.3f s | "
+            "%s/s | %s digests | replicas: %s | %s"
+        )
+        (log.info if all(r is None or r.get("ok") for r in replicas) else log.warning)(
+            line,
+            job.step,
+            human_bytes(result.bytes),
+            result.files,
+            cost.phrase(result.commit_s),
+            result.commit_s,
+            human_bytes(result.bytes / max(result.commit_s, 1e-9)),
+            self.config.digest,
+            "; ".join(parts),
+            result.path,
+        )
 
     def _drop_local_copy(self, tmp: Path) -> None:
         """After the outcome is known on every rank: a rank whose node does not share rank

@@ -84,8 +84,10 @@ class Saver:
         milestone: bool,
         metric: float | None,
         loss: dict[str, Any],
+        tier: str = "durable",
     ) -> SaveHandle:
-        """Steps 1-3 of the save protocol, then the hand-off to the save thread."""
+        """Steps 1-3 of the save protocol, then the hand-off to the save thread. A memory
+        save always runs in the background: its copy in ``save()`` is the snapshot."""
         self._refuse_if_unusable()
         t0 = time.perf_counter()
         self._thread.raise_if_failed()
@@ -114,7 +116,7 @@ class Saver:
             self._mode.apply(plan)
             if self.rank == 0 and plan.message:
                 log.info("dckpt: %s", plan.message)
-        asynchronous = self._mode.asynchronous
+        asynchronous = self._mode.asynchronous or tier == "memory"
 
         job = self._pipeline.prepare(
             step,
@@ -124,6 +126,7 @@ class Saver:
             metric=metric,
             loss=loss,
             asynchronous=asynchronous,
+            tier=tier,
         )
         ticket = SaveTicket(step, t0)
         handle = SaveHandle(ticket)

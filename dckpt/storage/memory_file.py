@@ -1,0 +1,212 @@
+"""One rank's state as one flat file for the memory tier: written by a memcpy, read by one.
+
+A memory checkpoint is restored in place, by the same ranks, on the same sharding (a torchrun
+restart, or a requeue of the same job): so unlike a DCP save it needs no plan, no collective
+and no resharding, and its file is simply every tensor of this rank's state dict (a DTensor's
+local shard) laid end to end, plus the non-tensor values:
+
+```
+b"DCKPTMEM" | u64 little-endian header length | header (JSON) | zero padding to 4 KiB
+tensor bytes, each at a 64-byte aligned offset the header records
+non-tensor values: torch.save of {flat key: value}, read back with weights_only=True
+```
+
+The header is ``{"version": 1, "tensors": [[key, dtype, shape, offset, nbytes], ...],
+"objects": [offset, length], "size": total}``. Keys are DCP's flattened names, so a restore
+matches tensors by name, shape and dtype against the live state dict and fails (naming the
+first difference) rather than loading into the wrong tensor.
+
+Invariants: ``write_into`` copies every tensor before it returns (the snapshot is the state at
+``save()`` time); the reader trusts nothing in the file before its digest matched the
+manifest, and even then checks every offset against the buffer's length.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import struct
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.tensor import DTensor
+
+__all__ = ["FlatFile", "MemoryFileError", "fill_state_dict", "plan_flat", "write_into"]
+
+MAGIC = b"DCKPTMEM"
+_HEAD = struct.Struct("<8sQ")
+_DATA_ALIGN = 4096
+_ALIGN = 64
+_MAX_HEADER = 64 << 20
+
+
+class MemoryFileError(ValueError):
+    """A memory file that is not what its header says, or does not fit the live state."""
+
+
+@dataclass(frozen=True)
+class FlatPlan:
+    """Where each tensor of one state dict goes in its file (built in ``save()``)."""
+
+    tensors: list[tuple[str, torch.Tensor, int, int]]  # key, local tensor, offset, nbytes
+    objects: bytes
+    objects_offset: int
+    header: bytes
+    size: int
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def plan_flat(state_dict: dict[str, Any]) -> FlatPlan:
+    """Lay out ``state_dict``: tensor offsets, the pickled non-tensor values, the header."""
+    flat, _ = flatten_state_dict(state_dict)
+    rows: list[list[Any]] = []
+    tensors: list[tuple[str, torch.Tensor, int, int]] = []
+    objects: dict[str, Any] = {}
+    pending: list[tuple[str, torch.Tensor, int]] = []
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            local = _local(value).detach()
+            pending.append((key, local, local.numel() * local.element_size()))
+        else:
+            objects[key] = value
+    buf = io.BytesIO()
+    torch.save(objects, buf)
+    blob = buf.getvalue()
+    # The header's length depends on the offsets, which depend on the header's length: size
+    # the header with placeholder offsets of the final width, then fill them in.
+    offset = 0
+    for key, local, nbytes in pending:
+        rows.append([key, str(local.dtype).removeprefix("torch."), list(local.shape), 0, nbytes])
+    guess = len(json.dumps({"version": 1, "tensors": rows, "objects": [0, 0], "size": 0}))
+    offset = _round(_HEAD.size + guess + 64 * (len(rows) + 2), _DATA_ALIGN)
+    for row, (key, local, nbytes) in zip(rows, pending, strict=True):
+        row[3] = offset
+        tensors.append((key, local, offset, nbytes))
+        offset = _round(offset + nbytes, _ALIGN)
+    objects_offset, size = offset, offset + len(blob)
+    header = json.dumps(
+        {"version": 1, "tensors": rows, "objects": [objects_offset, len(blob)], "size": size}
+    ).encode()
+    return FlatPlan(tensors, blob, objects_offset, header, size)
+
+
+def write_into(path: Path, plan: FlatPlan, reuse: Callable[[Path], bool] | None = None) -> None:
+    """Write the planned file at ``path``, copying every tensor now (the snapshot). ``reuse``
+    may first move a retired file of the same name there, whose pages are then overwritten
+    instead of allocated. Raises OSError (ENOSPC when the memory file system is full)."""
+    if reuse is None or not reuse(path):
+        path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size != plan.size:
+            os.ftruncate(fd, plan.size)
+        # Reserve every page now, so a full memory file system fails here, clearly, and not
+        # with SIGBUS halfway through the copy below.
+        os.posix_fallocate(fd, 0, plan.size)
+        with mmap.mmap(fd, plan.size) as mm:
+            mm[: _HEAD.size] = _HEAD.pack(MAGIC, len(plan.header))
+            mm[_HEAD.size : _HEAD.size + len(plan.header)] = plan.header
+            for _key, local, offset, nbytes in plan.tensors:
+                if nbytes:
+                    dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+                    dst.view(local.dtype).view(local.shape).copy_(local)
+                    del dst  # the mmap cannot close while a tensor views it
+            end = plan.objects_offset + len(plan.objects)
+            mm[plan.objects_offset : end] = plan.objects
+    finally:
+        os.close(fd)
+
+
+def _round(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+
+class FlatFile:
+    """A verified memory file's contents, read from ``buf`` (an mmap or bytes) by name."""
+
+    def __init__(self, buf: Any, source: str) -> None:
+        self.buf, self.source = buf, source
+        view = memoryview(buf)
+        if len(view) < _HEAD.size:
+            raise MemoryFileError(f"{source}: {len(view)} bytes, too short for a memory file")
+        magic, hlen = _HEAD.unpack_from(view, 0)
+        if magic != MAGIC or hlen > _MAX_HEADER or _HEAD.size + hlen > len(view):
+            raise MemoryFileError(f"{source}: not a dckpt memory file (bad magic or header)")
+        try:
+            header = json.loads(bytes(view[_HEAD.size : _HEAD.size + hlen]))
+            self.rows = [
+                (str(k), _DTYPES[str(d)], [int(x) for x in shape], int(off), int(n))
+                for k, d, shape, off, n in header["tensors"]
+            ]
+            self.objects_at = (int(header["objects"][0]), int(header["objects"][1]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MemoryFileError(f"{source}: unreadable header ({exc!r})") from None
+        for key, _d, _s, off, n in [*self.rows, ("objects", None, None, *self.objects_at)]:
+            if off < 0 or n < 0 or off + n > len(view):
+                raise MemoryFileError(f"{source}: {key} lies outside the file")
+
+    def objects(self) -> dict[str, Any]:
+        off, n = self.objects_at
+        value = torch.load(
+            io.BytesIO(bytes(memoryview(self.buf)[off : off + n])), weights_only=True
+        )
+        if not isinstance(value, dict):
+            raise MemoryFileError(f"{self.source}: its non-tensor values are not a dict")
+        return value
+
+    def tensor(
+        self, dtype: torch.dtype, shape: list[int], offset: int, nbytes: int
+    ) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():  # a read-only mmap: we only ever read from it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(self.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.view(dtype).view(shape)
+
+
+def fill_state_dict(state_dict: dict[str, Any], flat_file: FlatFile) -> dict[str, Any]:
+    """Copy the file's tensors into ``state_dict``'s own (a DTensor's local shard), by name;
+    its non-tensor values replace the live ones. Returns the state dict to load. Raises
+    MemoryFileError, before copying anything, when the names, shapes or dtypes differ."""
+    flat, mapping = flatten_state_dict(state_dict)
+    saved = {row[0]: row for row in flat_file.rows}
+    objects = flat_file.objects()
+    live_tensors = {k for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    if live_tensors != set(saved) or set(flat) - live_tensors != set(objects):
+        missing = sorted((live_tensors - set(saved)) | (set(flat) - live_tensors - set(objects)))
+        extra = sorted((set(saved) - live_tensors) | (set(objects) - (set(flat) - live_tensors)))
+        raise MemoryFileError(
+            f"{flat_file.source} does not match this state: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}"
+        )
+    for key in live_tensors:
+        local = _local(flat[key])
+        _, dtype, shape, _, _ = saved[key]
+        if local.dtype != dtype or list(local.shape) != shape:
+            raise MemoryFileError(
+                f"{flat_file.source}: {key} is {dtype}{shape} there, {local.dtype}"
+                f"{list(local.shape)} here"
+            )
+    with torch.no_grad():  # the live tensors may be parameters that require grad
+        for key in live_tensors:
+            _, dtype, shape, offset, nbytes = saved[key]
+            _local(flat[key]).copy_(flat_file.tensor(dtype, shape, offset, nbytes))
+    for key, value in objects.items():
+        flat[key] = value
+    return unflatten_state_dict(flat, mapping)

@@ -1,0 +1,148 @@
+"""Where the memory tier keeps its checkpoints on one node: names, slots and retention.
+
+A node's memory is a directory on a memory-backed file system (``/dev/shm`` by default), one
+per node: ``MEMORY_DIR/node-<n>/``. Its owner is the node's keeper (dckpt.tiers.keeper); the
+node's workers write their own shard files into it directly (no copy through a socket):
+
+```
+node-<n>/
+  keeper.json                       the live keeper: pid, host, port, node, start time
+  keeper.log                        the keeper's lifecycle, one line per event
+  own/step-XXXXXXXX/                this node's ranks' files of a committed memory save, and
+                                    its manifest.json (the whole save's, written last)
+  own/step-XXXXXXXX.tmp-<32 hex>/   a save in flight, or abandoned: never read
+  replica/node-<k>/step-XXXXXXXX/   node k's files of a memory save, and its manifest, copied
+                                    by k's keeper; committed (renamed) only after every file
+                                    hashed to the writer's digest on arrival
+  spare/own/  spare/node-<k>/       retired files, reused by the next save of the same name
+```
+
+Invariants: a step directory without ``manifest.json``, or with a ``.tmp-`` name, is never
+read; a committed directory is never written into (retirement renames its files out after
+removing the manifest, so a half-retired step is simply not committed). Reusing a retired
+file keeps the tier's memory at the level reached after the first save: its pages are
+already allocated, and writing into them costs no page faults.
+
+Knows files only, never tensors (no torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from ..root.layout import STEP_RE, step_dir_name
+from ..root.manifest import MANIFEST_FILE
+
+__all__ = [
+    "KEEPER_FILE",
+    "KEEPER_LOG",
+    "committed_memory_steps",
+    "node_dir",
+    "own_dir",
+    "partner_of",
+    "replica_dir",
+    "retire_beyond",
+    "spare_dir",
+    "take_spare",
+    "tmp_step_dir",
+]
+
+KEEPER_FILE = "keeper.json"
+KEEPER_LOG = "keeper.log"
+
+
+def node_dir(memory_dir: Path, node: int) -> Path:
+    return Path(memory_dir) / f"node-{node}"
+
+
+def partner_of(node: int, nodes: int) -> int | None:
+    """The node that keeps ``node``'s replica: the next one on a ring over the node indices
+    (with two nodes, each other's; with one, none). A ring, not fixed pairs, so an odd node
+    count works and losing any one node leaves every other node's copies whole."""
+    return None if nodes < 2 else (node + 1) % nodes
+
+
+def own_dir(node: Path) -> Path:
+    return node / "own"
+
+
+def replica_dir(node: Path, of_node: int) -> Path:
+    return node / "replica" / f"node-{of_node}"
+
+
+def spare_dir(node: Path, kind: str) -> Path:
+    """``kind`` is "own" or "node-<k>" (a replica's)."""
+    return node / "spare" / kind
+
+
+def tmp_step_dir(parent: Path, step: int) -> Path:
+    return parent / f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex}"
+
+
+def committed_memory_steps(parent: Path) -> list[int]:
+    """Committed steps under ``own/`` or ``replica/node-<k>/``, oldest first."""
+    steps: list[int] = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return []
+    for entry in entries:
+        m = STEP_RE.fullmatch(entry.name)
+        manifest = os.path.join(entry.path, MANIFEST_FILE)
+        if m and entry.is_dir(follow_symlinks=False) and os.path.isfile(manifest):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def take_spare(spares: Path, name: str, into: Path) -> bool:
+    """Move a retired file called ``name`` to ``into`` (its pages are reused); False when
+    there is none. Other retired copies of that name are deleted: one spare per name."""
+    try:
+        found = sorted(p for p in spares.iterdir() if p.name.split("@", 1)[0] == name)
+    except OSError:
+        return False
+    for extra in found[1:]:
+        extra.unlink(missing_ok=True)
+    if not found:
+        return False
+    try:
+        os.rename(found[0], into)
+    except OSError:  # another process took it first
+        return False
+    return True
+
+
+def retire_beyond(parent: Path, keep: int, spares: Path, newest: int | None = None) -> list[int]:
+    """Keep the ``keep`` newest committed steps under ``parent``; older ones are uncommitted
+    (manifest first) and their files moved to ``spares`` for reuse, at most one per name.
+    With ``newest`` (the step just committed), steps above it are retired first: they belong
+    to a branch the run rolled back from. Returns the steps retired."""
+    steps = committed_memory_steps(parent)
+    stale = [s for s in steps if newest is not None and s > newest]
+    steps = [s for s in steps if s not in stale]
+    retired = stale + steps[: max(0, len(steps) - keep)]
+    spares.mkdir(parents=True, exist_ok=True)
+    for step in retired:
+        d = parent / step_dir_name(step)
+        with contextlib.suppress(OSError):
+            (d / MANIFEST_FILE).unlink()  # uncommitted from here on
+        for f in _files(d):
+            taken = any(p.name.split("@", 1)[0] == f.name for p in spares.iterdir())
+            if taken:
+                f.unlink(missing_ok=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.rename(f, spares / f"{f.name}@{step}")
+        shutil.rmtree(d, ignore_errors=True)
+    return retired
+
+
+def _files(d: Path) -> list[Path]:
+    try:
+        return [p for p in d.iterdir() if p.is_file() and not p.is_symlink()]
+    except OSError:
+        return []
