@@ -32,9 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("ls", help="list the checkpoints under a root")
+    p = sub.add_parser("ls", help="list the checkpoints under a root, and its memory tier")
     p.add_argument("root")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--memory-dir", default=None, help="the memory tier's directory (default: the job's)"
+    )
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser(
@@ -94,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="save interval, loss per failure, RTO, storage, memory")
     p.add_argument("root", nargs="?", help="take size and timings from this root's manifest")
+    p.add_argument(
+        "--memory-dir", default=None, help="the memory tier's directory (default: the job's)"
+    )
     p.add_argument("--step", type=int, help="that step (default: the newest)")
     p.add_argument("--bytes", type=int, help="checkpoint size in bytes")
     p.add_argument("--write-gbps", type=float, help="write bandwidth, GB/s")

@@ -31,6 +31,8 @@ class PlanInputs:
     keep_last: int
     milestones: int
     host_memory_bytes: int
+    restore_s: float | None = None
+    """Measured seconds to restore (the memory tier's); None: size / read bandwidth."""
 
     def __post_init__(self) -> None:
         for name in ("write_gbps", "read_gbps", "mtbf_node_hours"):
@@ -60,7 +62,8 @@ def plan(x: PlanInputs) -> PlanResult:
     # A stall of zero would make every step a checkpoint; the write itself still costs I/O.
     delta = max(x.stall_s, 1e-3)
     tau = math.sqrt(2.0 * delta * m)
-    rto = x.checkpoint_bytes / (x.read_gbps * 1e9) + x.restart_s
+    read_s = x.checkpoint_bytes / (x.read_gbps * 1e9) if x.restore_s is None else x.restore_s
+    rto = read_s + x.restart_s
     lost = tau / 2.0 + x.commit_s
     staging = x.checkpoint_bytes // x.nodes  # each rank stages its own share
     return PlanResult(

@@ -10,6 +10,7 @@ dckpt.save.step_clock) where the save measured it, else the stall alone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import psutil
@@ -18,7 +19,8 @@ from ..errors import IntegrityError, ManifestError
 from ..root.manifest import read_manifest
 from ..units import plural
 from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, committed_dir, fail, human, out, root_arg
-from .plan_model import PlanInputs, plan
+from .memory_tier import memory_costs, memory_dir_for
+from .plan_model import PlanInputs, PlanResult, plan
 
 __all__ = ["cmd_plan"]
 
@@ -73,8 +75,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         fail(EXIT_USAGE, str(exc))
     result = plan(inputs)
+    memory = _memory_plan(args, inputs)
     if args.json:
-        print(json.dumps({"inputs": inputs.__dict__, "plan": result.as_dict()}, indent=1))
+        doc = {"inputs": inputs.__dict__, "plan": result.as_dict()}
+        if memory is not None:
+            doc["memory"] = {"inputs": memory[0].__dict__, "plan": memory[1].as_dict()}
+        print(json.dumps(doc, indent=1))
         return EXIT_OK
     rows = [
         ("checkpoint", f"{human(inputs.checkpoint_bytes)}, costs training {inputs.stall_s:.3f} s, "
@@ -96,4 +102,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     for key, value in rows:
         out.print(f"  {key:<17} {value}")
+    if memory is not None:
+        m_in, m = memory
+        restore = m.rto_s - m_in.restart_s
+        out.print("  memory tier (measured on this host; a lost node restores from its partner)")
+        for key, value in [
+            ("memory save", f"costs training {m_in.stall_s:.3f} s, commit {m_in.commit_s:.3f} s"),
+            ("save every", f"{_duration(m.interval_s)} to memory (the durable saves above "
+             "stay for losing both copies)"),
+            ("lost per failure", f"{_duration(m.expected_work_lost_s)} of work"),
+            ("RTO", f"{_duration(m.rto_s)} ({restore:.3f} s restore"
+             + (" measured" if m_in.restore_s is not None else ", assumed = commit")
+             + f" + {m_in.restart_s:g} s restart)"),
+            ("overhead", f"{100 * m.overhead_fraction:.2f} % of the job's time"),
+        ]:  # fmt: skip
+            out.print(f"  {key:<17} {value}")
     return EXIT_OK
+
+
+def _memory_plan(
+    args: argparse.Namespace, durable: PlanInputs
+) -> tuple[PlanInputs, PlanResult] | None:
+    """The same plan with the memory tier's measured save and restore costs, when the root
+    has memory checkpoints on this host; None otherwise."""
+    if args.root is None:
+        return None
+    costs = memory_costs(memory_dir_for(args.root, args.memory_dir))
+    if costs is None:
+        return None
+    inputs = dataclasses.replace(
+        durable,
+        stall_s=costs["stall_s"],
+        commit_s=costs["commit_s"],
+        restore_s=costs.get("restore_s", costs["commit_s"]),
+    )
+    return inputs, plan(inputs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -40,6 +41,7 @@ from .common import (
     plural,
     root_arg,
 )
+from .memory_tier import memory_dir_for, memory_records
 
 __all__ = [
     "cmd_inspect",
@@ -118,7 +120,35 @@ def cmd_ls(args: argparse.Namespace) -> int:
     now = time.time()
     pins = pinned_steps(root)
     records = [_ls_record(e, now, pins) for e in list_checkpoints(root)]
-    return print_ls(args, records, str(root))
+    memory_root = memory_dir_for(str(root), args.memory_dir)
+    memory = memory_records(memory_root)
+    if args.json:
+        print(json.dumps([{"tier": "durable", **r} for r in records] + memory, indent=1))
+        return EXIT_OK
+    if records or not memory:
+        print_ls(args, records, str(root))
+    if memory:
+        print_memory_ls(memory, memory_root)
+    return EXIT_OK
+
+
+def print_memory_ls(records: list[dict[str, Any]], memory_root: Path) -> None:
+    """The memory tier's table: each copy this node's memory holds, and its keeper."""
+    table = Table(title=f"memory tier on this host, under {memory_root}")
+    for col in ("step", "node", "copy", "size", "files", "age", "keeper", "note"):
+        table.add_column(col, justify="right" if col in ("step", "node", "size") else "left")
+    for r in records:
+        table.add_row(
+            str(r["step"]),
+            str(r["node"]),
+            r["copy"],
+            human(r["bytes"]),
+            "-" if r["files"] is None else str(r["files"]),
+            _age(r["age_s"]),
+            r["keeper"],
+            "" if r["error"] is None else r["error"][:80],
+        )
+    out.print(table)
 
 
 def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str) -> int:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import mmap
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,8 @@ from ..errors import CheckpointError
 from ..root.layout import step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..storage.digest import format_digest, new_hasher
-from ..storage.memory_file import FlatFile, MemoryFileError, fill_state_dict
+from ..storage.memory_file import FlatFile, MemoryFileError, fill_state_dict, map_for_reading
+from ..tiers import memory_layout as layout
 from ..tiers.keeper_client import KeeperClient
 from ..tiers.memory_node import MemoryNode, memory_file_name
 from ..train import rng
@@ -141,6 +144,7 @@ class MemoryRestore:
                 bytes=manifest.total_bytes,
                 seconds=time.perf_counter() - t0,
             )
+            self._record_restore(result, report.origin)
             report.check(
                 "digests",
                 True,
@@ -150,6 +154,22 @@ class MemoryRestore:
             )
             return result, report
         return skipped
+
+    def _record_restore(self, result: MemoryLoad, origin: str) -> None:
+        """The node's first rank notes what this restore cost (``dckpt plan`` reads it)."""
+        if not self.tier.first:
+            return
+        record = {
+            "step": result.step,
+            "seconds": result.seconds,
+            "bytes": result.bytes,
+            "origin": origin,
+            "at": time.time(),
+        }
+        with contextlib.suppress(OSError):
+            part = self.tier.dir / f".{layout.RESTORE_FILE}.part"
+            part.write_text(json.dumps(record))
+            os.replace(part, self.tier.dir / layout.RESTORE_FILE)
 
     def _origin(self, step: int, hows: list[str]) -> str:
         remote = [r for r, h in enumerate(hows) if not h.startswith("local")]
@@ -216,7 +236,7 @@ class MemoryRestore:
     def _local(self, step: int, name: str, size: int, digest: str) -> mmap.mmap:
         path = self.tier.own / step_dir_name(step) / name
         with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mm = map_for_reading(f.fileno())
         hasher = new_hasher(digest.split(":", 1)[0])
         hasher.update(memoryview(mm))
         actual, length = format_digest(digest.split(":", 1)[0], hasher), len(mm)

@@ -38,13 +38,23 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FlatFile", "MemoryFileError", "fill_state_dict", "plan_flat", "write_into"]
+__all__ = [
+    "FlatFile",
+    "MemoryFileError",
+    "fill_state_dict",
+    "map_for_reading",
+    "plan_flat",
+    "write_into",
+]
 
 MAGIC = b"DCKPTMEM"
 _HEAD = struct.Struct("<8sQ")
 _DATA_ALIGN = 4096
 _ALIGN = 64
 _MAX_HEADER = 64 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Map every page in one call: faulting them in one by one as the copy touches them took as
+long as the copy itself (256 MiB: 0.08 s against 0.04 s, on /dev/shm)."""
 
 
 class MemoryFileError(ValueError):
@@ -113,7 +123,7 @@ def write_into(path: Path, plan: FlatPlan, reuse: Callable[[Path], bool] | None 
         # Reserve every page now, so a full memory file system fails here, clearly, and not
         # with SIGBUS halfway through the copy below.
         os.posix_fallocate(fd, 0, plan.size)
-        with mmap.mmap(fd, plan.size) as mm:
+        with mmap.mmap(fd, plan.size, flags=mmap.MAP_SHARED | _POPULATE) as mm:
             mm[: _HEAD.size] = _HEAD.pack(MAGIC, len(plan.header))
             mm[_HEAD.size : _HEAD.size + len(plan.header)] = plan.header
             for _key, local, offset, nbytes in plan.tensors:
@@ -125,6 +135,11 @@ def write_into(path: Path, plan: FlatPlan, reuse: Callable[[Path], bool] | None 
             mm[plan.objects_offset : end] = plan.objects
     finally:
         os.close(fd)
+
+
+def map_for_reading(fd: int) -> mmap.mmap:
+    """The whole file behind ``fd``, mapped read-only with every page mapped at once."""
+    return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
 
 
 def _round(n: int, to: int) -> int:

@@ -60,6 +60,7 @@ from .memory_layout import (
     committed_memory_steps,
     own_dir,
     replica_dir,
+    reserve_spare,
     retire_beyond,
     spare_dir,
     take_spare,
@@ -305,7 +306,7 @@ class Keeper:
             step_dir = own / step_dir_name(step)
             if not (step_dir / MANIFEST_FILE).is_file():
                 raise RequestError(f"{step_dir} is not committed (no {MANIFEST_FILE})")
-            retired = retire_beyond(own, self.keep, spare_dir(self.dir, "own"))
+            retired = retire_beyond(own, self.keep, spare_dir(self.dir, "own"), newest=step)
             # Saves are sequential: a tmp dir of this step or an older one is dead.
             with contextlib.suppress(OSError):
                 for child in own.iterdir():
@@ -463,7 +464,16 @@ class Keeper:
                     os.rename(final, aside)
                     _rmtree(aside)
                 os.rename(tmp, final)
-                retired = retire_beyond(parent, self.keep, spares)
+                # Steps above this one are a branch the run rolled back from: retired too.
+                retired = retire_beyond(parent, self.keep, spares, newest=step)
+            for path, size, _ in files:  # the first replica reserves the steady footprint
+                try:
+                    reserve_spare(spares, path, size)
+                except OSError as exc:
+                    self.log(
+                        f"could not reserve a spare for {path} ({exc}); the next replica "
+                        "allocates it"
+                    )
         except OSError as exc:
             _rmtree(tmp)
             self.log(f"failed to receive the {where}: {exc!r}; nothing committed")

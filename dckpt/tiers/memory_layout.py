@@ -8,6 +8,7 @@ node's workers write their own shard files into it directly (no copy through a s
 node-<n>/
   keeper.json                       the live keeper: pid, host, port, node, start time
   keeper.log                        the keeper's lifecycle, one line per event
+  last-restore.json                 the node's last memory resume: step, seconds, from where
   own/step-XXXXXXXX/                this node's ranks' files of a committed memory save, and
                                     its manifest.json (the whole save's, written last)
   own/step-XXXXXXXX.tmp-<32 hex>/   a save in flight, or abandoned: never read
@@ -40,11 +41,13 @@ from ..root.manifest import MANIFEST_FILE
 __all__ = [
     "KEEPER_FILE",
     "KEEPER_LOG",
+    "RESTORE_FILE",
     "committed_memory_steps",
     "node_dir",
     "own_dir",
     "partner_of",
     "replica_dir",
+    "reserve_spare",
     "retire_beyond",
     "spare_dir",
     "take_spare",
@@ -53,6 +56,9 @@ __all__ = [
 
 KEEPER_FILE = "keeper.json"
 KEEPER_LOG = "keeper.log"
+RESTORE_FILE = "last-restore.json"
+"""The node's last resume from the memory tier (step, seconds, bytes, from where): the
+restore cost ``dckpt plan`` uses."""
 
 
 def node_dir(memory_dir: Path, node: int) -> Path:
@@ -126,19 +132,39 @@ def retire_beyond(parent: Path, keep: int, spares: Path, newest: int | None = No
     steps = [s for s in steps if s not in stale]
     retired = stale + steps[: max(0, len(steps) - keep)]
     spares.mkdir(parents=True, exist_ok=True)
+    taken = {p.name.split("@", 1)[0] for p in spares.iterdir()}
     for step in retired:
         d = parent / step_dir_name(step)
         with contextlib.suppress(OSError):
             (d / MANIFEST_FILE).unlink()  # uncommitted from here on
         for f in _files(d):
-            taken = any(p.name.split("@", 1)[0] == f.name for p in spares.iterdir())
-            if taken:
+            if f.name in taken:
                 f.unlink(missing_ok=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.rename(f, spares / f"{f.name}@{step}")
+                continue
+            with contextlib.suppress(OSError):
+                os.rename(f, spares / f"{f.name}@{step}")
+                taken.add(f.name)
         shutil.rmtree(d, ignore_errors=True)
     return retired
+
+
+def reserve_spare(spares: Path, name: str, size: int) -> None:
+    """Make sure a spare called ``name`` of ``size`` bytes exists, its pages allocated: after
+    the first save the tier's footprint is its steady state, and a memory too small for two
+    copies fails now, not at some later save. Raises OSError (ENOSPC) when it cannot."""
+    spares.mkdir(parents=True, exist_ok=True)
+    if any(p.name.split("@", 1)[0] == name for p in spares.iterdir()):
+        return
+    spare = spares / f"{name}@reserved"
+    try:
+        fd = os.open(spare, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        spare.unlink(missing_ok=True)
+        raise
 
 
 def _files(d: Path) -> list[Path]:

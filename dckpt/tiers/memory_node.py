@@ -105,7 +105,8 @@ class MemoryNode:
         hasher = new_hasher(algorithm)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            populate = getattr(mmap, "MAP_POPULATE", 0)  # one call, not a fault per page
+            with mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED | populate, mmap.PROT_READ) as mm:
                 hasher.update(memoryview(mm))
         return FileRecord(
             path=path.name, bytes=size, digest=format_digest(algorithm, hasher), rank=self.rank
@@ -115,23 +116,14 @@ class MemoryNode:
         """After the first memory save of this process: reserve a spare of the same size, so
         the next save reuses pages instead of allocating them and the tier's footprint after
         the first save is already its steady state."""
-        spares = layout.spare_dir(self.dir, "own")
-        spares.mkdir(parents=True, exist_ok=True)
-        if any(p.name.split("@", 1)[0] == path.name for p in spares.iterdir()):
-            return
-        spare = spares / f"{path.name}@reserved"
         try:
-            fd = os.open(spare, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, path.stat().st_size)
-            finally:
-                os.close(fd)
+            layout.reserve_spare(layout.spare_dir(self.dir, "own"), path.name, path.stat().st_size)
         except OSError as exc:
-            spare.unlink(missing_ok=True)
             log.warning(
-                "dckpt: could not reserve a second memory slot in %s (%s): the next memory "
-                "save allocates it, and may find the memory full",
-                spares,
+                "dckpt: could not reserve a second memory slot for %s in %s (%s): the next "
+                "memory save allocates it, and may find the memory full",
+                path.name,
+                self.dir,
                 exc,
             )
 

@@ -1,0 +1,290 @@
+"""The memory tier against the durable tier (a local directory), same state, same run.
+
+What it runs. ``--world-size`` gloo ranks, each its own *node* (``GROUP_RANK`` = rank), so each
+has its own keeper and its partner is the next rank's node on the ring: replicas really cross
+a socket (loopback here). The state is bench/_harness.build_state (DDP stack + AdamW) of
+``--size`` GB. Per round, interleaved and rotated:
+
+- ``disk_commit``: ``save(step)`` to the directory root, from the call to the commit
+  (``SaveResult.commit_s``: the rename), background save as in training;
+- ``memory_commit``: ``save(step, tier="memory")``, from the call to the commit (every node's
+  ``own/step-N`` renamed in), and ``memory_replicated``: to the partner's verified replica;
+- ``disk_resume``: ``resume()`` from the directory (no memory tier): every file hashed, the
+  DCP load through the verifying reader, the warmup collective. The files are in the page
+  cache (just written), the fastest a disk load gets: the strict baseline;
+- ``memory_local_resume``: ``resume()`` with the memory tier holding a newer step: each rank
+  hashes its file in shared memory and copies it into the state;
+- ``memory_partner_resume``: the same after every node's own copy was deleted (a lost node):
+  each rank fetches its file from its partner's keeper, hashed as it arrives;
+
+and, once per round, the background save's cost to a training loop: ``--steps`` iterations of
+fixed matmul work + ``opt.step()``, one save at the first, for each tier, against the loop
+without a save. Reported: dckpt's stall (``handle.stall_s``) and the loop's loss (its wall time
+minus the no-save loop's), each the slowest rank's.
+
+Targets (issue 14): restore from local memory <= 0.25x a verified disk load, from the partner
+<= 0.5x, memory save commit <= 0.2x a disk commit, the stall no higher than a disk save's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h
+
+COMMITS = ("disk_commit", "memory_commit")
+RESUMES = ("disk_resume", "memory_local_resume", "memory_partner_resume")
+
+
+def _compute(n: int) -> None:
+    a = torch.randn(n, n)
+    for _ in range(4):
+        a = torch.tanh(a @ a / n)
+
+
+def _loop(mgr: Any, opt: Any, steps: int, n: int, save: int | None, tier: str) -> dict[str, float]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = None
+    for i in range(steps):
+        if save is not None and i == 0:
+            handle = mgr.save(save, tier=tier)
+        _compute(n)
+        opt.step()
+    loop_s = time.perf_counter() - t0
+    stall = 0.0
+    if handle is not None:
+        handle.result()
+        stall = handle.stall_s
+    return {"loop_s": loop_s, "stall_s": stall}
+
+
+def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
+    import dckpt
+    from dckpt.root.layout import step_dir_name
+    from dckpt.tiers import memory_layout
+    from dckpt.tiers.keeper_client import KeeperClient, read_keeper_file
+
+    ranks = h.Ranks(cfg["settle_s"])
+    rank, world = ranks.rank, ranks.world_size
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    model, opt, _ = h.build_state(cfg["size"])
+    state = dckpt.TrainState(model, opt)
+    base = Path(cfg["base_dir"])
+    memory_dir = Path(cfg["memory_dir"])
+    logging.getLogger("dckpt").setLevel(logging.WARNING)
+
+    def config(root: Path, memory: bool) -> Any:
+        return dckpt.CheckpointConfig(
+            root=root, lock=False, memory=memory, memory_dir=memory_dir, loss_watch="off"
+        )
+
+    seconds: dict[str, list[float]] = {m: [] for m in (*COMMITS, "memory_replicated", *RESUMES)}
+    loops: dict[str, list[dict[str, float]]] = {"none": [], "disk": [], "memory": []}
+    sizes: dict[str, int] = {}
+    step = 0
+    try:
+        # Warm-up, untimed: the keepers start, every buffer and slot is made once.
+        with dckpt.CheckpointManager(config(base / "warm", True), state) as mgr:
+            mgr.save(1).result()
+            mgr.save(2, tier="memory").result()
+        ranks.prefault = int(cfg["size"] * h.GB * h.PREFAULT_FACTOR / world)
+        for rnd in range(cfg["repeats"]):
+            root = base / f"r{rnd}"
+            with dckpt.CheckpointManager(config(root, True), state) as mgr:
+                for method in h.round_order(COMMITS, rnd):
+                    step += 10
+                    tier = "memory" if method == "memory_commit" else "durable"
+                    ranks.prepare()
+                    t0 = time.perf_counter()
+                    result = mgr.save(step, tier=tier).result()
+                    done = time.perf_counter() - t0
+                    dist.barrier()
+                    seconds[method].append(max(ranks.gather(result.commit_s)))
+                    if tier == "memory":
+                        seconds["memory_replicated"].append(max(ranks.gather(done)))
+                    sizes[method] = result.bytes
+            # The durable tier's newest is `step - 10` or `step`; the memory tier's newest is
+            # the other. Make the memory step the newer one, so a memory resume uses it.
+            with dckpt.CheckpointManager(config(root, True), state) as mgr:
+                step += 10
+                mgr.save(step, tier="memory").result()
+            for method in h.round_order(RESUMES, rnd):
+                if method == "memory_partner_resume":  # this node's memory is gone
+                    own = memory_layout.own_dir(memory_layout.node_dir(memory_dir, rank))
+                    ranks.prepare()
+                    shutil.rmtree(own / step_dir_name(step), ignore_errors=True)
+                with dckpt.CheckpointManager(config(root, method != "disk_resume"), state) as m:
+                    ranks.prepare()
+                    t0 = time.perf_counter()
+                    report = m.resume()
+                    took = time.perf_counter() - t0
+                    dist.barrier()
+                    want_memory = method != "disk_resume"
+                    if ("memory tier" in report.origin) != want_memory:
+                        raise RuntimeError(f"{method} resumed from {report.origin or report.path}")
+                    if method == "memory_partner_resume" and "partner" not in report.origin:
+                        raise RuntimeError(f"{method} resumed from {report.origin}")
+                    seconds[method].append(max(ranks.gather(took)))
+                if method == "memory_partner_resume":  # the memory tier has a local step again
+                    with dckpt.CheckpointManager(config(root, True), state) as mgr:
+                        step += 10
+                        mgr.save(step, tier="memory").result()
+            for number, kind in enumerate(h.round_order(("none", "disk", "memory"), rnd)):
+                with dckpt.CheckpointManager(config(base / f"loop-{rnd}", True), state) as mgr:
+                    ranks.prepare()
+                    save = None if kind == "none" else step + 1 + number
+                    tier = "memory" if kind == "memory" else "durable"
+                    got = _loop(mgr, opt, cfg["steps"], cfg["matmul"], save, tier)
+                worst = max(ranks.gather(got["loop_s"])), max(ranks.gather(got["stall_s"]))
+                loops[kind].append({"loop_s": worst[0], "stall_s": worst[1]})
+                ranks.cleanup(base / f"loop-{rnd}")
+            step += 10
+            ranks.cleanup(root)
+    finally:
+        found = read_keeper_file(memory_layout.node_dir(memory_dir, rank))
+        if found is not None:
+            KeeperClient(f"{found['host']}:{found['port']}").stop(drop=True)
+    return {"seconds": seconds, "loops": loops, "bytes": sizes}
+
+
+def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    med = {m: h.median(v) for m, v in raw["seconds"].items()}
+    loops = raw["loops"]
+    base = h.median([r["loop_s"] for r in loops["none"]])
+    cost = {
+        kind: {
+            "stall_s": h.median([r["stall_s"] for r in loops[kind]]),
+            "loop_loss_s": h.median([r["loop_s"] for r in loops[kind]]) - base,
+        }
+        for kind in ("disk", "memory")
+    }
+    return {
+        "name": args.name,
+        "date": h.now_iso(),
+        "command": h.command_line(),
+        "dckpt_revision": h.source_revision(),
+        "host": h.host_info(args.torch_threads),
+        "world_size": args.world_size,
+        "rounds": args.repeats,
+        "bytes": raw["bytes"],
+        "seconds": raw["seconds"],
+        "median_s": {m: round(v, 4) for m, v in med.items()},
+        "ratios": {
+            "memory_commit_vs_disk_commit": round(med["memory_commit"] / med["disk_commit"], 3),
+            "memory_replicated_vs_disk_commit": round(
+                med["memory_replicated"] / med["disk_commit"], 3
+            ),
+            "local_resume_vs_disk_resume": round(
+                med["memory_local_resume"] / med["disk_resume"], 3
+            ),
+            "partner_resume_vs_disk_resume": round(
+                med["memory_partner_resume"] / med["disk_resume"], 3
+            ),
+            "stall_memory_vs_disk": round(
+                cost["memory"]["stall_s"] / max(cost["disk"]["stall_s"], 1e-9), 3
+            ),
+            "loop_loss_memory_vs_disk": round(
+                cost["memory"]["loop_loss_s"] / max(cost["disk"]["loop_loss_s"], 1e-9), 3
+            ),
+        },
+        "background_save_cost": {
+            k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in cost.items()
+        },
+        "no_save_loop_s": round(base, 4),
+        "loops": loops,
+    }
+
+
+def render(doc: dict[str, Any]) -> str:
+    r, s, c = doc["ratios"], doc["median_s"], doc["background_save_cost"]
+    b = doc["bytes"]
+    return (
+        "\n".join(
+            [
+                f"# Memory tier against the durable tier ({doc['date']})",
+                "",
+                f"`{doc['command']}`; {doc['world_size']} ranks, each its own node (a keeper "
+                f"each, replicas over loopback TCP), {doc['rounds']} rounds, medians, slowest "
+                f"rank. Bytes: durable {b.get('disk_commit', 0) / 1e9:.2f} GB (DCP de-duplicates "
+                f"DDP's replicated state), memory {b.get('memory_commit', 0) / 1e9:.2f} GB (every "
+                "rank keeps its whole state, to restore without its peers).",
+                "",
+                "| figure | memory | disk | ratio | target |",
+                "|---|---:|---:|---:|---|",
+                f"| save, call to commit | {s['memory_commit']:.3f} s | {s['disk_commit']:.3f} s"
+                f" | {r['memory_commit_vs_disk_commit']:.2f}x | <= 0.2x |",
+                f"| save, call to the partner's verified replica | {s['memory_replicated']:.3f} s"
+                f" | {s['disk_commit']:.3f} s | {r['memory_replicated_vs_disk_commit']:.2f}x | "
+                "(context) |",
+                f"| resume from local memory, verified | {s['memory_local_resume']:.3f} s | "
+                f"{s['disk_resume']:.3f} s | {r['local_resume_vs_disk_resume']:.2f}x | <= 0.25x |",
+                f"| resume from the partner's replica, verified | "
+                f"{s['memory_partner_resume']:.3f} s | {s['disk_resume']:.3f} s | "
+                f"{r['partner_resume_vs_disk_resume']:.2f}x | <= 0.5x |",
+                "",
+                "| background save, one per loop | dckpt stall | loop's loss (vs no save) |",
+                "|---|---:|---:|",
+                f"| durable (directory) | {c['disk']['stall_s']:.3f} s | "
+                f"{c['disk']['loop_loss_s']:.3f} s |",
+                f"| memory tier | {c['memory']['stall_s']:.3f} s | "
+                f"{c['memory']['loop_loss_s']:.3f} s |",
+                "",
+                f"stall memory/disk: {r['stall_memory_vs_disk']:.2f}x (target: no higher); the "
+                f"loop's loss memory/disk: {r['loop_loss_memory_vs_disk']:.2f}x. The disk resume "
+                "reads files the save just wrote (page cache): the fastest a disk load gets.",
+            ]
+        )
+        + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size", type=float, default=0.25, help="GB of state (default 0.25)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="loop iterations per stall measure")
+    p.add_argument("--matmul", type=int, default=384, help="matmul size of one step's compute")
+    p.add_argument("--memory-dir", default="/dev/shm", help="where the memory tier lives (a tmpfs)")
+    h.add_common_args(p, "memory")
+    args = p.parse_args(argv)
+    memory_dir = Path(args.memory_dir) / f"dckpt-bench-{uuid.uuid4().hex[:12]}"
+    try:
+        with h.bench_run(args.dir) as run:
+            cfg = {
+                "base_dir": run.base_dir,
+                "memory_dir": str(memory_dir),
+                "size": args.size,
+                "repeats": args.repeats,
+                "steps": args.steps,
+                "matmul": args.matmul,
+                "settle_s": args.settle,
+            }
+            raw = h.spawn(args.world_size, args.torch_threads, _rank_main, cfg)
+    finally:
+        shutil.rmtree(memory_dir, ignore_errors=True)
+    doc = summarize(raw, args)
+    h.write_json(args.name, doc)
+    text = render(doc)
+    h.write_result(args.name, "md", text)
+    print(text)
+    print(json.dumps(doc["ratios"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
