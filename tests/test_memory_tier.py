@@ -148,7 +148,8 @@ def _tail(path: Path, chars: int = 6000) -> str:
 
 
 def _resume_line(text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.startswith("dckpt resume:")]
+    """The first line of the last resume report."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("dckpt resume: step ")]
     assert len(lines) >= 1, text
     return lines[-1]
 

@@ -114,12 +114,20 @@ class MemoryRestore:
                 break
             report = CandidateReport(step, self.tier.own / step_dir_name(step))
             t0 = time.perf_counter()
-            try:
-                manifest, buf, how = self._prove(step, copies[step])
+            raw: bytes | None = None
+            failure: str | None = None
+            try:  # every rank reaches the all-gather below, whatever failed before it
+                raw = self._manifest_raw(step, copies[step][self.tier.node])
             except _UnusableError as exc:
-                failure: str | None = str(exc)
-            else:
-                failure = None
+                failure = str(exc)
+            shas = self.ctl.all_gather(None if raw is None else hashlib.sha256(raw).hexdigest())
+            if raw is not None and len(set(shas)) != 1:
+                failure = failure or "the ranks did not all read the same manifest bytes"
+            if raw is not None and failure is None:
+                try:
+                    manifest, buf, how = self._prove(step, raw, copies[step][self.tier.node])
+                except _UnusableError as exc:
+                    failure = str(exc)
             told = [f for f in self.ctl.all_gather(failure) if f is not None]
             if told:
                 skipped.append((step, "; ".join(dict.fromkeys(told))))
@@ -178,19 +186,14 @@ class MemoryRestore:
         )
         return f"the memory tier ({where}, {self.tier.dir.parent}/node-*/own/{step_dir_name(step)})"
 
-    def _prove(self, step: int, copies: dict[int, list[int]]) -> tuple[Manifest, Any, str]:
-        """Steps 3-4 on this rank: the agreed manifest and this rank's verified bytes."""
+    def _prove(self, step: int, raw: bytes, holders: list[int]) -> tuple[Manifest, Any, str]:
+        """Steps 3-4 on this rank, no collective: the manifest every rank read (``raw``) and
+        this rank's verified bytes, from the first of ``holders`` whose copy matches."""
         node = self.tier.node
-        holders = copies[node]
-        raw = self._manifest_raw(step, holders)
-        source = f"memory manifest of step {step}"
         try:
-            manifest = parse_manifest(raw, source)
+            manifest = parse_manifest(raw, f"memory manifest of step {step}")
         except CheckpointError as exc:
             raise _UnusableError(f"rank {self.rank}: {exc}") from None
-        same = self.ctl.all_gather(hashlib.sha256(raw).hexdigest())
-        if len(set(same)) != 1:
-            raise _UnusableError("the ranks read different manifests for this step")
         world = list(self.tier.topology.node_of)
         if manifest.world_size != len(world) or manifest.mesh.get("nodes") != world:
             raise _UnusableError(
