@@ -37,6 +37,7 @@ from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer
 from .preemption import DEFAULT_SIGNALS, Preemption, PreemptionStop
 from .root.commit import CommitStrategy, RenameCommit
+from .root.layout import root_identity
 from .root.lock import RunLock
 from .root.source import CheckpointSource, LocalSource
 from .root.upkeep import recover
@@ -288,8 +289,26 @@ class CheckpointManager:
             self._io.close()
             raise failure
         keepers = {n: a for n, a, _ in told if a is not None}
+        root_id: str | CheckpointError = ""
+        if self.rank == 0:  # the root's id ties every memory checkpoint to this root
+            try:
+                if self._objects is not None:
+                    root_id = self._objects.identity()
+                else:
+                    root_id = root_identity(self.root)
+            except (OSError, CheckpointError) as exc:
+                root_id = CheckpointError(f"cannot read or make the id of {self.root}: {exc}")
+        root_id = self._ctl.broadcast(root_id)
+        if isinstance(root_id, CheckpointError):
+            self._ctl.close()
+            self._io.close()
+            raise root_id
         tier = MemoryNode(
-            self.config.memory_root, self.rank, Topology(node_of, keepers), self.config.memory_keep
+            self.config.memory_root,
+            self.rank,
+            Topology(node_of, keepers),
+            self.config.memory_keep,
+            root_id,
         )
         if tier.first:
             tier.clean_abandoned()

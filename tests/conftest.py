@@ -158,6 +158,7 @@ def trained_copy(trained_root: Path, tmp_path: Path) -> Path:
 
 REQUIRED = (
     "tests/test_two_node.py",
+    "tests/test_memory_tier.py",
     "tests/faults/test_full_disk.py",
     "tests/faults/test_power_loss.py",
 )

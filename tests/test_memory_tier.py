@@ -1,16 +1,19 @@
 """The verified memory tier end to end, with real processes: a lost worker, a lost node, a
 flipped bit, both nodes lost, a full memory, and the memory bound.
 
-Role: proves the issue's cases on real torchrun jobs of launch/train.py (gloo, CPU), no mocks.
-Every run trains ``STEPS`` steps, saving to the durable root every ``SAVE_EVERY`` and to the
-memory tier every ``MEMORY_EVERY`` steps in between (``--memory-every``); the resume must take
-the newest of the two tiers, prove every byte against the writer's digest, and log the same
-losses, bit for bit, as an uninterrupted reference run (standalone, 2 ranks, no memory tier:
-so the memory saves are also shown not to perturb training).
+Role: proves the issue's cases on real jobs of launch/train.py (gloo, CPU), no mocks. Every
+run trains ``STEPS`` steps, saving to the durable root every ``SAVE_EVERY`` and to the memory
+tier every ``MEMORY_EVERY`` steps in between (``--memory-every``); the resume must take the
+newest of the two tiers, prove every byte against the writer's digest, and log the same
+losses, bit for bit, as an uninterrupted reference run (2 ranks, no memory tier: so the
+memory saves are also shown not to perturb training; it runs beside the first tests).
 
-- ``test_worker_killed_node_lives``: one node, ``--max-restarts 1``; rank 1 is SIGKILLed from
-  outside right after memory step 8 committed; torchrun restarts the workers in place, the
-  node's keeper survives (same pid), the restart resumes step 8 from local memory.
+- ``test_worker_killed_node_lives``: one node, ``torchrun --max-restarts 1``; rank 1 is
+  SIGKILLed from outside right after memory step 8 committed; torchrun restarts the workers
+  in place, the node's keeper survives (same pid), the restart resumes step 8 from local
+  memory. (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as launch/netns_cluster.sh sets: with
+  torch's shared rendezvous store the restarted workers read the dead round's gloo
+  addresses and fail to connect, a torch matter, not dckpt's.)
 - ``lost_node`` (module fixture): a two-node job (two network namespaces,
   launch/netns_cluster.sh) loses node B (every process, its keeper too) right after node B's
   memory step 8 was replicated to node A. From that state, at once:
@@ -25,10 +28,13 @@ so the memory saves are also shown not to perturb training).
   The copies run as two-"node" jobs on this host's network (two processes started with
   torchrun's environment, ``GROUP_RANK`` 0 and 1: the memory tier's node index), beside the
   requeue, to fit the time budget; the resume code does not know the difference.
-- ``test_memory_full_fails_clearly``: a 1 MiB tmpfs as the memory dir: the memory save fails
-  naming the memory tier and saying the durable checkpoints are untouched; they verify.
-- ``test_memory_bound_after_fifty_saves``: the memory used on a private tmpfs after one memory
-  save and after fifty differ by under 1 %.
+- ``size_runs`` (module fixture): two single-rank jobs at once, each on a private tmpfs:
+  - ``test_memory_full_fails_clearly``: a 1 MiB tmpfs as the memory dir: the memory save
+    fails naming the memory tier and saying the durable checkpoints are untouched; the
+    durable checkpoint verifies (the trainer exits non-zero: the error of a save is raised
+    by the next ``save()``);
+  - ``test_memory_bound_after_fifty_saves``: the memory used (statvfs) once the first memory
+    save is done (its file and its reserved spare) and after fifty differ by under 1 %.
 
 Every keeper a test starts is stopped, every tmpfs unmounted, every namespace removed.
 """
@@ -39,6 +45,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,8 +58,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, losses, torchrun_train, torchrun_train_beside, torchrun_workers
-from test_two_node import Cluster, _netns_list, _netns_unavailable, _segments
+from conftest import REPO, losses, torchrun_workers
+from test_two_node import Cluster, _netns_list, _netns_unavailable
 
 from dckpt.root.layout import committed_steps, list_checkpoints, step_dir_name
 from dckpt.root.verify import verify_checkpoint
@@ -117,7 +124,10 @@ def memory_dirs() -> Iterator[list[Path]]:
 
 
 def _wait_until(
-    cond: Callable[[], bool], procs: list[subprocess.Popen[bytes]], what: str, logs: Callable[[], str]
+    cond: Callable[[], bool],
+    procs: list[subprocess.Popen[bytes]],
+    what: str,
+    logs: Callable[[], str],
 ) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
@@ -152,11 +162,6 @@ def _resume_line(text: str) -> str:
     lines = [ln for ln in text.splitlines() if ln.startswith("dckpt resume: step ")]
     assert len(lines) >= 1, text
     return lines[-1]
-
-
-def _used_bytes(mount: Path) -> int:
-    st = os.statvfs(mount)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 @contextlib.contextmanager
@@ -196,59 +201,66 @@ def _torchrun_cmd(root: Path, *args: str, nproc: int, max_restarts: int = 0) -> 
 
 
 @dataclass
-class TwoNodes:
-    """A two-node job on this host: rank r is node r (``GROUP_RANK``), gloo on 127.0.0.1."""
+class Job:
+    """launch/train.py as ``len(nodes)`` processes given torchrun's environment, without its
+    agent (one torch import less per job): rank r runs on node ``nodes[r]`` (``GROUP_RANK``,
+    the memory tier's node index), gloo over 127.0.0.1. Rank r's output goes to
+    ``<out>.rank<r>.log``."""
 
     root: Path
-    memory: Path
-    log: Path
+    args: list[str]
     out: Path
+    nodes: tuple[int, ...] = (0, 0)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start(self) -> None:
+    def start(self) -> Job:
         port = str(_free_port())
-        args = [*TRAIN, *MEMORY, "--memory-dir", str(self.memory), "--loss-log", str(self.log)]
-        for rank in (0, 1):
+        cmd = [sys.executable, str(REPO / "launch" / "train.py"), "--ckpt-dir", str(self.root)]
+        for rank, node in enumerate(self.nodes):
             env = {
                 **os.environ,
                 "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1",
                 "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
-                "GROUP_RANK": str(rank),
+                "WORLD_SIZE": str(len(self.nodes)),
+                "LOCAL_RANK": str(self.nodes[:rank].count(node)),
+                "LOCAL_WORLD_SIZE": str(self.nodes.count(node)),
+                "GROUP_RANK": str(node),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
             }
-            cmd = [sys.executable, str(REPO / "launch" / "train.py"), "--ckpt-dir", str(self.root)]
-            with open(self.out.with_suffix(f".rank{rank}.log"), "wb") as out:
+            with open(self._log(rank), "wb") as out:
                 self.procs.append(
                     subprocess.Popen(
-                        [*cmd, *args],
+                        [*cmd, *self.args],
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         env=env,
                         start_new_session=True,
                     )
                 )
+        return self
 
-    def wait(self) -> str:
-        """Both ranks' exit status must be 0; returns their output."""
-        codes = []
+    def _log(self, rank: int) -> Path:
+        return self.out.with_name(f"{self.out.name}.rank{rank}.log")
+
+    def wait(self) -> list[int | None]:
+        codes: list[int | None] = []
         for p in self.procs:
             try:
                 codes.append(p.wait(timeout=RUN_TIMEOUT))
             except subprocess.TimeoutExpired:
                 codes.append(None)
-        text = self.text()
-        assert codes == [0, 0], f"exit codes {codes}\n{text[-8000:]}"
-        return text
+        return codes
+
+    def finish(self) -> str:
+        """Every rank must exit 0; returns their output."""
+        codes = self.wait()
+        assert codes == [0] * len(self.nodes), f"exit codes {codes}\n{self.text()[-8000:]}"
+        return self.text()
 
     def text(self) -> str:
-        return "\n".join(
-            self.out.with_suffix(f".rank{r}.log").read_text(errors="replace") for r in (0, 1)
-        )
+        return "\n".join(self._log(r).read_text(errors="replace") for r in range(len(self.nodes)))
 
     def kill(self) -> None:
         for p in self.procs:
@@ -262,31 +274,36 @@ class TwoNodes:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], dict[int, float]]]:
-    """The losses of an uninterrupted run without the memory tier (standalone, 2 ranks); it
+    """The losses of an uninterrupted run without the memory tier (2 ranks, one node); it
     runs beside the module's tests; calling the fixture's value waits for it."""
     tmp = tmp_path_factory.mktemp("memory_ref")
     log = tmp / "ref.jsonl"
-    with torchrun_train_beside(tmp / "ckpt", *TRAIN, "--loss-log", str(log)) as ref:
+    job = Job(tmp / "ckpt", [*TRAIN, "--loss-log", str(log)], tmp / "ref").start()
 
-        @functools.cache
-        def get() -> dict[int, float]:
-            proc = ref.result()
-            assert proc.returncode == 0, proc.stderr
-            got = losses(log)
-            assert sorted(got) == list(range(1, STEPS + 1))
-            return got
+    @functools.cache
+    def get() -> dict[int, float]:
+        job.finish()
+        got = losses(log)
+        assert sorted(got) == list(range(1, STEPS + 1))
+        return got
 
+    try:
         yield get
+    finally:
+        job.kill()
 
 
-def _check_losses(log: Path, resumed_at: int, reference: dict[int, float]) -> None:
-    """The run after the resume logged steps ``resumed_at``+1.. equal to the reference, bit
-    for bit; so did every run before it."""
-    segments = _segments(log)
-    after = segments[-1]
-    assert sorted(after) == list(range(resumed_at + 1, STEPS + 1)), segments
-    for seg in segments:
-        assert seg == {s: reference[s] for s in seg}  # bit-identical, dropout included
+def _logged(log: Path) -> list[tuple[int, float]]:
+    """Every (step, loss) line of a loss log, in order (a restart appends to the same log)."""
+    return [(r["step"], r["loss"]) for r in map(json.loads, log.read_text().splitlines())]
+
+
+def _check_losses(log: Path, steps: range, reference: dict[int, float]) -> None:
+    """The log holds ``steps``, in order, after whatever came before them; every loss it
+    holds equals the uninterrupted reference's at that step, bit for bit (dropout too)."""
+    logged = _logged(log)
+    assert [s for s, _ in logged[-len(steps) :]] == list(steps), logged
+    assert logged == [(s, reference[s]) for s, _ in logged]
 
 
 # --- 1: a worker lost, the node lives -----------------------------------------------------------
@@ -333,6 +350,9 @@ def test_worker_killed_node_lives(
         assert agent.wait(timeout=RUN_TIMEOUT) == 0, _tail(out)
     finally:
         if agent.poll() is None:
+            for worker in torchrun_workers(agent).values():  # type: ignore[arg-type]
+                with contextlib.suppress(Exception):
+                    worker.kill()
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait(timeout=30)
     text = out.read_text(errors="replace")
@@ -340,6 +360,8 @@ def test_worker_killed_node_lives(
     assert newest > committed_steps(root)[0] == DURABLE_BEFORE  # memory is newer than durable
     # torchrun restarted the workers in place: two runs, the second resumed.
     assert "dckpt resume: no committed checkpoint; starting from scratch" in text, text
+    assert "restart_count=1" in text, text
+    assert f"train: 2 ranks, starting after step {newest}, to {STEPS}" in text, text
     line = _resume_line(text)
     assert line.startswith(f"dckpt resume: step {newest} from the memory tier (local memory"), line
     assert "[ok  ] memory: rank 0: local memory; rank 1: local memory" in text, text
@@ -347,7 +369,8 @@ def test_worker_killed_node_lives(
     # The keeper outlived its workers and served the restart: the same process, still alive.
     after = read_keeper_file(memory / "node-0")
     assert after is not None and after["pid"] == keeper["pid"] and _alive(keeper["pid"])
-    _check_losses(log, newest, reference())
+    _check_losses(log, range(newest + 1, STEPS + 1), reference())
+    assert {s for s, _ in _logged(log)} == set(range(1, STEPS + 1))
     assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
 
 
@@ -365,7 +388,15 @@ class LostNode:
     keeper_a: int  # node A's keeper's pid, alive
     requeue: tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]
     requeue_log: Path
-    copies: dict[str, TwoNodes]
+    copies: dict[str, Job]
+
+
+def _arg(job: Job, flag: str) -> Path:
+    return Path(job.args[job.args.index(flag) + 1])
+
+
+def _memory_of(job: Job) -> Path:
+    return _arg(job, "--memory-dir")
 
 
 def _copy_state(src_root: Path, src_memory: Path, dst: Path) -> tuple[Path, Path]:
@@ -389,7 +420,7 @@ def lost_node(
     mp = pytest.MonkeyPatch()
     mp.setenv("DCKPT_PYTHON", sys.executable)  # the namespaces run this interpreter
     cluster = Cluster(tmp)
-    copies: dict[str, TwoNodes] = {}
+    copies: dict[str, Job] = {}
     try:
         cluster.up()
         args = [*TRAIN, *MEMORY, "--ckpt-dir", str(root), "--memory-dir", str(memory)]
@@ -410,8 +441,8 @@ def lost_node(
         assert node_b.wait(timeout=10) == -9
         assert node_a.wait(timeout=60) != 0, cluster.tail("a1")  # it fails by itself
         assert committed_steps(root) == [DURABLE_BEFORE]
-        (before,) = _segments(first_log)
-        assert before == {s: reference()[s] for s in before}  # two nodes == the reference
+        before = _logged(first_log)
+        assert before == [(s, reference()[s]) for s in range(1, len(before) + 1)]
 
         # The memory step both nodes can be restored from, with node B's memory gone.
         own_a = set(committed_memory_steps(own_dir(memory / "node-0")))
@@ -427,11 +458,13 @@ def lost_node(
         name = f"{step_dir_name(step)}/rank-00001.mem"
         for case in ("replica_flipped", "own_flipped", "both_lost"):
             croot, cmem = _copy_state(root, memory, tmp / case)
-            copies[case] = TwoNodes(croot, cmem, tmp / case / "loss.jsonl", tmp / case / "out")
-        _flip_byte(replica_dir(copies["replica_flipped"].memory / "node-0", 1) / name)
-        shutil.rmtree(copies["replica_flipped"].memory / "node-1")
-        _flip_byte(own_dir(copies["own_flipped"].memory / "node-1") / name)
-        shutil.rmtree(copies["both_lost"].memory)
+            clog = str(tmp / case / "loss.jsonl")
+            cargs = [*TRAIN, *MEMORY, "--memory-dir", str(cmem), "--loss-log", clog]
+            copies[case] = Job(croot, cargs, tmp / case / "out", nodes=(0, 1))
+        _flip_byte(replica_dir(_memory_of(copies["replica_flipped"]) / "node-0", 1) / name)
+        shutil.rmtree(_memory_of(copies["replica_flipped"]) / "node-1")
+        _flip_byte(own_dir(_memory_of(copies["own_flipped"]) / "node-1") / name)
+        shutil.rmtree(_memory_of(copies["both_lost"]))
 
         # Node B's machine is gone, and its memory with it; its keeper died with the node.
         shutil.rmtree(memory / "node-1")
@@ -443,15 +476,13 @@ def lost_node(
         )
         for c in copies.values():
             c.start()
-        yield LostNode(
-            cluster, root, memory, step, keeper_a["pid"], requeue, again_log, copies
-        )
+        yield LostNode(cluster, root, memory, step, keeper_a["pid"], requeue, again_log, copies)
     finally:
+        mp.undo()
         for c in copies.values():
             c.kill()
-            _stop_keepers(c.memory)
+            _stop_keepers(_memory_of(c))
         cluster.down()  # every process of both nodes, their keepers included
-        mp.undo()
     assert not set(cluster.namespaces) & set(_netns_list().split())
 
 
@@ -472,10 +503,10 @@ def test_whole_node_lost_uses_partner_replica(
     line = _resume_line(text)
     want = f"dckpt resume: step {lost.step} from the memory tier (memory, ranks [1] from the "
     assert line.startswith(want + "partner's replica"), lost.cluster.tails()
-    assert f"rank 1: replica on node 0" in text, text
+    assert "[ok  ] memory: rank 0: local memory; rank 1: replica on node 0" in text, text
     assert "[ok  ] warmup all-reduce: 2 ranks answered, sum 3 = 3 on every rank" in text, text
     assert "rng           restored on every rank" in text, text
-    _check_losses(lost.requeue_log, lost.step, reference())
+    _check_losses(lost.requeue_log, range(lost.step + 1, STEPS + 1), reference())
     # Node A's keeper served it: the one that survived the loss, still the node's keeper.
     rec = read_keeper_file(lost.memory / "node-0")
     assert rec is not None and rec["pid"] == lost.keeper_a and _alive(lost.keeper_a)
@@ -488,94 +519,180 @@ def test_whole_node_lost_uses_partner_replica(
 def test_flipped_bit_in_replica_falls_back_to_durable(
     lost_node: LostNode, reference: Callable[[], dict[int, float]]
 ) -> None:
-    run = lost_node.copies["replica_flipped"]
-    text = run.wait()
+    job = lost_node.copies["replica_flipped"]
+    text = job.finish()
+    root, log = job.root, _arg(job, "--loss-log")
     line = _resume_line(text)
-    durable = run.root / step_dir_name(DURABLE_BEFORE)
+    durable = root / step_dir_name(DURABLE_BEFORE)
     assert line == f"dckpt resume: step {DURABLE_BEFORE} from {durable}", text
     warning = next(
         (ln for ln in text.splitlines() if f"memory tier: step {lost_node.step} not used" in ln),
         None,
     )
     assert warning is not None, text
-    assert "warning: memory tier:" in warning and "the durable tier was:" in warning, warning
+    assert "warning: memory tier:" in warning, warning
     assert "rank 1" in warning and "digest mismatch" in warning, warning
     assert "replica on node 0" in warning, warning
-    _check_losses(run.log, DURABLE_BEFORE, reference())
-    assert committed_steps(run.root) == [DURABLE_BEFORE, STEPS]
+    assert re.search(r"\[ok  \] digests: (\d+) of \1 files hashed and matched", text), text
+    _check_losses(log, range(DURABLE_BEFORE + 1, STEPS + 1), reference())
+    assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
 
 
 def test_flipped_bit_in_own_copy_uses_replica(
     lost_node: LostNode, reference: Callable[[], dict[int, float]]
 ) -> None:
-    run = lost_node.copies["own_flipped"]
-    text = run.wait()
+    job = lost_node.copies["own_flipped"]
+    text = job.finish()
+    root, log = job.root, _arg(job, "--loss-log")
     line = _resume_line(text)
     want = f"dckpt resume: step {lost_node.step} from the memory tier (memory, ranks [1] from "
     assert line.startswith(want + "the partner's replica"), text
     assert "rank 0: local memory; rank 1: replica on node 0" in text, text
-    _check_losses(run.log, lost_node.step, reference())
-    assert committed_steps(run.root) == [DURABLE_BEFORE, STEPS]
+    _check_losses(log, range(lost_node.step + 1, STEPS + 1), reference())
+    assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
 
 
 def test_both_nodes_lost_uses_durable(
     lost_node: LostNode, reference: Callable[[], dict[int, float]]
 ) -> None:
-    run = lost_node.copies["both_lost"]
-    text = run.wait()
+    job = lost_node.copies["both_lost"]
+    text = job.finish()
+    root, log = job.root, _arg(job, "--loss-log")
     line = _resume_line(text)
-    durable = run.root / step_dir_name(DURABLE_BEFORE)
+    durable = root / step_dir_name(DURABLE_BEFORE)
     assert line == f"dckpt resume: step {DURABLE_BEFORE} from {durable}", text
-    assert "Traceback" not in text, text
-    _check_losses(run.log, DURABLE_BEFORE, reference())
-    assert committed_steps(run.root) == [DURABLE_BEFORE, STEPS]
+    assert "Traceback" not in text and "memory tier: step" not in text, text
+    assert re.search(r"\[ok  \] digests: (\d+) of \1 files hashed and matched", text), text
+    _check_losses(log, range(DURABLE_BEFORE + 1, STEPS + 1), reference())
+    assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
 
 
 # --- 5-6: the memory's size ---------------------------------------------------------------------
 
 
-def test_memory_full_fails_clearly(tmp_path: Path) -> None:
-    """A memory tier too small for one rank's state: the memory save fails, clearly, and the
-    durable checkpoints stay committed and whole."""
-    root = tmp_path / "ckpt"
-    with _tmpfs(tmp_path / "shm", "1m") as shm:
-        proc = torchrun_train(
-            root, "--steps", "4", "--save-every", "2", "--memory-every", "3",
-            "--memory-dir", str(shm), "--no-async", nproc=1,
-        )  # fmt: skip
-        own = committed_memory_steps(own_dir(shm / "node-0"))
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0, text
-    assert "memory save of step 3 failed" in text, text
+def _own_steps_any(node: Path) -> list[int]:
+    """Steps under ``own/``: committed, in flight or abandoned."""
+    try:
+        names = [p.name for p in own_dir(node).iterdir()]
+    except OSError:
+        return []
+    return [int(n[5:13]) for n in names if n.startswith("step-") and n[5:13].isdigit()]
+
+
+def _bytes_used_on(mount: Path) -> Callable[[], int]:
+    """Bytes used on the private tmpfs ``mount`` since this call (pages, as the kernel counts
+    them: files, directories, the keeper's record and log, reserved spares)."""
+
+    def used() -> int:
+        st = os.statvfs(mount)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    base = used()
+    return lambda: used() - base
+
+
+@dataclass
+class SizeRuns:
+    """Single-rank jobs started together: two with a private tmpfs as their memory dir, one
+    too small for a memory save, one doing fifty of them; and the stale-memory case."""
+
+    full: Job
+    full_memory: Path
+    bound: Job
+    bound_memory: Path
+    stale: Job  # started again after its root was deleted, its memory kept
+    used: Callable[[], int]  # bytes used on the bound job's tmpfs since before it started
+    file_size: int  # the bound job's memory file
+    after_one: int  # bytes used once its first memory save was done
+
+
+@pytest.fixture(scope="module")
+def size_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SizeRuns]:
+    tmp = tmp_path_factory.mktemp("memory_size")
+    with _tmpfs(tmp / "full", "1m") as full, _tmpfs(tmp / "bound", "64m") as bound:
+        used = _bytes_used_on(bound)
+        args = ["--steps", "4", "--save-every", "2", "--memory-every", "3"]
+        full_args = [*args, "--memory-dir", str(full)]
+        full_job = Job(tmp / "ckpt-full", full_args, tmp / "full-out", nodes=(0,))
+        args = ["--steps", "51", "--memory-every", "1", "--save-every", "1000"]
+        bound_args = [*args, "--memory-dir", str(bound)]
+        bound_job = Job(tmp / "ckpt-bound", bound_args, tmp / "bound-out", nodes=(0,))
+        # The stale-memory case: a short run, then the same command on a deleted root.
+        args = ["--steps", "2", "--memory-every", "1", "--save-every", "100"]
+        stale_args = [*args, "--memory-dir", str(tmp / "stale-mem")]
+        stale_job = Job(tmp / "ckpt-stale", stale_args, tmp / "stale-out", nodes=(0,))
+        again = Job(tmp / "ckpt-stale", stale_args, tmp / "stale-again", nodes=(0,))
+        try:
+            full_job.start()
+            bound_job.start()
+            stale_job.start()
+            node = bound / "node-0"
+            first = own_dir(node) / step_dir_name(1) / "rank-00000.mem"
+            reserved = node / "spare" / "own" / "rank-00000.mem@reserved"
+            size = 0
+
+            def first_save_done() -> bool:
+                # Its spare reserved in full; or the second save began (saves run one after
+                # another, so the first one, reserve included, finished).
+                nonlocal size
+                try:
+                    size = first.stat().st_size
+                    if reserved.stat().st_blocks * 512 >= size:
+                        return True
+                except OSError:
+                    pass
+                return size > 0 and any(s >= 2 for s in _own_steps_any(node))
+
+            _wait_until(first_save_done, bound_job.procs, "the first memory save", bound_job.text)
+            after_one = used()
+            stale_job.finish()
+            assert committed_memory_steps(own_dir(tmp / "stale-mem" / "node-0")) == [1]
+            shutil.rmtree(stale_job.root)
+            again.start()  # beside the bound job's fifty saves
+            yield SizeRuns(full_job, full, bound_job, bound, again, used, size, after_one)
+        finally:
+            for job in (full_job, bound_job, stale_job, again):
+                job.kill()
+            _stop_keepers(tmp / "stale-mem")
+
+
+def test_memory_full_fails_clearly(size_runs: SizeRuns) -> None:
+    """A memory tier too small for one rank's state (1.7 MB into 1 MiB): the memory save
+    fails, clearly, and the durable checkpoint before it stays committed and whole."""
+    job, node = size_runs.full, size_runs.full_memory / "node-0"
+    codes = job.wait()
+    text = job.text()
+    assert codes != [0], text  # the error of the memory save is raised by the next save()
+    assert "SaveError: preparing the memory save of step 3 failed, nothing was committed" in text
     assert "the memory tier at" in text and "could not hold rank 0's" in text, text
     assert "No space left on device" in text, text
     assert "the durable checkpoints are untouched" in text, text
-    assert own == []
-    assert committed_steps(root) == [2]
-    result = verify_checkpoint(root / step_dir_name(2))
+    left = sorted(p.name for p in own_dir(node).iterdir())
+    assert left == [], left  # nothing committed, not even a half-written tmp dir
+    assert committed_steps(job.root) == [2]
+    result = verify_checkpoint(job.root / step_dir_name(2))
     assert result.ok, result.problems
 
 
-def test_memory_bound_after_fifty_saves(tmp_path: Path) -> None:
-    """The memory the tier holds after its first save is what it holds after fifty (within
-    1 %): retired files are reused, nothing accumulates. Two runs side by side, each on its
-    own tmpfs: one memory save, and fifty."""
-    args = ["--memory-every", "1", "--save-every", "1000"]
-    with _tmpfs(tmp_path / "one", "64m") as one, _tmpfs(tmp_path / "fifty", "64m") as fifty:
-        base = {"one": _used_bytes(one), "fifty": _used_bytes(fifty)}
-        with torchrun_train_beside(
-            tmp_path / "ckpt-one", *args, "--steps", "2", "--memory-dir", str(one), nproc=1
-        ) as first:
-            many = torchrun_train(
-                tmp_path / "ckpt-fifty", *args, "--steps", "51", "--memory-dir", str(fifty),
-                nproc=1,
-            )  # fmt: skip
-        assert first.result().returncode == 0, first.result().stderr
-        assert many.returncode == 0, many.stderr
-        assert many.stderr.count("to memory |") == 50, many.stderr
-        after_one = _used_bytes(one) - base["one"]
-        after_fifty = _used_bytes(fifty) - base["fifty"]
-        steps = committed_memory_steps(own_dir(fifty / "node-0"))
-    assert steps == [50]
-    assert after_one > 0
+def test_memory_bound_after_fifty_saves(size_runs: SizeRuns) -> None:
+    """The memory the tier holds once its first save is done (the file, and the spare it
+    reserves for the next) is what it holds after fifty, within 1 %: retired files are
+    reused, nothing accumulates."""
+    runs = size_runs
+    text = runs.bound.finish()
+    after_fifty = runs.used()
+    assert text.count("to memory |") == 50, text
+    assert committed_memory_steps(own_dir(runs.bound_memory / "node-0")) == [50]
+    size, after_one = runs.file_size, runs.after_one
+    assert 2 * size <= after_one < 3 * size, (size, after_one)  # this save and its spare
     assert abs(after_fifty - after_one) <= 0.01 * after_one, (after_one, after_fifty)
+
+
+def test_fresh_root_ignores_stale_memory(size_runs: SizeRuns) -> None:
+    """A memory checkpoint belongs to the root it was saved for. A run saved step 1 to memory
+    and step 2 to its root; the root was then deleted and the same command started again (a
+    new run in its place: same path, same config, the node's keeper still up): it must start
+    from scratch, not resume step 1 of a root that is gone."""
+    text = size_runs.stale.finish()
+    assert "dckpt resume: no committed checkpoint; starting from scratch" in text, text
+    assert "from the memory tier" not in text, text

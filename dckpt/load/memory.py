@@ -75,6 +75,7 @@ class MemoryRestore:
         self.ctl = ctl
         self.tier = tier
         self.rank = ctl.rank
+        self._durable: set[int] = set()
 
     def holders(self) -> dict[int, dict[int, list[int]]]:
         """step -> node -> the nodes whose keeper holds a copy of it (the node itself
@@ -101,16 +102,18 @@ class MemoryRestore:
     def restore(
         self,
         state: TrainState,
-        newer_than: int | None,
+        durable: list[int],
         check: Any,
     ) -> tuple[MemoryLoad, CandidateReport] | list[tuple[int, str]]:
-        """Load the newest usable memory checkpoint at least as new as ``newer_than``, or
-        return why each candidate was not used (empty: none existed). ``check(manifest,
-        report)`` runs the durable tier's config and state checks (raising refuses)."""
+        """Load the newest usable memory checkpoint at least as new as the newest of the
+        ``durable`` steps (the root's committed ones), or return why each candidate was not
+        used (empty: none existed). ``check(manifest, report)`` runs the durable tier's
+        config and state checks (raising refuses)."""
         copies = self.holders()
         skipped: list[tuple[int, str]] = []
+        self._durable = set(durable)
         for step in sorted(copies, reverse=True):
-            if newer_than is not None and step < newer_than:
+            if durable and step < max(durable):
                 break
             report = CandidateReport(step, self.tier.own / step_dir_name(step))
             t0 = time.perf_counter()
@@ -143,6 +146,13 @@ class MemoryRestore:
                 skipped.append((step, "; ".join(dict.fromkeys(told))))
                 continue
             report.origin = self._origin(step, hows)
+            for r, h in enumerate(hows):
+                if "its local copy:" in h:
+                    report.warn(
+                        f"rank {r}'s copy in its node's memory did not match the writer's digest"
+                        " (the partner's replica was used): "
+                        + h.split("its local copy: ", 1)[1].rstrip(")")
+                    )
             report.check("memory", True, "; ".join(f"rank {r}: {h}" for r, h in enumerate(hows)))
             report.rng = loaded
             result = MemoryLoad(
@@ -184,7 +194,7 @@ class MemoryRestore:
         where = (
             "local memory" if not remote else f"memory, ranks {remote} from the partner's replica"
         )
-        return f"the memory tier ({where}, {self.tier.dir.parent}/node-*/own/{step_dir_name(step)})"
+        return f"the memory tier ({where}; {self.tier.dir.parent}, {step_dir_name(step)})"
 
     def _prove(self, step: int, raw: bytes, holders: list[int]) -> tuple[Manifest, Any, str]:
         """Steps 3-4 on this rank, no collective: the manifest every rank read (``raw``) and
@@ -194,6 +204,18 @@ class MemoryRestore:
             manifest = parse_manifest(raw, f"memory manifest of step {step}")
         except CheckpointError as exc:
             raise _UnusableError(f"rank {self.rank}: {exc}") from None
+        if manifest.mesh.get("root_id") != self.tier.root_id:
+            raise _UnusableError(
+                "it was saved beside another checkpoint root (root id "
+                f"{manifest.mesh.get('root_id')}, this root's is {self.tier.root_id}): the "
+                "root was removed and made again, or another run shares the memory directory"
+            )
+        after = manifest.mesh.get("after")
+        if after is not None and after not in self._durable:
+            raise _UnusableError(
+                f"it follows durable step {after}, which the root no longer holds (deleted, "
+                "quarantined or rolled back): the run it belongs to is not this root's"
+            )
         world = list(self.tier.topology.node_of)
         if manifest.world_size != len(world) or manifest.mesh.get("nodes") != world:
             raise _UnusableError(
@@ -214,15 +236,44 @@ class MemoryRestore:
                         self._local(step, name, record.bytes, record.digest),
                         "local memory",
                     )
-                addr = self.tier.topology.keepers[holder]
-                buf = KeeperClient(addr).read(node, step, name, record.bytes, record.digest)
-                return manifest, buf, f"replica on node {holder} ({human_bytes(record.bytes)})"
+                buf = self._fetch(holder, step, name, record.bytes, record.digest)
+                why = f"; its local copy: {failures[0]}" if failures else ""
+                size = human_bytes(record.bytes)
+                return manifest, buf, f"replica on node {holder} ({size}{why})"
             except (CheckpointError, OSError, KeyError) as exc:
                 where = "local copy" if holder == node else f"replica on node {holder}"
                 failures.append(f"{where}: {exc}")
         raise _UnusableError(
             f"rank {self.rank}: no copy matched the writer's digest ({'; '.join(failures)})"
         )
+
+    def _fetch(self, holder: int, step: int, name: str, size: int, digest: str) -> mmap.mmap:
+        """This rank's file from ``holder``'s keeper, hashed as it arrives, into a file in this
+        node's memory mapped with its pages already in place (a fresh buffer faulted in page
+        by page took longer than the transfer): a spare slot when the node has one (its pages
+        are reused), else a new file. The file goes back to ``spare/own/`` at once (renamed):
+        the mapping keeps its pages, and the next memory save reuses them."""
+        spares = layout.spare_dir(self.tier.dir, "own")
+        spares.mkdir(parents=True, exist_ok=True)
+        path = spares / f".fetch-{name}-{os.getpid()}"
+        if not layout.take_spare(spares, name, path):
+            path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.rename(path, spares / f"{name}@fetched")  # never read as a checkpoint
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, max(size, 1))
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        try:
+            addr = self.tier.topology.keepers[holder]
+            KeeperClient(addr).read(self.tier.node, step, name, size, digest, into=memoryview(mm))
+        except BaseException:
+            with contextlib.suppress(BufferError):
+                mm.close()
+            raise
+        return mm
 
     def _manifest_raw(self, step: int, holders: list[int]) -> bytes:
         node = self.tier.node

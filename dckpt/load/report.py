@@ -89,7 +89,8 @@ class ResumeReport:
 
     def format(self) -> str:
         if not self.resumed and not self.skipped:
-            return "dckpt resume: no committed checkpoint; starting from scratch"
+            head = "dckpt resume: no committed checkpoint; starting from scratch"
+            return "\n".join([head, *(f"  warning: {w}" for w in self.warnings)])
         lines = [
             f"dckpt resume: step {self.step} from {self.origin or self.path}"
             if self.resumed

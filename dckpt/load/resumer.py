@@ -183,11 +183,13 @@ class Resumer:
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
         memory_notes: list[str] = []
+        memory_loaded = False
         if self._memory is not None:  # 1b: a newer (or as new) step in host memory first
             got = MemoryRestore(self._ctl, self._memory).restore(
-                self._state, steps[0] if steps else None, self._check_candidate
+                self._state, steps, self._check_candidate
             )
             if isinstance(got, tuple):
+                memory_loaded = True
                 loaded, chosen = got
                 result = LoadResult(
                     step=loaded.step,
@@ -197,11 +199,11 @@ class Resumer:
                     seconds=loaded.seconds,
                     manifest=loaded.manifest,
                 )
+                after = loaded.manifest.mesh.get("after")
+                self._memory.anchor = after if isinstance(after, int) else None
                 steps = []
             else:
-                memory_notes = [
-                    f"memory tier: step {s} not used, the durable tier was: {why}" for s, why in got
-                ]
+                memory_notes = [f"memory tier: step {s} not used: {why}" for s, why in got]
         for step in steps:
             candidate = CandidateReport(step, self._path(step), self.source.origin(step))
             try:
@@ -219,6 +221,8 @@ class Resumer:
                 skipped.append((step, f"{type(exc).__name__}: {str(exc).split('. ')[0]}"))
         report = ResumeReport.of(chosen, skipped, self.world_size)
         report.warnings.extend(memory_notes)
+        if self._memory is not None and result is not None and not memory_loaded:
+            self._memory.anchor = result.step
         if result is None:
             self._nothing_loaded(report, len(steps))
             return report

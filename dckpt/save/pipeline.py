@@ -372,6 +372,8 @@ class SavePipeline:
                         "tier": "memory",
                         "nodes": list(memory.topology.node_of),
                         "replicas": memory.topology.replicas(),
+                        "root_id": memory.root_id,
+                        "after": memory.anchor,
                     }
                     told = manifest_bytes(dataclasses.replace(manifest, mesh=mesh))
                 except Exception as exc:
@@ -610,6 +612,8 @@ class SavePipeline:
             commit_s=commit_s,
         )
         self.last_bytes, self.last_committed_step = result.bytes, job.step
+        if self.memory is not None:  # later memory saves follow this durable step
+            self.memory.anchor = job.step
         return result
 
     def _log(self, job: SaveJob, result: SaveResult, decision: _Decision) -> None:

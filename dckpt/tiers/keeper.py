@@ -77,6 +77,10 @@ PROGRESS_INTERVAL_S = 1.0
 _NODE_RE = re.compile(r"node-([0-9]+)")
 
 
+LOG_LIMIT = 1 << 20
+"""Bytes of ``keeper.log`` kept at most (about 10,000 saves' worth of lines)."""
+
+
 class RequestError(Exception):
     """A request this keeper refuses; the message goes back as ``error``."""
 
@@ -166,6 +170,23 @@ class Keeper:
             if self._log_to_file:
                 with contextlib.suppress(OSError), open(self.dir / KEEPER_LOG, "a") as f:
                     f.write(line)
+            self._bound_log()
+
+    def _bound_log(self) -> None:
+        """Keep ``keeper.log`` (it lives in the memory it accounts for) under LOG_LIMIT: past
+        it, only its newest half is kept. Writers append (O_APPEND), so a truncated file is
+        written at its new end."""
+        path = self.dir / KEEPER_LOG
+        with contextlib.suppress(OSError):
+            if path.stat().st_size <= LOG_LIMIT:
+                return
+            with open(path, "rb") as f:
+                f.seek(-LOG_LIMIT // 2, os.SEEK_END)
+                tail = f.read()
+            tail = tail[tail.find(b"\n") + 1 :]
+            with open(path, "r+b") as f:
+                f.write(tail)
+                f.truncate(len(tail))
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -306,6 +327,30 @@ class Keeper:
             step_dir = own / step_dir_name(step)
             if not (step_dir / MANIFEST_FILE).is_file():
                 raise RequestError(f"{step_dir} is not committed (no {MANIFEST_FILE})")
+            # The push first, the retirement after: until the partner holds this step, the
+            # older own step stays, so a node lost meanwhile still leaves a complete one.
+            reply: dict[str, Any] = {
+                "ok": True,
+                "replicated": False,
+                "files": 0,
+                "bytes": 0,
+                "seconds": 0.0,
+                "to": to,
+            }
+            if to is not None:
+                try:
+                    files, nbytes, seconds = self._push(step_dir, step, to, req.get("nodes"), sock)
+                except (RequestError, CheckpointError, OSError, ValueError) as exc:
+                    msg = f"replicating own step {step} to {to} failed: {exc}"
+                    self.log(msg)
+                    reply = {"ok": False, "replicated": False, "to": to, "error": msg}
+                else:
+                    rate = nbytes / max(seconds, 1e-9) / 1e9
+                    self.log(
+                        f"replicated own step {step} to {to}: {files} files, {nbytes} bytes "
+                        f"in {seconds:.2f} s ({rate:.2f} GB/s)"
+                    )
+                    reply.update(replicated=True, files=files, bytes=nbytes, seconds=seconds)
             retired = retire_beyond(own, self.keep, spare_dir(self.dir, "own"), newest=step)
             # Saves are sequential: a tmp dir of this step or an older one is dead.
             with contextlib.suppress(OSError):
@@ -315,34 +360,7 @@ class Keeper:
                         _rmtree(child)
             if retired:
                 self.log(f"own step {step} committed; retired own steps {retired}")
-            if to is None:
-                return {
-                    "ok": True,
-                    "replicated": False,
-                    "files": 0,
-                    "bytes": 0,
-                    "seconds": 0.0,
-                    "to": None,
-                }
-            try:
-                files, nbytes, seconds = self._push(step_dir, step, to, req.get("nodes"), sock)
-            except (RequestError, CheckpointError, OSError, ValueError) as exc:
-                msg = f"replicating own step {step} to {to} failed: {exc}"
-                self.log(msg)
-                return {"ok": False, "replicated": False, "to": to, "error": msg}
-            rate = nbytes / max(seconds, 1e-9) / 1e9
-            self.log(
-                f"replicated own step {step} to {to}: {files} files, {nbytes} bytes in "
-                f"{seconds:.2f} s ({rate:.2f} GB/s)"
-            )
-            return {
-                "ok": True,
-                "replicated": True,
-                "files": files,
-                "bytes": nbytes,
-                "seconds": seconds,
-                "to": to,
-            }
+            return reply
 
     def _push(
         self, step_dir: Path, step: int, to: str, nodes: Any, caller: socket.socket

@@ -81,8 +81,16 @@ class Topology:
 class MemoryNode:
     """One rank's view of the memory tier; see the module docstring."""
 
-    def __init__(self, memory_root: Path, rank: int, topology: Topology, keep: int) -> None:
+    def __init__(
+        self, memory_root: Path, rank: int, topology: Topology, keep: int, root_id: str
+    ) -> None:
         self.rank = rank
+        self.root_id = root_id
+        """The durable root's id (dckpt.root.layout.root_identity), in every memory manifest:
+        a memory checkpoint is only ever resumed into the root it was saved beside."""
+        self.anchor: int | None = None
+        """The newest durable step this run continues from (saved, or resumed from), in every
+        memory manifest: a memory step whose durable step is gone (a rollback) is not used."""
         self.topology = topology
         self.node = topology.node_of[rank]
         self.first = topology.first_rank(self.node) == rank
