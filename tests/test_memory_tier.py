@@ -501,9 +501,11 @@ def test_whole_node_lost_uses_partner_replica(
         assert _wait_node(lost, proc) == 0, lost.cluster.tails()
     text = lost.cluster.logs["a2"].read_text(errors="replace")
     line = _resume_line(text)
-    want = f"dckpt resume: step {lost.step} from the memory tier (memory, ranks [1] from the "
-    assert line.startswith(want + "partner's replica"), lost.cluster.tails()
-    assert "[ok  ] memory: rank 0: local memory; rank 1: replica on node 0" in text, text
+    want = f"dckpt resume: step {lost.step} from the memory tier (memory, ranks [1] from "
+    assert line.startswith(want + "other nodes"), lost.cluster.tails()
+    # Node B lost its memory: rank 1 fetched both files (the de-duplicated layout) from node
+    # A's keeper, its own from A's replica of B, each proven as it arrived.
+    assert "[ok  ] memory: rank 0: local memory; rank 1: from node 0" in text, text
     assert "[ok  ] warmup all-reduce: 2 ranks answered, sum 3 = 3 on every rank" in text, text
     assert "rng           restored on every rank" in text, text
     _check_losses(lost.requeue_log, range(lost.step + 1, STEPS + 1), reference())
@@ -532,7 +534,7 @@ def test_flipped_bit_in_replica_falls_back_to_durable(
     assert warning is not None, text
     assert "warning: memory tier:" in warning, warning
     assert "rank 1" in warning and "digest mismatch" in warning, warning
-    assert "replica on node 0" in warning, warning
+    assert "node-0/replica/node-1" in warning, warning  # node A's replica, named
     assert re.search(r"\[ok  \] digests: (\d+) of \1 files hashed and matched", text), text
     _check_losses(log, range(DURABLE_BEFORE + 1, STEPS + 1), reference())
     assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
@@ -546,8 +548,9 @@ def test_flipped_bit_in_own_copy_uses_replica(
     root, log = job.root, _arg(job, "--loss-log")
     line = _resume_line(text)
     want = f"dckpt resume: step {lost_node.step} from the memory tier (memory, ranks [1] from "
-    assert line.startswith(want + "the partner's replica"), text
-    assert "rank 0: local memory; rank 1: replica on node 0" in text, text
+    assert line.startswith(want + "other nodes"), text
+    assert "rank 0: local memory; rank 1: from node 0" in text, text
+    assert "rank 1: the copy of rank-00001.mem in its node's memory did not match" in text, text
     _check_losses(log, range(lost_node.step + 1, STEPS + 1), reference())
     assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
 

@@ -31,6 +31,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from ..root.layout import step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..storage.digest import format_digest, new_hasher
 from ..storage.memory_file import FlatFile, MemoryFileError, fill_state_dict, map_for_reading
+from ..storage.records import FileRecord
 from ..tiers import memory_layout as layout
 from ..tiers.keeper_client import KeeperClient
 from ..tiers.memory_node import MemoryNode, memory_file_name
@@ -126,33 +128,44 @@ class MemoryRestore:
             shas = self.ctl.all_gather(None if raw is None else hashlib.sha256(raw).hexdigest())
             if raw is not None and len(set(shas)) != 1:
                 failure = failure or "the ranks did not all read the same manifest bytes"
+            proofs: dict[str, tuple[str, str]] = {}
             if raw is not None and failure is None:
                 try:
-                    manifest, buf, how = self._prove(step, raw, copies[step][self.tier.node])
+                    manifest, needed = self._check_manifest(step, raw)
+                    proofs = self._prove(step, manifest, needed, copies[step])
                 except _UnusableError as exc:
                     failure = str(exc)
-            told = [f for f in self.ctl.all_gather(failure) if f is not None]
+            told_all = self.ctl.all_gather((failure, proofs))
+            told = [f for f, _ in told_all if f is not None]
             if told:
+                self._tidy_fetched(step)
                 skipped.append((step, "; ".join(dict.fromkeys(told))))
                 continue
-            hows = self.ctl.all_gather(how)
+            mine = [r for r, n in enumerate(self.tier.topology.node_of) if n == self.tier.node]
+            paths = {name: path for r in mine for name, (path, _) in told_all[r][1].items()}
+            hows = [_summary(proved) for _, proved in told_all]
+            if not manifest.mesh.get("shared"):  # this rank's own file holds all it needs
+                own = memory_file_name(self.rank)
+                paths = {own: paths[own]}
             check(manifest, report)
             try:
-                loaded = self._load(state, step, buf, report)
-            except (MemoryFileError, CheckpointError) as exc:
+                loaded = self._load(state, step, paths, report)
+            except (MemoryFileError, CheckpointError, OSError) as exc:
                 failure = str(exc)
             told = [f for f in self.ctl.all_gather(failure) if f is not None]
+            self._tidy_fetched(step)  # every rank of the node has mapped what it reads
             if told:  # the state may be partly written: the durable load overwrites all of it
                 skipped.append((step, "; ".join(dict.fromkeys(told))))
                 continue
             report.origin = self._origin(step, hows)
-            for r, h in enumerate(hows):
-                if "its local copy:" in h:
-                    report.warn(
-                        f"rank {r}'s copy in its node's memory did not match the writer's digest"
-                        " (the partner's replica was used): "
-                        + h.split("its local copy: ", 1)[1].rstrip(")")
-                    )
+            for r, (_, proved) in enumerate(told_all):
+                for name, (_, how) in sorted(proved.items()):
+                    if "; local copy: " in how:
+                        report.warn(
+                            f"rank {r}: the copy of {name} in its node's memory did not match "
+                            "the writer's digest, another node's was used: "
+                            + how.split("; local copy: ", 1)[1]
+                        )
             report.check("memory", True, "; ".join(f"rank {r}: {h}" for r, h in enumerate(hows)))
             report.rng = loaded
             result = MemoryLoad(
@@ -167,8 +180,8 @@ class MemoryRestore:
                 "digests",
                 True,
                 f"{len(manifest.files)} of {len(manifest.files)} files hashed and matched "
-                f"({manifest.digest_algorithm}) on the rank that loads it; every rank read the "
-                "same manifest",
+                f"({manifest.digest_algorithm}) on every node that reads them, before a byte "
+                "of them was read; every rank read the same manifest",
             )
             return result, report
         return skipped
@@ -191,15 +204,12 @@ class MemoryRestore:
 
     def _origin(self, step: int, hows: list[str]) -> str:
         remote = [r for r, h in enumerate(hows) if not h.startswith("local")]
-        where = (
-            "local memory" if not remote else f"memory, ranks {remote} from the partner's replica"
-        )
+        where = "local memory" if not remote else f"memory, ranks {remote} from other nodes"
         return f"the memory tier ({where}; {self.tier.dir.parent}, {step_dir_name(step)})"
 
-    def _prove(self, step: int, raw: bytes, holders: list[int]) -> tuple[Manifest, Any, str]:
-        """Steps 3-4 on this rank, no collective: the manifest every rank read (``raw``) and
-        this rank's verified bytes, from the first of ``holders`` whose copy matches."""
-        node = self.tier.node
+    def _check_manifest(self, step: int, raw: bytes) -> tuple[Manifest, list[str]]:
+        """Step 3 on this rank, no collective: the manifest every rank read (``raw``), checked
+        against this root and this world; returns it and the files this node must prove."""
         try:
             manifest = parse_manifest(raw, f"memory manifest of step {step}")
         except CheckpointError as exc:
@@ -223,57 +233,118 @@ class MemoryRestore:
                 f"now {len(world)} ranks on nodes {world}: a memory checkpoint is restored "
                 "by the same ranks only"
             )
-        name = memory_file_name(self.rank)
-        record = manifest.file_map().get(name)
-        if record is None:
-            raise _UnusableError(f"rank {self.rank}: the manifest lists no {name}")
-        failures: list[str] = []
-        for holder in holders:
-            try:
-                if holder == node:
-                    return (
-                        manifest,
-                        self._local(step, name, record.bytes, record.digest),
-                        "local memory",
-                    )
-                buf = self._fetch(holder, step, name, record.bytes, record.digest)
-                why = f"; its local copy: {failures[0]}" if failures else ""
-                size = human_bytes(record.bytes)
-                return manifest, buf, f"replica on node {holder} ({size}{why})"
-            except (CheckpointError, OSError, KeyError) as exc:
-                where = "local copy" if holder == node else f"replica on node {holder}"
-                failures.append(f"{where}: {exc}")
-        raise _UnusableError(
-            f"rank {self.rank}: no copy matched the writer's digest ({'; '.join(failures)})"
+        names = {memory_file_name(r) for r in range(len(world))}
+        if {f.path for f in manifest.files} != names:
+            raise _UnusableError(f"its manifest does not list one file per rank ({sorted(names)})")
+        if manifest.mesh.get("shared"):  # each rank reads tensors from every rank's file
+            return manifest, sorted(names)
+        return manifest, sorted(
+            memory_file_name(r) for r, n in enumerate(world) if n == self.tier.node
         )
 
-    def _fetch(self, holder: int, step: int, name: str, size: int, digest: str) -> mmap.mmap:
-        """This rank's file from ``holder``'s keeper, hashed as it arrives, into a file in this
-        node's memory mapped with its pages already in place (a fresh buffer faulted in page
-        by page took longer than the transfer): a spare slot when the node has one (its pages
-        are reused), else a new file. The file goes back to ``spare/own/`` at once (renamed):
-        the mapping keeps its pages, and the next memory save reuses them."""
-        spares = layout.spare_dir(self.tier.dir, "own")
-        spares.mkdir(parents=True, exist_ok=True)
-        path = spares / f".fetch-{name}-{os.getpid()}"
-        if not layout.take_spare(spares, name, path):
-            path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    def _prove(
+        self, step: int, manifest: Manifest, needed: list[str], copies: dict[int, list[int]]
+    ) -> dict[str, tuple[str, str]]:
+        """Step 4, this rank's share of its node's files (no collective): each proven where it
+        lies, or fetched from a node that holds it and proven as it arrives. Returns file ->
+        (a path every rank of this node can map, how it was proven)."""
+        node_of = self.tier.topology.node_of
+        mates = [r for r, n in enumerate(node_of) if n == self.tier.node]
+        records = manifest.file_map()
+        proofs: dict[str, tuple[str, str]] = {}
+        for i, name in enumerate(needed):
+            owner = int(name.removeprefix("rank-").removesuffix(".mem"))
+            duty = owner if not manifest.mesh.get("shared") else mates[i % len(mates)]
+            if duty != self.rank:
+                continue
+            proofs[name] = self._prove_one(step, records[name], node_of[owner], copies)
+        return proofs
+
+    def _prove_one(
+        self, step: int, record: FileRecord, of_node: int, copies: dict[int, list[int]]
+    ) -> tuple[str, str]:
+        me, name = self.tier.node, record.path
+        holders = copies.get(of_node, [])
+        failures: list[str] = []
+        if me in holders:  # this node's own copy, or the replica it keeps of another node
+            if of_node == me:
+                path = self.tier.own / step_dir_name(step) / name
+            else:
+                path = layout.replica_dir(self.tier.dir, of_node) / step_dir_name(step) / name
+            try:
+                _hash_in_place(path, record.bytes, record.digest)
+                return str(path), "local memory"
+            except (CheckpointError, OSError) as exc:
+                failures.append(str(exc))
+        for holder in holders:
+            if holder == me:
+                continue
+            try:
+                path = self._fetch(holder, step, of_node, record)
+            except (CheckpointError, OSError, KeyError) as exc:
+                failures.append(f"node {holder}'s copy: {exc}")
+                continue
+            why = f"; local copy: {failures[0]}" if failures else ""
+            return str(path), f"from node {holder} ({human_bytes(record.bytes)}{why})"
+        raise _UnusableError(
+            f"rank {self.rank}: no copy of {name} matched the writer's digest "
+            f"({'; '.join(failures) or 'no node holds one'})"
+        )
+
+    def _fetch(self, holder: int, step: int, of_node: int, record: FileRecord) -> Path:
+        """``record``'s file from ``holder``'s keeper, hashed as it arrives, into this node's
+        ``fetched/step-N/`` (where every rank of the node can map it), written through a
+        mapping with its pages already in place (faulting a fresh buffer in page by page took
+        longer than the transfer); a spare slot of that name is reused when the node has one.
+        The file gets its name only once every byte matched the writer's digest."""
+        target = self.tier.dir / FETCHED_DIR / step_dir_name(step)
+        target.mkdir(parents=True, exist_ok=True)
+        name, size = record.path, record.bytes
+        part = target / f".{name}.part-{os.getpid()}"
+        if not layout.take_spare(layout.spare_dir(self.tier.dir, "own"), name, part):
+            part.unlink(missing_ok=True)
+        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.rename(path, spares / f"{name}@fetched")  # never read as a checkpoint
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, max(size, 1))
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         try:
-            addr = self.tier.topology.keepers[holder]
-            KeeperClient(addr).read(self.tier.node, step, name, size, digest, into=memoryview(mm))
+            client = KeeperClient(self.tier.topology.keepers[holder])
+            client.read(of_node, step, name, size, record.digest, into=memoryview(mm))
         except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        finally:
             with contextlib.suppress(BufferError):
                 mm.close()
-            raise
-        return mm
+        os.rename(part, target / name)
+        return target / name
+
+    def _tidy_fetched(self, step: int) -> None:
+        """After every rank of the node mapped its files: fetched files of this node's ranks
+        become spare slots (the next memory save reuses their pages); the rest go."""
+        if not self.tier.first:
+            return
+        fetched = self.tier.dir / FETCHED_DIR
+        spares = layout.spare_dir(self.tier.dir, "own")
+        mine = {
+            memory_file_name(r)
+            for r, n in enumerate(self.tier.topology.node_of)
+            if n == self.tier.node
+        }
+        for path in sorted(fetched.glob("step-*/*")):
+            taken = spares.is_dir() and any(
+                p.name.split("@", 1)[0] == path.name for p in spares.iterdir()
+            )
+            if path.name in mine and not taken:
+                with contextlib.suppress(OSError):
+                    spares.mkdir(parents=True, exist_ok=True)
+                    os.rename(path, spares / f"{path.name}@fetched")
+                    continue
+            path.unlink(missing_ok=True)
+        shutil.rmtree(fetched, ignore_errors=True)
 
     def _manifest_raw(self, step: int, holders: list[int]) -> bytes:
         node = self.tier.node
@@ -287,31 +358,27 @@ class MemoryRestore:
                 errors.append(str(exc))
         raise _UnusableError(f"rank {self.rank}: no readable manifest ({'; '.join(errors)})")
 
-    def _local(self, step: int, name: str, size: int, digest: str) -> mmap.mmap:
-        path = self.tier.own / step_dir_name(step) / name
-        with open(path, "rb") as f:
-            mm = map_for_reading(f.fileno())
-        hasher = new_hasher(digest.split(":", 1)[0])
-        hasher.update(memoryview(mm))
-        actual, length = format_digest(digest.split(":", 1)[0], hasher), len(mm)
-        if length != size or actual != digest:
-            mm.close()
-            raise CheckpointError(
-                f"{path}: {length} bytes hashing to {actual}, the writer recorded {size} "
-                f"bytes, {digest}"
-            )
-        return mm
-
-    def _load(self, state: TrainState, step: int, buf: Any, report: CandidateReport) -> str:
-        """Step 5's copy: the verified bytes into the live state; returns the RNG line."""
-        state_dict = state.state_dict()
-        state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
-        flat = FlatFile(buf, f"rank {self.rank}'s memory file of step {step}")
-        filled = fill_state_dict(state_dict, flat)
-        del flat
-        if isinstance(buf, mmap.mmap):
-            with contextlib.suppress(BufferError):  # a view still alive: the GC closes it
-                buf.close()
+    def _load(
+        self, state: TrainState, step: int, paths: dict[str, str], report: CandidateReport
+    ) -> str:
+        """Step 5's copy: the proven files, mapped, into the live state; returns the RNG line."""
+        own = memory_file_name(self.rank)
+        maps = {name: _map(path) for name, path in paths.items()}
+        try:
+            state_dict = state.state_dict()
+            state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
+            mine = FlatFile(maps[own], f"rank {self.rank}'s memory file of step {step}")
+            others = [
+                FlatFile(mm, f"{name} of memory step {step}")
+                for name, mm in maps.items()
+                if name != own
+            ]
+            filled = fill_state_dict(state_dict, mine, others)
+            del mine, others
+        finally:
+            for mm in maps.values():
+                with contextlib.suppress(BufferError):  # a view still alive: the GC closes it
+                    mm.close()
         saved_rng = filled.pop("rng")[f"rank_{self.rank}"]
         state.load_state_dict(filled)
         rng.restore(saved_rng)
@@ -320,3 +387,37 @@ class MemoryRestore:
         return "restored on every rank (python, numpy, torch" + (
             ", CUDA)" if "cuda" in saved_rng else ")"
         )
+
+
+FETCHED_DIR = "fetched"
+"""Under a node's memory: files fetched from other nodes for a resume, until it is done."""
+
+
+def _map(path: str) -> mmap.mmap:
+    with open(path, "rb") as f:
+        return map_for_reading(f.fileno())
+
+
+def _hash_in_place(path: Path, size: int, digest: str) -> None:
+    """Hash the file where it lies; CheckpointError unless it is exactly the writer's bytes."""
+    algorithm = digest.split(":", 1)[0]
+    with open(path, "rb") as f, map_for_reading(f.fileno()) as mm:
+        hasher = new_hasher(algorithm)
+        hasher.update(memoryview(mm))
+        actual, length = format_digest(algorithm, hasher), len(mm)
+    if length != size or actual != digest:
+        raise CheckpointError(
+            f"{path}: {length} bytes hashing to {actual}, the writer recorded {size} bytes, "
+            f"{digest}"
+        )
+
+
+def _summary(proved: dict[str, tuple[str, str]]) -> str:
+    """One rank's part of the proof, for the report: ``local memory`` when every file it
+    proved was in its node's memory."""
+    hows = [how for _, how in proved.values()]
+    if not hows:
+        return "local memory (proved by another rank of its node)"
+    if all(h == "local memory" for h in hows):
+        return "local memory"
+    return "; ".join(h for h in hows if h != "local memory")

@@ -9,25 +9,47 @@ reused from the save before last (dckpt.storage.memory_file), before ``save()`` 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import StorageError
-from ..storage.memory_file import plan_flat, write_into
+from ..storage.memory_file import plan_flat, share_out, signature, write_into
 from ..tiers import memory_layout as layout
 from ..tiers.memory_node import MemoryNode, memory_file_name
 
-__all__ = ["stage"]
+__all__ = ["Staged", "agree_on_layout", "stage"]
 
 
-def stage(node: MemoryNode, step: int, save_id: str, state_dict: dict[str, Any]) -> Path:
-    """Copy this rank's state into its memory file; returns the file. A memory file system
-    too small for it raises StorageError (nothing durable is touched)."""
+@dataclass(frozen=True)
+class Staged:
+    """A memory save's file, and what the ranks must agree on about its layout."""
+
+    path: Path
+    signature: str
+    """Digest of this rank's replicated-looking tensors (dckpt.storage.memory_file)."""
+    shared: str | None
+    """The layout this file was written with: the signature whose owners it followed (it
+    holds only the replicated tensors it owns), or None (it holds every tensor)."""
+
+
+def stage(node: MemoryNode, step: int, save_id: str, state_dict: dict[str, Any]) -> Staged:
+    """Copy this rank's state into its memory file. Replicated tensors (as DCP counts them:
+    plain tensors every rank holds alike) are written by one rank each, as agreed at the
+    previous memory save (``MemoryNode.owners``), so under DDP each rank copies about
+    1/world of them; the first save, or one whose tensors changed, writes everything. A
+    memory file system too small for it raises StorageError (nothing durable is touched)."""
     tmp = node.tmp_location(step, save_id)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / memory_file_name(node.rank)
     spares = layout.spare_dir(node.dir, "own")
-    plan = plan_flat(state_dict)
+    sig, sizes = signature(state_dict)
+    shared = sig if node.owners is not None and node.owners[0] == sig else None
+    skip: frozenset[str] = frozenset()
+    if shared is not None and node.owners is not None:
+        skip = frozenset(k for k, r in node.owners[1].items() if r != node.rank)
+    node.pending_sizes = sizes
+    plan = plan_flat(state_dict, skip)
     try:
         write_into(path, plan, lambda p: layout.take_spare(spares, p.name, p))
     except OSError as exc:
@@ -39,4 +61,26 @@ def stage(node: MemoryNode, step: int, save_id: str, state_dict: dict[str, Any])
             "the durable checkpoints are untouched. Give the memory file system more room "
             "(memory_dir, or /dev/shm's size) or lower memory_keep."
         ) from None
-    return path
+    return Staged(path, sig, shared)
+
+
+def agree_on_layout(node: MemoryNode, told: list[tuple[str, str | None]]) -> str | None:
+    """In the background, after every rank's ``(signature, shared)``: why this save's files
+    cannot be read together (None when they can), and the owners the next save follows.
+    Every rank computes the same from the same list."""
+    signatures = {sig for sig, _ in told}
+    used = {shared for _, shared in told}
+    problem = None
+    if used != {None} and (len(used) != 1 or signatures != used):
+        problem = (
+            "the ranks' replicated tensors changed while some ranks wrote only their share "
+            "of them (signatures differ), so no rank could restore this save: it is refused, "
+            "and the next memory save writes every tensor on every rank"
+        )
+    if problem is None and len(signatures) == 1 and len(told) > 1:
+        sig = next(iter(signatures))
+        if node.owners is None or node.owners[0] != sig:
+            node.owners = (sig, share_out(node.pending_sizes, len(told)))
+    else:
+        node.owners = None
+    return problem

@@ -74,14 +74,14 @@ from ..root.layout import step_dir_name
 from ..root.manifest import Manifest, manifest_bytes
 from ..storage.hashing_writer import HashingWriter
 from ..storage.records import FileRecord
-from ..tiers.memory_node import MemoryNode, memory_file_name
+from ..tiers.memory_node import MemoryNode
 from ..train import rng
 from ..train.precision import PrecisionPolicy
 from ..train.state import TrainState
 from ..units import describe_staging, human_bytes
 from .coordinator import Coordinator, RankReport, SaveOutcome
 from .handle import SaveResult, SaveTicket
-from .memory import stage
+from .memory import Staged, agree_on_layout, stage
 from .mode import SaveMode
 from .stager import Snapshot, Stager, StagingSavePlanner, Watch, watch_versions
 from .step_clock import LoopCost, StepClock
@@ -113,7 +113,7 @@ class SaveJob:
     metric: dict[str, float]
     scaler: dict[str, Any] | None
     tier: str = "durable"
-    memory_file: Path | None = None
+    memory_file: Staged | None = None
     """A memory save: this rank's file, written in ``save()`` (dckpt.save.memory)."""
 
 
@@ -194,7 +194,7 @@ class SavePipeline:
         snapshot: Snapshot | None = None
         scaler: dict[str, Any] | None = None
         error: str | None = None
-        memory_file: Path | None = None
+        memory_file: Staged | None = None
         try:
             state_dict = self.state.state_dict()
             # Taken now, at the point the training loop will continue from after a resume.
@@ -345,7 +345,7 @@ class SavePipeline:
         records: tuple[FileRecord, ...] = ()
         try:
             assert job.memory_file is not None
-            records = (memory.digest(job.memory_file, self.config.digest),)
+            records = (memory.digest(job.memory_file.path, self.config.digest),)
         except Exception as exc:  # reported to every rank by the gather below
             error = f"hashing its memory copy failed: {describe_os_error(exc, memory.dir)}"
         report = RankReport(
@@ -357,12 +357,16 @@ class SavePipeline:
             timings={"hash_s": time.perf_counter() - t_hash},
         )
         reports = self.coordinator.gather(report)  # 6
+        staged = job.memory_file
+        assert staged is not None  # a rank without one failed the agreement
+        layouts = self.io.all_gather((staged.signature, staged.shared))
+        layout_problem = agree_on_layout(memory, layouts)
         cost: LoopCost | None = None
         told: bytes | str | None = None
         if self.rank == 0:  # 7: the manifest, or why there is none
             failed = [f"rank {r.rank}: {r.error}" for r in reports if r.error is not None]
-            if failed:
-                told = "; ".join(failed)
+            if failed or layout_problem:
+                told = "; ".join(failed) or layout_problem
             else:
                 try:
                     cost = self.clock.cost(job.started, ticket.stall_s, time.perf_counter())
@@ -373,6 +377,8 @@ class SavePipeline:
                         "nodes": list(memory.topology.node_of),
                         "replicas": memory.topology.replicas(),
                         "root_id": memory.root_id,
+                        # the files hold each other's replicated tensors: all are read
+                        "shared": layouts[0][1] is not None,
                         "after": memory.anchor,
                     }
                     told = manifest_bytes(dataclasses.replace(manifest, mesh=mesh))
@@ -408,7 +414,7 @@ class SavePipeline:
         )
         # 10: the replicas, then (first save) a reserved slot; neither fails the save
         replicas = self.io.all_gather(memory.replicate(job.step) if memory.first else None)
-        memory.reserve(memory.own / step_dir_name(job.step) / memory_file_name(self.rank))
+        memory.reserve(memory.own / step_dir_name(job.step) / staged.path.name)
         if self.rank == 0:
             assert cost is not None
             self._log_memory(job, result, cost, memory, replicas)

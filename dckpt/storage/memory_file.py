@@ -23,6 +23,7 @@ manifest, and even then checks every offset against the buffer's length.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import mmap
@@ -41,9 +42,12 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "FlatFile",
     "MemoryFileError",
+    "SharedLayout",
     "fill_state_dict",
     "map_for_reading",
     "plan_flat",
+    "share_out",
+    "signature",
     "write_into",
 ]
 
@@ -76,14 +80,55 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def plan_flat(state_dict: dict[str, Any]) -> FlatPlan:
-    """Lay out ``state_dict``: tensor offsets, the pickled non-tensor values, the header."""
+@dataclass(frozen=True)
+class SharedLayout:
+    """Which rank's file holds each replicated tensor (the ranks agreed on it at a save)."""
+
+    signature: str
+    owners: dict[str, int]
+
+
+def signature(state_dict: dict[str, Any]) -> tuple[str, dict[str, int]]:
+    """This rank's replicated-looking tensors (plain tensors: DCP's rule for what is the
+    same on every rank; not a DTensor shard, not a per-rank RNG state) by key and size, and
+    a digest of their names, dtypes and shapes: ranks with equal digests hold the same ones."""
+    flat, _ = flatten_state_dict(state_dict)
+    sizes: dict[str, int] = {}
+    hasher = hashlib.sha256()
+    for key in sorted(flat):
+        value = flat[key]
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if key.startswith("rng."):
+                continue
+            sizes[key] = value.numel() * value.element_size()
+            hasher.update(f"{key}|{value.dtype}|{list(value.shape)}\n".encode())
+    return hasher.hexdigest(), sizes
+
+
+def share_out(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Each replicated tensor's owner: the biggest first, each to the least loaded rank (ties
+    to the lowest), so every rank copies about 1/world of them. Deterministic: every rank
+    computes the same owners from the same sizes."""
+    load = [0] * world_size
+    owners: dict[str, int] = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[key] = rank
+        load[rank] += sizes[key]
+    return owners
+
+
+def plan_flat(state_dict: dict[str, Any], skip: frozenset[str] = frozenset()) -> FlatPlan:
+    """Lay out ``state_dict``: tensor offsets, the pickled non-tensor values, the header.
+    Tensors named in ``skip`` (another rank's file holds them) are left out."""
     flat, _ = flatten_state_dict(state_dict)
     rows: list[list[Any]] = []
     tensors: list[tuple[str, torch.Tensor, int, int]] = []
     objects: dict[str, Any] = {}
     pending: list[tuple[str, torch.Tensor, int]] = []
     for key, value in flat.items():
+        if key in skip:
+            continue
         if isinstance(value, torch.Tensor):
             local = _local(value).detach()
             pending.append((key, local, local.numel() * local.element_size()))
@@ -195,24 +240,35 @@ class FlatFile:
         return raw.view(dtype).view(shape)
 
 
-def fill_state_dict(state_dict: dict[str, Any], flat_file: FlatFile) -> dict[str, Any]:
-    """Copy the file's tensors into ``state_dict``'s own (a DTensor's local shard), by name;
-    its non-tensor values replace the live ones. Returns the state dict to load. Raises
-    MemoryFileError, before copying anything, when the names, shapes or dtypes differ."""
+def fill_state_dict(
+    state_dict: dict[str, Any], flat_file: FlatFile, shared: list[FlatFile] | None = None
+) -> dict[str, Any]:
+    """Copy the file's tensors into ``state_dict``'s own (a DTensor's local shard), by name,
+    and those it left to other ranks from their files (``shared``); its non-tensor values
+    replace the live ones. Returns the state dict to load. Raises MemoryFileError, before
+    copying anything, when the names, shapes or dtypes differ."""
     flat, mapping = flatten_state_dict(state_dict)
-    saved = {row[0]: row for row in flat_file.rows}
+    rows = {row[0]: (flat_file, row) for row in flat_file.rows}
+    for other in shared or []:
+        for row in other.rows:
+            rows.setdefault(row[0], (other, row))  # this rank's own copy first
     objects = flat_file.objects()
     live_tensors = {k for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    if live_tensors != set(saved) or set(flat) - live_tensors != set(objects):
-        missing = sorted((live_tensors - set(saved)) | (set(flat) - live_tensors - set(objects)))
-        extra = sorted((set(saved) - live_tensors) | (set(objects) - (set(flat) - live_tensors)))
+    mine = {row[0] for row in flat_file.rows}
+    if (
+        not live_tensors <= set(rows)
+        or not mine <= live_tensors
+        or (set(flat) - live_tensors != set(objects))
+    ):
+        missing = sorted((live_tensors - set(rows)) | (set(flat) - live_tensors - set(objects)))
+        extra = sorted((mine - live_tensors) | (set(objects) - (set(flat) - live_tensors)))
         raise MemoryFileError(
             f"{flat_file.source} does not match this state: missing {missing[:3]}, "
             f"unexpected {extra[:3]}"
         )
     for key in live_tensors:
         local = _local(flat[key])
-        _, dtype, shape, _, _ = saved[key]
+        _, (_, dtype, shape, _, _) = rows[key]
         if local.dtype != dtype or list(local.shape) != shape:
             raise MemoryFileError(
                 f"{flat_file.source}: {key} is {dtype}{shape} there, {local.dtype}"
@@ -220,8 +276,8 @@ def fill_state_dict(state_dict: dict[str, Any], flat_file: FlatFile) -> dict[str
             )
     with torch.no_grad():  # the live tensors may be parameters that require grad
         for key in live_tensors:
-            _, dtype, shape, offset, nbytes = saved[key]
-            _local(flat[key]).copy_(flat_file.tensor(dtype, shape, offset, nbytes))
+            source, (_, dtype, shape, offset, nbytes) = rows[key]
+            _local(flat[key]).copy_(source.tensor(dtype, shape, offset, nbytes))
     for key, value in objects.items():
         flat[key] = value
     return unflatten_state_dict(flat, mapping)

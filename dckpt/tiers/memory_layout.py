@@ -16,6 +16,8 @@ node-<n>/
                                     by k's keeper; committed (renamed) only after every file
                                     hashed to the writer's digest on arrival
   spare/own/  spare/node-<k>/       retired files, reused by the next save of the same name
+  fetched/step-XXXXXXXX/            files a resume fetched from other nodes (proven on
+                                    arrival), mapped by the node's ranks, removed after it
 ```
 
 Invariants: a step directory without ``manifest.json``, or with a ``.tmp-`` name, is never
