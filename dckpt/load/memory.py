@@ -10,15 +10,19 @@ not (the resume then goes on with the durable tier, reporting that reason):
    or a replica on another node's keeper; only candidates at least as new as the newest
    durable step are tried, newest first;
 3. every rank reads the manifest (its node's own copy, else the replica's, from the keeper
-   that holds it); all ranks must hold the same bytes, the same world and the same nodes;
-4. every rank proves its file: the node's own copy is hashed where it lies; if it is missing
-   or does not match the writer's digest, the replica is fetched from the partner's keeper,
-   hashed as it arrives; a copy that does not match is never read further;
-5. if any rank has no proven copy, the candidate is dropped on every rank (its reasons are
+   that holds it); all ranks must hold the same bytes; the manifest must name this root (its
+   id) and a durable step the root still holds (``mesh.after``), this world and these nodes;
+4. each node proves the files its ranks read (their own; every rank's when the save shares
+   replicated tensors, ``mesh.shared``), each file once, split among the node's ranks: a
+   copy in the node's memory (its own, or the replica it keeps of another node) is hashed
+   where it lies; if it is missing or does not match the writer's digest, it is fetched from
+   another node's keeper into ``fetched/``, hashed as it arrives, and named only if it
+   matched; a copy that does not match is never read further;
+5. if any file has no proven copy, the candidate is dropped on every rank (its reasons are
    kept for the report); otherwise the config, precision, state kinds and GradScaler are
    checked exactly as for a durable checkpoint (a refusal there refuses the resume: the
    durable tier holds the same run), and each rank copies its tensors into the live state
-   by name, shape and dtype, then restores its RNG.
+   by name, shape and dtype, from whichever proven file holds them, then restores its RNG.
 
 Invariants: no byte of a memory file is interpreted before its digest matched the manifest
 the ranks agreed on; ranks never mix steps or tiers (every choice is an all-gather).
