@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 VR = "tests/test_verified_resume.py"
 AD = "tests/test_adoption.py"
 S3 = "tests/test_s3.py"
+MT = "tests/test_memory_tier.py"
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,30 @@ MUTANTS = (
         "try:\n            etag = self.store.put_small(self.key, self._record(), if_absent=True)",
         "try:\n            etag = self.store.put_small(self.key, self._record())",
         (f"{S3}::test_the_lock_is_a_conditional_put_and_a_second_job_is_refused",),
+    ),
+    Mutant(
+        "memory: a copy in a node's memory is used without comparing its digest",
+        "dckpt/load/memory.py",
+        "if length != size or actual != digest:",
+        "if False:",
+        (
+            f"{MT}::test_flipped_bit_in_replica_falls_back_to_durable",
+            f"{MT}::test_flipped_bit_in_own_copy_uses_replica",
+        ),
+    ),
+    Mutant(
+        "memory: a keeper commits a replica without comparing its digests",
+        "dckpt/tiers/keeper.py",
+        "if actual != digest:",
+        "if False:",
+        ("tests/test_keeper.py::test_flipped_bit_is_refused_by_partner",),
+    ),
+    Mutant(
+        "memory: a memory checkpoint of another (removed) root is resumed",
+        "dckpt/load/memory.py",
+        'if manifest.mesh.get("root_id") != self.tier.root_id:',
+        "if False:",
+        (f"{MT}::test_fresh_root_ignores_stale_memory",),
     ),
 )
 
