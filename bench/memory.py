@@ -38,7 +38,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
 
+Tier = Literal["durable", "memory"]
 COMMITS = ("disk_commit", "memory_commit")
 RESUMES = ("disk_resume", "memory_local_resume", "memory_partner_resume")
 
@@ -56,7 +57,7 @@ def _compute(n: int) -> None:
         a = torch.tanh(a @ a / n)
 
 
-def _loop(mgr: Any, opt: Any, steps: int, n: int, save: int | None, tier: str) -> dict[str, float]:
+def _loop(mgr: Any, opt: Any, steps: int, n: int, save: int | None, tier: Tier) -> dict[str, float]:
     dist.barrier()
     t0 = time.perf_counter()
     handle = None
@@ -116,7 +117,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 mgr.save(step, tier="memory").result()
                 for method in h.round_order(COMMITS, rnd):
                     step += 10
-                    tier = "memory" if method == "memory_commit" else "durable"
+                    tier: Tier = "memory" if method == "memory_commit" else "durable"
                     ranks.prepare()
                     t0 = time.perf_counter()
                     result = mgr.save(step, tier=tier).result()
@@ -160,8 +161,8 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     mgr.save(step + 100 + number, tier="memory").result()  # the layout, untimed
                     ranks.prepare()
                     save = None if kind == "none" else step + 200 + number
-                    tier = "memory" if kind == "memory" else "durable"
-                    got = _loop(mgr, opt, cfg["steps"], cfg["matmul"], save, tier)
+                    loop_tier: Tier = "memory" if kind == "memory" else "durable"
+                    got = _loop(mgr, opt, cfg["steps"], cfg["matmul"], save, loop_tier)
                 worst = max(ranks.gather(got["loop_s"])), max(ranks.gather(got["stall_s"]))
                 loops[kind].append({"loop_s": worst[0], "stall_s": worst[1]})
                 ranks.cleanup(base / f"loop-{rnd}")

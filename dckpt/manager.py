@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import uuid
 from collections.abc import Iterable, Sequence
@@ -74,12 +75,23 @@ def _ensure_visible_logging() -> None:
         log.setLevel(logging.INFO)
 
 
-def _node_index() -> int:
-    """This process's node: torchrun's ``GROUP_RANK`` (its node rank), else 0 (one node)."""
-    try:
-        return max(0, int(os.environ.get("GROUP_RANK", "0")))
-    except ValueError:
-        return 0
+def _node_indices(told: list[tuple[str | None, str]]) -> tuple[int, ...] | str:
+    """Each rank's node from every rank's (``GROUP_RANK``, host name): torchrun's node rank
+    where every rank has one, else the host names in sorted order (srun, mpirun). A node
+    index spanning two hosts, or indices with gaps (the partner ring needs 0..n-1), is why
+    the memory tier cannot start (a string)."""
+    if all(group is not None and group.isdigit() for group, _ in told):
+        nodes = tuple(int(group) for group, _ in told if group is not None)
+    else:
+        hosts = sorted({host for _, host in told})
+        nodes = tuple(hosts.index(host) for _, host in told)
+    for n in set(nodes):
+        hosts_of = sorted({host for (_, host), m in zip(told, nodes, strict=True) if m == n})
+        if len(hosts_of) > 1:
+            return f"node {n} (GROUP_RANK) spans several hosts: {', '.join(hosts_of)}"
+    if sorted(set(nodes)) != list(range(len(set(nodes)))):
+        return f"node indices {sorted(set(nodes))} are not 0..n-1"
+    return nodes
 
 
 class CheckpointManager:
@@ -266,12 +278,25 @@ class CheckpointManager:
             raise failure
         return locks
 
+    def _close_on_failure(self) -> None:
+        """A start that fails after the root was opened: release the run locks and groups."""
+        for lock in reversed(self._locks):
+            lock.release()
+        self._ctl.close()
+        self._io.close()
+
     def _open_memory(self) -> MemoryNode:
         """The memory tier: every node's first rank makes sure its keeper runs (starting one
         that outlives this process if none answers) and tidies saves the last workers left
         half-done; every rank learns the topology. Fails on every rank if any node fails."""
-        node = _node_index()
-        node_of = tuple(self._ctl.all_gather(node))
+        found = _node_indices(
+            self._ctl.all_gather((os.environ.get("GROUP_RANK"), socket.gethostname()))
+        )
+        if isinstance(found, str):
+            self._close_on_failure()
+            raise CheckpointError(f"the memory tier cannot tell the nodes apart: {found}")
+        node_of = found
+        node = node_of[self.rank]
         failure: CheckpointError | None = None
         addr: str | None = None
         if node_of.index(node) == self.rank:
@@ -285,8 +310,7 @@ class CheckpointManager:
         told = self._ctl.all_gather((node, addr, failure))
         failure = next((f for _, _, f in told if f is not None), None)
         if failure is not None:
-            self._ctl.close()
-            self._io.close()
+            self._close_on_failure()
             raise failure
         keepers = {n: a for n, a, _ in told if a is not None}
         root_id: str | CheckpointError = ""
@@ -300,8 +324,7 @@ class CheckpointManager:
                 root_id = CheckpointError(f"cannot read or make the id of {self.root}: {exc}")
         root_id = self._ctl.broadcast(root_id)
         if isinstance(root_id, CheckpointError):
-            self._ctl.close()
-            self._io.close()
+            self._close_on_failure()
             raise root_id
         tier = MemoryNode(
             self.config.memory_root,

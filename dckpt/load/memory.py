@@ -46,7 +46,7 @@ from ..errors import CheckpointError
 from ..root.layout import step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..storage.digest import format_digest, new_hasher
-from ..storage.memory_file import FlatFile, MemoryFileError, fill_state_dict, map_for_reading
+from ..storage.memory_file import FlatFile, StateFill, map_for_reading
 from ..storage.records import FileRecord
 from ..tiers import memory_layout as layout
 from ..tiers.keeper_client import KeeperClient
@@ -70,8 +70,30 @@ class MemoryLoad:
     seconds: float
 
 
+Proof = tuple[str, str, tuple[int, int, int]]
+"""A proven file: a path every rank of the node can map, how it was proven, its identity."""
+
+
 class _UnusableError(Exception):
     """This candidate cannot be restored on this rank (the reason says why)."""
+
+
+class _ForeignError(_UnusableError):
+    """This candidate belongs to another root or another branch of the run: not this run's
+    to lose (a fresh start past it is right)."""
+
+
+@dataclass
+class Outcome:
+    """What the memory tier's part of a resume found, when it loaded nothing."""
+
+    skipped: list[tuple[int, str]]
+    """Candidates not used, and why."""
+    lost: list[tuple[int, str]]
+    """Of those, the ones that were this run's (not another root's or branch's): a fresh
+    start past them would throw work away."""
+    dirty: bool = False
+    """A restore failed after it began copying into the state: the state is mixed."""
 
 
 class MemoryRestore:
@@ -110,85 +132,129 @@ class MemoryRestore:
         state: TrainState,
         durable: list[int],
         check: Any,
-    ) -> tuple[MemoryLoad, CandidateReport] | list[tuple[int, str]]:
+    ) -> tuple[MemoryLoad, CandidateReport] | Outcome:
         """Load the newest usable memory checkpoint at least as new as the newest of the
-        ``durable`` steps (the root's committed ones), or return why each candidate was not
-        used (empty: none existed). ``check(manifest, report)`` runs the durable tier's
-        config and state checks (raising refuses)."""
+        ``durable`` steps (the root's committed ones), or say why each candidate was not
+        used. ``check(manifest, report)`` runs the durable tier's config and state checks
+        (raising refuses). Every rank makes the same collective calls in every branch: a
+        failure on one rank is all-gathered, never raised past the others."""
         copies = self.holders()
-        skipped: list[tuple[int, str]] = []
+        outcome = Outcome([], [])
         self._durable = set(durable)
         for step in sorted(copies, reverse=True):
             if durable and step < max(durable):
                 break
-            report = CandidateReport(step, self.tier.own / step_dir_name(step))
-            t0 = time.perf_counter()
-            raw: bytes | None = None
-            failure: str | None = None
-            try:  # every rank reaches the all-gather below, whatever failed before it
-                raw = self._manifest_raw(step, copies[step][self.tier.node])
-            except _UnusableError as exc:
-                failure = str(exc)
-            shas = self.ctl.all_gather(None if raw is None else hashlib.sha256(raw).hexdigest())
-            if raw is not None and len(set(shas)) != 1:
-                failure = failure or "the ranks did not all read the same manifest bytes"
-            proofs: dict[str, tuple[str, str]] = {}
-            if raw is not None and failure is None:
-                try:
-                    manifest, needed = self._check_manifest(step, raw)
-                    proofs = self._prove(step, manifest, needed, copies[step])
-                except _UnusableError as exc:
-                    failure = str(exc)
-            told_all = self.ctl.all_gather((failure, proofs))
-            told = [f for f, _ in told_all if f is not None]
-            if told:
-                self._tidy_fetched(step)
-                skipped.append((step, "; ".join(dict.fromkeys(told))))
-                continue
-            mine = [r for r, n in enumerate(self.tier.topology.node_of) if n == self.tier.node]
-            paths = {name: path for r in mine for name, (path, _) in told_all[r][1].items()}
-            hows = [_summary(proved) for _, proved in told_all]
-            if not manifest.mesh.get("shared"):  # this rank's own file holds all it needs
-                own = memory_file_name(self.rank)
-                paths = {own: paths[own]}
-            check(manifest, report)
             try:
-                loaded = self._load(state, step, paths, report)
-            except (MemoryFileError, CheckpointError, OSError) as exc:
-                failure = str(exc)
-            told = [f for f in self.ctl.all_gather(failure) if f is not None]
-            self._tidy_fetched(step)  # every rank of the node has mapped what it reads
-            if told:  # the state may be partly written: the durable load overwrites all of it
-                skipped.append((step, "; ".join(dict.fromkeys(told))))
-                continue
-            report.origin = self._origin(step, hows)
-            for r, (_, proved) in enumerate(told_all):
-                for name, (_, how) in sorted(proved.items()):
-                    if "; local copy: " in how:
-                        report.warn(
-                            f"rank {r}: the copy of {name} in its node's memory did not match "
-                            "the writer's digest, another node's was used: "
-                            + how.split("; local copy: ", 1)[1]
-                        )
-            report.check("memory", True, "; ".join(f"rank {r}: {h}" for r, h in enumerate(hows)))
-            report.rng = loaded
-            result = MemoryLoad(
-                step=step,
-                manifest=manifest,
-                path=report.path,
-                bytes=manifest.total_bytes,
-                seconds=time.perf_counter() - t0,
-            )
-            self._record_restore(result, report.origin)
-            report.check(
-                "digests",
-                True,
-                f"{len(manifest.files)} of {len(manifest.files)} files hashed and matched "
-                f"({manifest.digest_algorithm}) on every node that reads them, before a byte "
-                "of them was read; every rank read the same manifest",
-            )
-            return result, report
-        return skipped
+                got = self._candidate(state, step, copies[step], check, outcome)
+            finally:
+                self._tidy_fetched()
+            if got is not None:
+                return got
+            if outcome.dirty:
+                break
+        return outcome
+
+    def _candidate(
+        self,
+        state: TrainState,
+        step: int,
+        copies: dict[int, list[int]],
+        check: Any,
+        outcome: Outcome,
+    ) -> tuple[MemoryLoad, CandidateReport] | None:
+        report = CandidateReport(step, self.tier.own / step_dir_name(step))
+        t0 = time.perf_counter()
+        raw: bytes | None = None
+        failure: tuple[str, bool] | None = None  # (why, foreign)
+        try:  # every rank reaches the all-gather below, whatever failed before it
+            raw = self._manifest_raw(step, copies[self.tier.node])
+        except _UnusableError as exc:
+            failure = (str(exc), False)
+        shas = self.ctl.all_gather(None if raw is None else hashlib.sha256(raw).hexdigest())
+        if raw is not None and failure is None and len(set(shas)) != 1:
+            failure = ("the ranks did not all read the same manifest bytes", False)
+        proofs: dict[str, Proof] = {}
+        manifest: Manifest | None = None
+        if raw is not None and failure is None:
+            try:
+                manifest, needed = self._check_manifest(step, raw)
+                proofs = self._prove(step, manifest, needed, copies)
+            except _UnusableError as exc:
+                failure = (str(exc), isinstance(exc, _ForeignError))
+            except Exception as exc:  # anything else: a reason, not a hang of the others
+                failure = (f"rank {self.rank}: {exc!r}", False)
+        told_all = self.ctl.all_gather((failure, proofs))
+        if self._skip(step, [f for f, _ in told_all], outcome):
+            return None
+        assert manifest is not None
+        mine = [r for r, n in enumerate(self.tier.topology.node_of) if n == self.tier.node]
+        proven = {name: proof for r in mine for name, proof in told_all[r][1].items()}
+        if not manifest.mesh.get("shared"):  # this rank's own file holds all it needs
+            own = memory_file_name(self.rank)
+            proven = {own: proven[own]}
+        hows = [_summary(proved) for _, proved in told_all]
+        check(manifest, report)  # a refusal here refuses the resume, on every rank
+        prepared: tuple[StateFill, list[mmap.mmap]] | None = None
+        failure = None
+        try:
+            prepared = self._prepare(state, step, proven)
+        except Exception as exc:
+            failure = (f"rank {self.rank}: {exc}", False)
+        if self._skip(step, self.ctl.all_gather(failure), outcome):
+            _close(prepared[1] if prepared else [])
+            return None
+        assert prepared is not None
+        fill, maps = prepared
+        try:  # from here on the live state changes
+            rng_line = self._apply(state, fill)
+        except Exception as exc:
+            failure = (f"rank {self.rank}: restoring into the state failed: {exc!r}", False)
+        finally:
+            del fill
+            _close(maps)
+        if self._skip(step, self.ctl.all_gather(failure), outcome):
+            outcome.dirty = True
+            return None
+        report.origin = self._origin(step, hows)
+        for r, (_, proved) in enumerate(told_all):
+            for name, (_, how, _) in sorted(proved.items()):
+                if "; local copy: " in how:
+                    report.warn(
+                        f"rank {r}: the copy of {name} in its node's memory did not match "
+                        "the writer's digest, another node's was used: "
+                        + how.split("; local copy: ", 1)[1]
+                    )
+        report.check("memory", True, "; ".join(f"rank {r}: {h}" for r, h in enumerate(hows)))
+        report.check("state", True, ", ".join(state.categories()))
+        report.rng = rng_line
+        result = MemoryLoad(
+            step=step,
+            manifest=manifest,
+            path=report.path,
+            bytes=manifest.total_bytes,
+            seconds=time.perf_counter() - t0,
+        )
+        self._record_restore(result, report.origin)
+        report.check(
+            "digests",
+            True,
+            f"{len(manifest.files)} of {len(manifest.files)} files hashed and matched "
+            f"({manifest.digest_algorithm}) on every node that reads them, before a byte "
+            "of them was read; every rank read the same manifest",
+        )
+        return result, report
+
+    @staticmethod
+    def _skip(step: int, told: list[tuple[str, bool] | None], outcome: Outcome) -> bool:
+        """Record why ``step`` is not used, when any rank said so (every rank decides alike)."""
+        failures = [f for f in told if f is not None]
+        if not failures:
+            return False
+        why = "; ".join(dict.fromkeys(w for w, _ in failures))
+        outcome.skipped.append((step, why))
+        if not all(foreign for _, foreign in failures):
+            outcome.lost.append((step, why))
+        return True
 
     def _record_restore(self, result: MemoryLoad, origin: str) -> None:
         """The node's first rank notes what this restore cost (``dckpt plan`` reads it)."""
@@ -219,14 +285,14 @@ class MemoryRestore:
         except CheckpointError as exc:
             raise _UnusableError(f"rank {self.rank}: {exc}") from None
         if manifest.mesh.get("root_id") != self.tier.root_id:
-            raise _UnusableError(
+            raise _ForeignError(
                 "it was saved beside another checkpoint root (root id "
                 f"{manifest.mesh.get('root_id')}, this root's is {self.tier.root_id}): the "
                 "root was removed and made again, or another run shares the memory directory"
             )
         after = manifest.mesh.get("after")
         if after is not None and after not in self._durable:
-            raise _UnusableError(
+            raise _ForeignError(
                 f"it follows durable step {after}, which the root no longer holds (deleted, "
                 "quarantined or rolled back): the run it belongs to is not this root's"
             )
@@ -240,7 +306,7 @@ class MemoryRestore:
         names = {memory_file_name(r) for r in range(len(world))}
         if {f.path for f in manifest.files} != names:
             raise _UnusableError(f"its manifest does not list one file per rank ({sorted(names)})")
-        if manifest.mesh.get("shared"):  # each rank reads tensors from every rank's file
+        if manifest.mesh.get("shared") == "world":  # each rank reads from every rank's file
             return manifest, sorted(names)
         return manifest, sorted(
             memory_file_name(r) for r, n in enumerate(world) if n == self.tier.node
@@ -248,14 +314,14 @@ class MemoryRestore:
 
     def _prove(
         self, step: int, manifest: Manifest, needed: list[str], copies: dict[int, list[int]]
-    ) -> dict[str, tuple[str, str]]:
+    ) -> dict[str, Proof]:
         """Step 4, this rank's share of its node's files (no collective): each proven where it
         lies, or fetched from a node that holds it and proven as it arrives. Returns file ->
         (a path every rank of this node can map, how it was proven)."""
         node_of = self.tier.topology.node_of
         mates = [r for r, n in enumerate(node_of) if n == self.tier.node]
         records = manifest.file_map()
-        proofs: dict[str, tuple[str, str]] = {}
+        proofs: dict[str, Proof] = {}
         for i, name in enumerate(needed):
             owner = int(name.removeprefix("rank-").removesuffix(".mem"))
             duty = owner if not manifest.mesh.get("shared") else mates[i % len(mates)]
@@ -266,7 +332,7 @@ class MemoryRestore:
 
     def _prove_one(
         self, step: int, record: FileRecord, of_node: int, copies: dict[int, list[int]]
-    ) -> tuple[str, str]:
+    ) -> Proof:
         me, name = self.tier.node, record.path
         holders = copies.get(of_node, [])
         failures: list[str] = []
@@ -276,20 +342,22 @@ class MemoryRestore:
             else:
                 path = layout.replica_dir(self.tier.dir, of_node) / step_dir_name(step) / name
             try:
-                _hash_in_place(path, record.bytes, record.digest)
-                return str(path), "local memory"
-            except (CheckpointError, OSError) as exc:
+                identity = _hash_in_place(path, record.bytes, record.digest)
+                return str(path), "local memory", identity
+            except (CheckpointError, OSError, ValueError) as exc:
                 failures.append(str(exc))
         for holder in holders:
             if holder == me:
                 continue
             try:
                 path = self._fetch(holder, step, of_node, record)
-            except (CheckpointError, OSError, KeyError) as exc:
+                identity = _identity(os.stat(path))
+            except (CheckpointError, OSError, KeyError, ValueError) as exc:
                 failures.append(f"node {holder}'s copy: {exc}")
                 continue
             why = f"; local copy: {failures[0]}" if failures else ""
-            return str(path), f"from node {holder} ({human_bytes(record.bytes)}{why})"
+            how = f"from node {holder} ({human_bytes(record.bytes)}{why})"
+            return str(path), how, identity
         raise _UnusableError(
             f"rank {self.rank}: no copy of {name} matched the writer's digest "
             f"({'; '.join(failures) or 'no node holds one'})"
@@ -326,7 +394,7 @@ class MemoryRestore:
         os.rename(part, target / name)
         return target / name
 
-    def _tidy_fetched(self, step: int) -> None:
+    def _tidy_fetched(self) -> None:
         """After every rank of the node mapped its files: fetched files of this node's ranks
         become spare slots (the next memory save reuses their pages); the rest go."""
         if not self.tier.first:
@@ -362,13 +430,16 @@ class MemoryRestore:
                 errors.append(str(exc))
         raise _UnusableError(f"rank {self.rank}: no readable manifest ({'; '.join(errors)})")
 
-    def _load(
-        self, state: TrainState, step: int, paths: dict[str, str], report: CandidateReport
-    ) -> str:
-        """Step 5's copy: the proven files, mapped, into the live state; returns the RNG line."""
+    def _prepare(
+        self, state: TrainState, step: int, proven: dict[str, Proof]
+    ) -> tuple[StateFill, list[mmap.mmap]]:
+        """Map the proven files (each must still be the file that was proven: same inode,
+        size and change time) and match every live tensor to its bytes; writes nothing."""
         own = memory_file_name(self.rank)
-        maps = {name: _map(path) for name, path in paths.items()}
+        maps: dict[str, mmap.mmap] = {}
         try:
+            for name, (path, _, identity) in proven.items():
+                maps[name] = _map(path, identity)
             state_dict = state.state_dict()
             state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
             mine = FlatFile(maps[own], f"rank {self.rank}'s memory file of step {step}")
@@ -377,17 +448,17 @@ class MemoryRestore:
                 for name, mm in maps.items()
                 if name != own
             ]
-            filled = fill_state_dict(state_dict, mine, others)
-            del mine, others
-        finally:
-            for mm in maps.values():
-                with contextlib.suppress(BufferError):  # a view still alive: the GC closes it
-                    mm.close()
+            return StateFill(state_dict, mine, others), list(maps.values())
+        except BaseException:
+            _close(list(maps.values()))
+            raise
+
+    def _apply(self, state: TrainState, fill: StateFill) -> str:
+        """Step 5's copy, once every rank prepared: returns the RNG line."""
+        filled = fill.apply()
         saved_rng = filled.pop("rng")[f"rank_{self.rank}"]
         state.load_state_dict(filled)
         rng.restore(saved_rng)
-        restored = ", ".join(state.categories())
-        report.check("state", True, restored)
         return "restored on every rank (python, numpy, torch" + (
             ", CUDA)" if "cuda" in saved_rng else ")"
         )
@@ -397,29 +468,51 @@ FETCHED_DIR = "fetched"
 """Under a node's memory: files fetched from other nodes for a resume, until it is done."""
 
 
-def _map(path: str) -> mmap.mmap:
+def _map(path: str, identity: tuple[int, int, int]) -> mmap.mmap:
+    """Map ``path`` if it is still the file that was proven (the proof and the read may be on
+    two ranks, so the file is opened twice)."""
     with open(path, "rb") as f:
+        if _identity(os.fstat(f.fileno())) != identity:
+            raise CheckpointError(f"{path} changed after it was proven: not read")
         return map_for_reading(f.fileno())
 
 
-def _hash_in_place(path: Path, size: int, digest: str) -> None:
-    """Hash the file where it lies; CheckpointError unless it is exactly the writer's bytes."""
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _close(maps: list[mmap.mmap]) -> None:
+    for mm in maps:
+        with contextlib.suppress(BufferError):  # a view still alive: the GC closes it
+            mm.close()
+
+
+def _hash_in_place(path: Path, size: int, digest: str) -> tuple[int, int, int]:
+    """Hash the file where it lies; CheckpointError unless it is exactly the writer's bytes.
+    Returns the file's identity (inode, size, change time), for the read that follows."""
     algorithm = digest.split(":", 1)[0]
-    with open(path, "rb") as f, map_for_reading(f.fileno()) as mm:
-        hasher = new_hasher(algorithm)
-        hasher.update(memoryview(mm))
-        actual, length = format_digest(algorithm, hasher), len(mm)
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_size != size:
+            raise CheckpointError(
+                f"{path}: {st.st_size} bytes, the writer recorded {size} bytes, {digest}"
+            )
+        with map_for_reading(f.fileno()) as mm:
+            hasher = new_hasher(algorithm)
+            hasher.update(memoryview(mm))
+            actual, length = format_digest(algorithm, hasher), len(mm)
     if length != size or actual != digest:
         raise CheckpointError(
             f"{path}: {length} bytes hashing to {actual}, the writer recorded {size} bytes, "
             f"{digest}"
         )
+    return _identity(st)
 
 
-def _summary(proved: dict[str, tuple[str, str]]) -> str:
+def _summary(proved: dict[str, Proof]) -> str:
     """One rank's part of the proof, for the report: ``local memory`` when every file it
     proved was in its node's memory."""
-    hows = [how for _, how in proved.values()]
+    hows = [how for _, how, _ in proved.values()]
     if not hows:
         return "local memory (proved by another rank of its node)"
     if all(h == "local memory" for h in hows):

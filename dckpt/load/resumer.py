@@ -73,7 +73,7 @@ from ..units import human_bytes, plural
 from . import checks
 from .config_check import ConfigPolicy
 from .loss_watch import LossVerdict, LossWatch
-from .memory import MemoryRestore
+from .memory import MemoryRestore, Outcome
 from .report import CandidateReport, ResumeReport
 
 __all__ = ["LoadResult", "Resumer"]
@@ -203,7 +203,8 @@ class Resumer:
                 self._memory.anchor = after if isinstance(after, int) else None
                 steps = []
             else:
-                memory_notes = [f"memory tier: step {s} not used: {why}" for s, why in got]
+                memory_notes = [f"memory tier: step {s} not used: {why}" for s, why in got.skipped]
+                self._refuse_memory_loss(got, steps)
         for step in steps:
             candidate = CandidateReport(step, self._path(step), self.source.origin(step))
             try:
@@ -328,6 +329,28 @@ class Resumer:
             seconds=time.perf_counter() - t0,
             manifest=manifest,
         )
+
+    def _refuse_memory_loss(self, got: Outcome, steps: list[int]) -> None:
+        """When the memory tier held this run's newer work and none of it could be restored:
+        with no durable step to fall back to, refuse rather than start from scratch (that would
+        silently throw the run away); a restore that failed halfway left the state mixed."""
+        if got.dirty and not steps:
+            raise CheckpointError(
+                "restoring a memory checkpoint failed after it began writing into the model "
+                f"({got.skipped[-1][1]}), and the root has no durable checkpoint to restore "
+                "over it: rebuild the model (restart the job) before training."
+            )
+        if got.lost and not steps:
+            listed = "; ".join(f"step {s}: {why}" for s, why in got.lost)
+            raise CheckpointError(
+                f"the memory tier holds this run's work ({listed}), none of it could be "
+                f"restored, and {self.source} has no durable checkpoint: starting from scratch "
+                "would silently throw that run away. Bring the missing node or keeper back, or "
+                f"remove the memory directory ({self._memory_root()}) to really start over."
+            )
+
+    def _memory_root(self) -> str:
+        return str(self._memory.dir.parent) if self._memory is not None else "-"
 
     def _check_candidate(
         self, manifest: Manifest, report: CandidateReport, *, with_config: bool = True

@@ -58,9 +58,12 @@ class SaveThread:
         *,
         deadline_s: float | None = None,
         where: Callable[[], str] = lambda: "",
+        soft: bool = False,
     ) -> None:
         """Run ``run`` for ``ticket`` on a new thread; after ``deadline_s`` the watchdog cancels
-        it with an error that names ``where()`` (which ranks are behind, and where)."""
+        it with an error that names ``where()`` (which ranks are behind, and where). With
+        ``soft`` (a memory save), a SaveError every rank agreed on fails only its handle: it
+        was logged, and the next ``save()`` goes on (a lost group still stops them)."""
         if self.current is not None:
             raise CheckpointError("a save is already in flight; wait for it first")
 
@@ -69,7 +72,8 @@ class SaveThread:
                 result = run()
             except BaseException as exc:
                 with self._lock:
-                    if self.stuck is not ticket:  # the watchdog already reported this save
+                    agreed = soft and isinstance(exc, SaveError)
+                    if self.stuck is not ticket and not agreed:  # the watchdog reported it
                         self._failed = exc
                 ticket.finish(None, exc)
             else:

@@ -75,9 +75,10 @@ class Coordinator:
         """On rank 0: (step, path) of the save it committed last, even if telling the other
         ranks failed afterwards."""
 
-    def agree(self, error: str | None, what: str, step: int | None = None) -> None:
-        """All ranks learn whether any rank failed ``what``, or (``step``) was asked to save
-        another step than the others; all raise together if so."""
+    def agree(self, error: str | None, what: str, step: int | str | None = None) -> None:
+        """All ranks learn whether any rank failed ``what``, or (``step``, which names the
+        tier too: ``"5 (memory)"``) was asked to save another step or tier than the others;
+        all raise together if so."""
         told = self.comm.all_gather((error, step))
         failed = [RankReport(rank=r, error=e) for r, (e, _) in enumerate(told) if e is not None]
         if failed:
@@ -86,7 +87,7 @@ class Coordinator:
         if len(set(steps)) > 1:  # each rank would write another step's files: refuse
             listed = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
             raise SaveError(
-                f"save() was called with different steps on different ranks ({listed}); "
+                f"save() was called with different steps or tiers on different ranks ({listed}); "
                 "nothing was committed. Every rank must call save() with the same step, in "
                 "the same order."
             )

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StorageError
-from ..storage.memory_file import plan_flat, share_out, signature, write_into
+from ..storage.memory_file import (
+    MemoryFileError,
+    plan_flat,
+    share_out,
+    signature,
+    write_into,
+)
 from ..tiers import memory_layout as layout
 from ..tiers.memory_node import MemoryNode, memory_file_name
 
@@ -40,16 +46,25 @@ def stage(node: MemoryNode, step: int, save_id: str, state_dict: dict[str, Any])
     1/world of them; the first save, or one whose tensors changed, writes everything. A
     memory file system too small for it raises StorageError (nothing durable is touched)."""
     tmp = node.tmp_location(step, save_id)
-    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(
+            f"cannot make {tmp} in the memory tier ({exc}): the memory save failed and the "
+            "durable checkpoints are untouched"
+        ) from None
     path = tmp / memory_file_name(node.rank)
     spares = layout.spare_dir(node.dir, "own")
     sig, sizes = signature(state_dict)
     shared = sig if node.owners is not None and node.owners[0] == sig else None
     skip: frozenset[str] = frozenset()
     if shared is not None and node.owners is not None:
-        skip = frozenset(k for k, r in node.owners[1].items() if r != node.rank)
+        skip = node.owners[1]
     node.pending_sizes = sizes
-    plan = plan_flat(state_dict, skip)
+    try:
+        plan = plan_flat(state_dict, skip)
+    except MemoryFileError as exc:
+        raise StorageError(f"this state cannot be kept in the memory tier: {exc}") from None
     try:
         write_into(path, plan, lambda p: layout.take_spare(spares, p.name, p))
     except OSError as exc:
@@ -77,10 +92,28 @@ def agree_on_layout(node: MemoryNode, told: list[tuple[str, str | None]]) -> str
             "of them (signatures differ), so no rank could restore this save: it is refused, "
             "and the next memory save writes every tensor on every rank"
         )
-    if problem is None and len(signatures) == 1 and len(told) > 1:
+    scope, kind = sharing_scope(node)
+    if problem is None and len(signatures) == 1 and node.pending_sizes and kind is not None:
         sig = next(iter(signatures))
         if node.owners is None or node.owners[0] != sig:
-            node.owners = (sig, share_out(node.pending_sizes, len(told)))
+            owners = share_out(node.pending_sizes, len(scope))
+            skip = frozenset(k for k, i in owners.items() if scope[i] != node.rank)
+            node.owners = (sig, skip, kind)
     else:
         node.owners = None
     return problem
+
+
+def sharing_scope(node: MemoryNode) -> tuple[list[int], str | None]:
+    """The ranks that share out the replicated tensors, and what a resume must read: with at
+    most two nodes, the whole world ("world": each node holds every file, its own and its
+    partner's replica); with more, the ranks of each node ("node": each node's files and
+    their replica suffice, no node reads another's). None: nothing to share (one rank)."""
+    node_of = node.topology.node_of
+    if node.topology.nodes <= 2:
+        scope, kind = list(range(len(node_of))), "world"
+    else:
+        scope, kind = [r for r, n in enumerate(node_of) if n == node.node], "node"
+    if len(scope) < 2 and (kind == "world" or max(node_of.count(n) for n in node_of) < 2):
+        return scope, None
+    return scope, kind

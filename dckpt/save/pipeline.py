@@ -297,6 +297,8 @@ class SavePipeline:
             if self.rank == 0 or (memory is not None and memory.first):
                 shutil.rmtree(tmp, ignore_errors=True)  # no half-written tmp dir outlives it
             if isinstance(exc, SaveError):  # an outcome every rank agreed on: it says it all
+                if memory is not None and self.rank == 0:  # not raised by the next save()
+                    log.error("dckpt: %s. Training goes on; the next memory save tries again.", exc)
                 raise
             outcome = self._failed_outcome(job.step, job.save_id)
             raise SaveError(
@@ -339,7 +341,7 @@ class SavePipeline:
         ticket.staged.set()  # the memory file, written in save(), is the snapshot
         self.progress.trace(job.save_id, job.step).passed(Phase.PREPARE)
         what = f"preparing the memory save of step {job.step}"
-        self.coordinator.agree(job.error, what, job.step)
+        self.coordinator.agree(job.error, what, f"{job.step} (memory)")
         t_hash = time.perf_counter()
         error: str | None = None
         records: tuple[FileRecord, ...] = ()
@@ -360,7 +362,8 @@ class SavePipeline:
         staged = job.memory_file
         assert staged is not None  # a rank without one failed the agreement
         layouts = self.io.all_gather((staged.signature, staged.shared))
-        layout_problem = agree_on_layout(memory, layouts)
+        kind = memory.owners[2] if memory.owners and layouts[0][1] is not None else False
+        layout_problem = agree_on_layout(memory, layouts)  # and the next save's layout
         cost: LoopCost | None = None
         told: bytes | str | None = None
         if self.rank == 0:  # 7: the manifest, or why there is none
@@ -377,8 +380,9 @@ class SavePipeline:
                         "nodes": list(memory.topology.node_of),
                         "replicas": memory.topology.replicas(),
                         "root_id": memory.root_id,
-                        # the files hold each other's replicated tensors: all are read
-                        "shared": layouts[0][1] is not None,
+                        # whose files hold each other's replicated tensors ("world":
+                        # every rank's; "node": each node's), False: none
+                        "shared": kind,
                         "after": memory.anchor,
                     }
                     told = manifest_bytes(dataclasses.replace(manifest, mesh=mesh))
@@ -485,7 +489,7 @@ class SavePipeline:
                 error = f"cannot make {tmp}: {describe_os_error(exc, self.root)}"
         if error is None:
             trace.passed(Phase.MAKE_TMP)
-        self.coordinator.agree(error, f"preparing the save of step {job.step}", job.step)
+        self.coordinator.agree(error, f"preparing the save of step {job.step}", str(job.step))
 
     def _write(self, job: SaveJob, ticket: SaveTicket, trace: SaveTrace, tmp: Path) -> RankReport:
         assert job.snapshot is not None  # a rank without one failed the agreement

@@ -136,6 +136,7 @@ class Saver:
             lambda: self._pipeline.run(job, ticket),
             deadline_s=self._config.watchdog_s,
             where=lambda: self._progress.lagging(job.save_id),
+            soft=tier == "memory",
         )
         if not asynchronous:
             try:

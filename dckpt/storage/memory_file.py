@@ -43,6 +43,7 @@ __all__ = [
     "FlatFile",
     "MemoryFileError",
     "SharedLayout",
+    "StateFill",
     "fill_state_dict",
     "map_for_reading",
     "plan_flat",
@@ -152,6 +153,11 @@ def plan_flat(state_dict: dict[str, Any], skip: frozenset[str] = frozenset()) ->
     header = json.dumps(
         {"version": 1, "tensors": rows, "objects": [objects_offset, len(blob)], "size": size}
     ).encode()
+    if len(header) > _MAX_HEADER:
+        raise MemoryFileError(
+            f"this state has {len(rows)} tensors, whose index ({len(header)} bytes) is over "
+            f"the memory file's limit of {_MAX_HEADER} bytes"
+        )
     return FlatPlan(tensors, blob, objects_offset, header, size)
 
 
@@ -240,44 +246,55 @@ class FlatFile:
         return raw.view(dtype).view(shape)
 
 
+class StateFill:
+    """A restore matched and checked, not yet applied: ``prepare`` finds every live tensor in
+    the files (this rank's own first) and checks names, shapes and dtypes, writing nothing;
+    ``apply`` then copies. The ranks agree between the two, so a mismatch on any rank leaves
+    every rank's state untouched."""
+
+    def __init__(
+        self, state_dict: dict[str, Any], flat_file: FlatFile, shared: list[FlatFile]
+    ) -> None:
+        self.flat, self.mapping = flatten_state_dict(state_dict)
+        rows = {row[0]: (flat_file, row) for row in flat_file.rows}
+        for other in shared:
+            for row in other.rows:
+                rows.setdefault(row[0], (other, row))  # this rank's own copy first
+        self.rows = rows
+        self.objects = flat_file.objects()
+        flat = self.flat
+        self.live = sorted(k for k, v in flat.items() if isinstance(v, torch.Tensor))
+        live, mine = set(self.live), {row[0] for row in flat_file.rows}
+        if not live <= set(rows) or not mine <= live or set(flat) - live != set(self.objects):
+            missing = sorted((live - set(rows)) | (set(flat) - live - set(self.objects)))
+            extra = sorted((mine - live) | (set(self.objects) - (set(flat) - live)))
+            raise MemoryFileError(
+                f"{flat_file.source} does not match this state: missing {missing[:3]}, "
+                f"unexpected {extra[:3]}"
+            )
+        for key in self.live:
+            local = _local(flat[key])
+            source, (_, dtype, shape, _, _) = rows[key]
+            if local.dtype != dtype or list(local.shape) != shape:
+                raise MemoryFileError(
+                    f"{source.source}: {key} is {dtype}{shape} there, {local.dtype}"
+                    f"{list(local.shape)} here"
+                )
+
+    def apply(self) -> dict[str, Any]:
+        """Copy every tensor into the live one (a DTensor's local shard); the saved non-tensor
+        values replace the live ones. Returns the state dict to load."""
+        with torch.no_grad():  # the live tensors may be parameters that require grad
+            for key in self.live:
+                source, (_, dtype, shape, offset, nbytes) = self.rows[key]
+                _local(self.flat[key]).copy_(source.tensor(dtype, shape, offset, nbytes))
+        for key, value in self.objects.items():
+            self.flat[key] = value
+        return unflatten_state_dict(self.flat, self.mapping)
+
+
 def fill_state_dict(
     state_dict: dict[str, Any], flat_file: FlatFile, shared: list[FlatFile] | None = None
 ) -> dict[str, Any]:
-    """Copy the file's tensors into ``state_dict``'s own (a DTensor's local shard), by name,
-    and those it left to other ranks from their files (``shared``); its non-tensor values
-    replace the live ones. Returns the state dict to load. Raises MemoryFileError, before
-    copying anything, when the names, shapes or dtypes differ."""
-    flat, mapping = flatten_state_dict(state_dict)
-    rows = {row[0]: (flat_file, row) for row in flat_file.rows}
-    for other in shared or []:
-        for row in other.rows:
-            rows.setdefault(row[0], (other, row))  # this rank's own copy first
-    objects = flat_file.objects()
-    live_tensors = {k for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    mine = {row[0] for row in flat_file.rows}
-    if (
-        not live_tensors <= set(rows)
-        or not mine <= live_tensors
-        or (set(flat) - live_tensors != set(objects))
-    ):
-        missing = sorted((live_tensors - set(rows)) | (set(flat) - live_tensors - set(objects)))
-        extra = sorted((mine - live_tensors) | (set(objects) - (set(flat) - live_tensors)))
-        raise MemoryFileError(
-            f"{flat_file.source} does not match this state: missing {missing[:3]}, "
-            f"unexpected {extra[:3]}"
-        )
-    for key in live_tensors:
-        local = _local(flat[key])
-        _, (_, dtype, shape, _, _) = rows[key]
-        if local.dtype != dtype or list(local.shape) != shape:
-            raise MemoryFileError(
-                f"{flat_file.source}: {key} is {dtype}{shape} there, {local.dtype}"
-                f"{list(local.shape)} here"
-            )
-    with torch.no_grad():  # the live tensors may be parameters that require grad
-        for key in live_tensors:
-            source, (_, dtype, shape, offset, nbytes) = rows[key]
-            _local(flat[key]).copy_(source.tensor(dtype, shape, offset, nbytes))
-    for key, value in objects.items():
-        flat[key] = value
-    return unflatten_state_dict(flat, mapping)
+    """``StateFill`` in one go: check, then copy; returns the state dict to load."""
+    return StateFill(state_dict, flat_file, shared or []).apply()

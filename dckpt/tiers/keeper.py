@@ -351,7 +351,11 @@ class Keeper:
                         f"in {seconds:.2f} s ({rate:.2f} GB/s)"
                     )
                     reply.update(replicated=True, files=files, bytes=nbytes, seconds=seconds)
-            retired = retire_beyond(own, self.keep, spare_dir(self.dir, "own"), newest=step)
+            # Never retire by ``newest``: a late request (a slow push) must not retire a newer
+            # step committed since (the worker already dropped rolled-back steps). After a
+            # failed push one more own step stays: the partner still holds the older one.
+            keep = self.keep if reply["ok"] else self.keep + 1
+            retired = retire_beyond(own, keep, spare_dir(self.dir, "own"))
             # Saves are sequential: a tmp dir of this step or an older one is dead.
             with contextlib.suppress(OSError):
                 for child in own.iterdir():
@@ -531,6 +535,16 @@ class Keeper:
                     os.ftruncate(fd, size)  # pages already there are reused, not faulted
                 else:
                     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:  # a full memory says so now, not as a broken connection mid-write
+                    os.posix_fallocate(fd, 0, max(size, 1))
+                except OSError as exc:
+                    os.close(fd)
+                    fd = -1
+                    error = (
+                        f"{path}: cannot hold its {size} bytes in {self.dir} "
+                        f"({os.strerror(exc.errno) if exc.errno else exc}): this node's memory "
+                        "is full"
+                    )
             try:
                 left = size
                 while left:

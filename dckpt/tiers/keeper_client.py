@@ -198,6 +198,18 @@ def ensure_keeper(
         os.close(lock_fd)  # releases the flock
 
 
+IDLE_EXIT_S = 24 * 3600.0
+"""A keeper a job started leaves after this long without a request (``$DCKPT_KEEPER_IDLE_S``;
+0: never): a job that ended, and was not restarted, does not hold host memory forever."""
+
+
+def _idle_exit_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get("DCKPT_KEEPER_IDLE_S", IDLE_EXIT_S)))
+    except ValueError:
+        return IDLE_EXIT_S
+
+
 def _spawn(node_dir: Path, node: int, keep: int, host: str, timeout_s: float) -> str:
     cmd = [
         sys.executable,
@@ -213,6 +225,8 @@ def _spawn(node_dir: Path, node: int, keep: int, host: str, timeout_s: float) ->
         "0",
         "--keep",
         str(keep),
+        "--idle-exit-s",
+        str(_idle_exit_s()),
     ]
     env = dict(os.environ)
     # The keeper must import this very dckpt, whatever the worker's cwd.

@@ -88,9 +88,10 @@ class MemoryNode:
         self.root_id = root_id
         """The durable root's id (dckpt.root.layout.root_identity), in every memory manifest:
         a memory checkpoint is only ever resumed into the root it was saved beside."""
-        self.owners: tuple[str, dict[str, int]] | None = None
+        self.owners: tuple[str, frozenset[str], str] | None = None
         """The layout the ranks agreed on at the last memory save: (signature of the
-        replicated tensors, each one's owner rank). dckpt.save.memory keeps it."""
+        replicated tensors, those this rank leaves to others, "world" or "node": who reads
+        whose files). dckpt.save.memory keeps it."""
         self.pending_sizes: dict[str, int] = {}
         self.anchor: int | None = None
         """The newest durable step this run continues from (saved, or resumed from), in every
