@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test lint typecheck unit faults mutants bench bench-quick bench-s3 clean
+.PHONY: install demo test lint typecheck unit faults mutants bench bench-quick bench-s3 bench-memory clean
 
 install: $(STAMP)
 
@@ -54,6 +54,9 @@ bench-quick: $(STAMP)
 # started here (about 1 min); `--endpoint URL --bucket B` points it at a real store.
 bench-s3: $(STAMP)
 	$(BIN)/python bench/s3.py --size 0.25 --world-size 2 --repeats 3 --name s3
+
+bench-memory: $(STAMP)
+	$(BIN)/python bench/memory.py --size 0.25 --world-size 2 --repeats 5 --name memory
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build
