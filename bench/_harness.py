@@ -507,6 +507,105 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--settle must be >= 0")
 
 
+def _compute(n: int) -> None:
+    """One training step's stand-in: fixed matmul work."""
+    a = torch.randn(n, n)
+    for _ in range(4):
+        a = torch.tanh(a @ a / n)
+
+
+def save_loop(
+    mgr: Any, opt: Any, steps: int, n: int, save: int | None, **save_kw: Any
+) -> dict[str, float]:
+    """``steps`` iterations of compute + ``opt.step()``; with ``save`` (a step, the same on
+    every rank), one ``mgr.save(save, **save_kw)`` at the first. Returns the loop's wall time
+    and dckpt's stall (0 without a save): a save's cost to the loop is read against the same
+    loop without one."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = None
+    for i in range(steps):
+        if save is not None and i == 0:
+            handle = mgr.save(save, **save_kw)
+        _compute(n)
+        opt.step()
+    loop_s = time.perf_counter() - t0
+    stall = 0.0
+    if handle is not None:
+        handle.result()
+        stall = handle.stall_s
+    return {"loop_s": loop_s, "stall_s": stall}
+
+
+def loop_costs(
+    loops: dict[str, list[dict[str, float]]], kinds: Sequence[str]
+) -> tuple[float, dict[str, dict[str, float]]]:
+    """The no-save loop's median wall time, and for each kind of save its median stall and
+    the loop's loss (its median wall time minus the no-save loop's)."""
+    base = median([r["loop_s"] for r in loops["none"]])
+    return base, {
+        kind: {
+            "stall_s": median([r["stall_s"] for r in loops[kind]]),
+            "loop_loss_s": median([r["loop_s"] for r in loops[kind]]) - base,
+        }
+        for kind in kinds
+    }
+
+
+def loop_record(
+    base: float, cost: dict[str, dict[str, float]], loops: dict[str, Any]
+) -> dict[str, Any]:
+    """The result fields of ``loop_costs``: the costs (rounded), the no-save loop, the raw runs."""
+    return {
+        "background_save_cost": {
+            k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in cost.items()
+        },
+        "no_save_loop_s": round(base, 4),
+        "loops": loops,
+    }
+
+
+def add_loop_args(p: argparse.ArgumentParser) -> None:
+    """The state size, ranks, rounds and the stall loop's shape (s3.py, memory.py)."""
+    p.add_argument("--size", type=float, default=0.25, help="GB of state (default 0.25)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="loop iterations per stall measure")
+    p.add_argument("--matmul", type=int, default=384, help="matmul size of one step's compute")
+
+
+def loop_config(args: argparse.Namespace, base_dir: str, **extra: Any) -> dict[str, Any]:
+    """What ``add_loop_args`` parsed, for the ranks (plus ``extra``)."""
+    return {
+        "base_dir": base_dir,
+        "size": args.size,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "matmul": args.matmul,
+        "settle_s": args.settle,
+        **extra,
+    }
+
+
+def publish(name: str, doc: dict[str, Any], text: str) -> None:
+    """Write ``results/<name>.json`` and ``.md``, print the table and the ratios."""
+    write_json(name, doc)
+    write_result(name, "md", text)
+    print(text)
+    print(json.dumps(doc["ratios"]))
+
+
+def run_header(name: str, torch_threads: int) -> dict[str, Any]:
+    """The fields every result file starts with: what ran, when, on which code and host."""
+    return {
+        "name": name,
+        "date": now_iso(),
+        "command": command_line(),
+        "dckpt_revision": source_revision(),
+        "host": host_info(torch_threads),
+    }
+
+
 def write_result(name: str, suffix: str, text: str) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     target = RESULTS_DIR / f"{name}.{suffix}"

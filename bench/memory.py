@@ -32,7 +32,6 @@ Targets (issue 14): restore from local memory <= 0.25x a verified disk load, fro
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -42,7 +41,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,29 +49,6 @@ import _harness as h
 Tier = Literal["durable", "memory"]
 COMMITS = ("disk_commit", "memory_commit")
 RESUMES = ("disk_resume", "memory_local_resume", "memory_partner_resume")
-
-
-def _compute(n: int) -> None:
-    a = torch.randn(n, n)
-    for _ in range(4):
-        a = torch.tanh(a @ a / n)
-
-
-def _loop(mgr: Any, opt: Any, steps: int, n: int, save: int | None, tier: Tier) -> dict[str, float]:
-    dist.barrier()
-    t0 = time.perf_counter()
-    handle = None
-    for i in range(steps):
-        if save is not None and i == 0:
-            handle = mgr.save(save, tier=tier)
-        _compute(n)
-        opt.step()
-    loop_s = time.perf_counter() - t0
-    stall = 0.0
-    if handle is not None:
-        handle.result()
-        stall = handle.stall_s
-    return {"loop_s": loop_s, "stall_s": stall}
 
 
 def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +138,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     ranks.prepare()
                     save = None if kind == "none" else step + 200 + number
                     loop_tier: Tier = "memory" if kind == "memory" else "durable"
-                    got = _loop(mgr, opt, cfg["steps"], cfg["matmul"], save, loop_tier)
+                    got = h.save_loop(mgr, opt, cfg["steps"], cfg["matmul"], save, tier=loop_tier)
                 worst = max(ranks.gather(got["loop_s"])), max(ranks.gather(got["stall_s"]))
                 loops[kind].append({"loop_s": worst[0], "stall_s": worst[1]})
                 ranks.cleanup(base / f"loop-{rnd}")
@@ -179,20 +154,9 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
 def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     med = {m: h.median(v) for m, v in raw["seconds"].items()}
     loops = raw["loops"]
-    base = h.median([r["loop_s"] for r in loops["none"]])
-    cost = {
-        kind: {
-            "stall_s": h.median([r["stall_s"] for r in loops[kind]]),
-            "loop_loss_s": h.median([r["loop_s"] for r in loops[kind]]) - base,
-        }
-        for kind in ("disk", "memory")
-    }
+    base, cost = h.loop_costs(loops, ("disk", "memory"))
     return {
-        "name": args.name,
-        "date": h.now_iso(),
-        "command": h.command_line(),
-        "dckpt_revision": h.source_revision(),
-        "host": h.host_info(args.torch_threads),
+        **h.run_header(args.name, args.torch_threads),
         "world_size": args.world_size,
         "rounds": args.repeats,
         "bytes": raw["bytes"],
@@ -217,11 +181,7 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                 cost["memory"]["loop_loss_s"] / max(cost["disk"]["loop_loss_s"], 1e-9), 3
             ),
         },
-        "background_save_cost": {
-            k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in cost.items()
-        },
-        "no_save_loop_s": round(base, 4),
-        "loops": loops,
+        **h.loop_record(base, cost, loops),
     }
 
 
@@ -274,35 +234,19 @@ def render(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--size", type=float, default=0.25, help="GB of state (default 0.25)")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12, help="loop iterations per stall measure")
-    p.add_argument("--matmul", type=int, default=384, help="matmul size of one step's compute")
+    h.add_loop_args(p)
     p.add_argument("--memory-dir", default="/dev/shm", help="where the memory tier lives (a tmpfs)")
     h.add_common_args(p, "memory")
     args = p.parse_args(argv)
     memory_dir = Path(args.memory_dir) / f"dckpt-bench-{uuid.uuid4().hex[:12]}"
     try:
         with h.bench_run(args.dir) as run:
-            cfg = {
-                "base_dir": run.base_dir,
-                "memory_dir": str(memory_dir),
-                "size": args.size,
-                "repeats": args.repeats,
-                "steps": args.steps,
-                "matmul": args.matmul,
-                "settle_s": args.settle,
-            }
+            cfg = h.loop_config(args, run.base_dir, memory_dir=str(memory_dir))
             raw = h.spawn(args.world_size, args.torch_threads, _rank_main, cfg)
     finally:
         shutil.rmtree(memory_dir, ignore_errors=True)
     doc = summarize(raw, args)
-    h.write_json(args.name, doc)
-    text = render(doc)
-    h.write_result(args.name, "md", text)
-    print(text)
-    print(json.dumps(doc["ratios"]))
+    h.publish(args.name, doc, render(doc))
     return 0
 
 

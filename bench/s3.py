@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import functools
 import io
-import json
 import logging
 import os
 import socket
@@ -46,7 +45,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,34 +70,6 @@ def _moto() -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError("moto's server did not start")
-
-
-def _compute(n: int) -> None:
-    a = torch.randn(n, n)
-    for _ in range(4):
-        a = torch.tanh(a @ a / n)
-
-
-def _loop(
-    mgr: Any, opt: torch.optim.Optimizer, steps: int, n: int, save: int | None
-) -> dict[str, float]:
-    """``steps`` iterations of compute + opt.step(); with ``save`` (a step, the same on every
-    rank), one save() at the first.
-    Returns the loop's wall time and dckpt's stall (0 without a save)."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    handle = None
-    for i in range(steps):
-        if save is not None and i == 0:
-            handle = mgr.save(save)
-        _compute(n)
-        opt.step()
-    loop_s = time.perf_counter() - t0
-    stall = 0.0
-    if handle is not None:
-        handle.result()
-        stall = handle.stall_s
-    return {"loop_s": loop_s, "stall_s": stall}
 
 
 def _save_now(mgr: Any) -> None:
@@ -218,7 +188,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
             with dckpt.CheckpointManager(conf, state) as mgr:
                 ranks.prepare()
                 step = None if kind == "none" else 1000 * (rnd + 1) + number
-                got = _loop(mgr, opt, cfg["steps"], cfg["matmul"], save=step)
+                got = h.save_loop(mgr, opt, cfg["steps"], cfg["matmul"], step)
             worst = max(ranks.gather(got["loop_s"])), max(ranks.gather(got["stall_s"]))
             loops[kind].append({"loop_s": worst[0], "stall_s": worst[1]})
             if kind != "s3":
@@ -230,20 +200,9 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     total = raw["bytes"]
     gbps = {m: total / h.median(ts) / h.GB for m, ts in raw["times"].items()}
     loops = raw["loops"]
-    base = h.median([r["loop_s"] for r in loops["none"]])
-    cost = {
-        kind: {
-            "stall_s": h.median([r["stall_s"] for r in loops[kind]]),
-            "loop_loss_s": h.median([r["loop_s"] for r in loops[kind]]) - base,
-        }
-        for kind in ("local", "s3")
-    }
+    base, cost = h.loop_costs(loops, ("local", "s3"))
     return {
-        "name": args.name,
-        "date": h.now_iso(),
-        "command": h.command_line(),
-        "dckpt_revision": h.source_revision(),
-        "host": h.host_info(args.torch_threads),
+        **h.run_header(args.name, args.torch_threads),
         "server": args.endpoint or "moto (python -m moto.server) on 127.0.0.1",
         "bytes": total,
         "world_size": args.world_size,
@@ -260,11 +219,7 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                 cost["s3"]["stall_s"] / max(cost["local"]["stall_s"], 1e-9), 3
             ),
         },
-        "background_save_cost": {
-            k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in cost.items()
-        },
-        "no_save_loop_s": round(base, 4),
-        "loops": loops,
+        **h.loop_record(base, cost, loops),
     }
 
 
@@ -305,11 +260,7 @@ def render(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--size", type=float, default=0.25, help="GB of state (default 0.25)")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12, help="loop iterations per stall measure")
-    p.add_argument("--matmul", type=int, default=384, help="matmul size of one step's compute")
+    h.add_loop_args(p)
     p.add_argument("--endpoint", default=None, help="an S3 endpoint (default: start moto)")
     p.add_argument("--bucket", default=None, help="an existing bucket (default: a new one)")
     h.add_common_args(p, "s3")
@@ -332,26 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.bucket is None:
             boto3.client("s3").create_bucket(Bucket=bucket)
         with h.bench_run(args.dir) as run:
-            cfg = {
-                "base_dir": run.base_dir,
-                "bucket": bucket,
-                "size": args.size,
-                "repeats": args.repeats,
-                "steps": args.steps,
-                "matmul": args.matmul,
-                "settle_s": args.settle,
-            }
+            cfg = h.loop_config(args, run.base_dir, bucket=bucket)
             raw = h.spawn(args.world_size, args.torch_threads, _rank_main, cfg)
         doc = summarize(raw, args)
     finally:
         if server is not None:
             server.terminate()
             server.wait(timeout=10)
-    h.write_json(args.name, doc)
-    text = render(doc)
-    h.write_result(args.name, "md", text)
-    print(text)
-    print(json.dumps(doc["ratios"]))
+    h.publish(args.name, doc, render(doc))
     return 0
 
 
