@@ -39,6 +39,12 @@ In the background (``SavePipeline.run``, on the save thread, on dckpt's *io* gro
 10. **retention**, rank 0 only, after its one-line log: a failure here is logged, never fails
     the committed save.
 
+A memory save (``save(step, tier="memory")``) takes the same steps with other means: in step
+3 the state is copied into the node's memory (dckpt.save.memory.stage; no stager), and steps
+4-10 are ``_memory_steps``, in the order dckpt.tiers.memory_node's docstring gives (agree,
+digests, gather and the layout agreement, rank 0's manifest broadcast, each node's commit,
+the replicas). Its agreed failure fails its handle only, logged by rank 0.
+
 ``save()`` returns after step 3, or after step 10 for a synchronous save. A failure in 4-9 on
 any rank fails the save on every rank and commits nothing; a failed collective also marks
 dckpt's group as lost (``group_lost``): the next ``save()`` asks for a restart. The fault hook
@@ -205,17 +211,16 @@ class SavePipeline:
                     "scale": scale if math.isfinite(scale) else str(scale),  # JSON has no NaN
                     "growth_tracker": int(state_dict["scaler"].get("_growth_tracker", 0)),
                 }
-            if tier == "memory":
+            if tier == "memory":  # its file, written now, is the snapshot
                 assert self.memory is not None  # the manager refuses the tier without one
                 memory_file = stage(self.memory, step, save_id, state_dict)
-            elif self.rank == 0:
-                self._check_free_space(step, state_dict)
-            if tier == "memory":
-                pass  # the memory file is the snapshot
-            elif asynchronous:
-                snapshot = self.stager.snapshot(state_dict, self._deferred())
-            else:  # the caller waits for the commit: write the live state
-                snapshot = self.stager.live(state_dict)
+            else:
+                if self.rank == 0:
+                    self._check_free_space(step, state_dict)
+                if asynchronous:
+                    snapshot = self.stager.snapshot(state_dict, self._deferred())
+                else:  # the caller waits for the commit: write the live state
+                    snapshot = self.stager.live(state_dict)
             self.progress.trace(save_id, step).at(Phase.PREPARE)
         except Exception as exc:
             error = (
