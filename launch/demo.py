@@ -11,7 +11,9 @@
 7. one bit of a copy of the newest checkpoint is flipped, and `dckpt verify` names the file;
 8. a job started on that copy quarantines the damaged checkpoint and resumes from the one before;
 9. preemption: a long run gets SIGTERM on rank 1 only; the ranks agree on a step, save it and
-   exit 0.
+   exit 0;
+10. the memory tier: saves to host memory every 2 steps (to the root every 6), SIGKILL after
+    step 11; the restart resumes from memory, every byte hashed, loss for loss.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ def say(text: str) -> None:
     print(f"\n=== {text}", flush=True)
 
 
-def torchrun(ckpt: Path, log: Path, *extra: str) -> int:
+def torchrun(ckpt: Path, log: Path, *extra: str, save_every: int = SAVE_EVERY) -> int:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(ROOT / "launch" / "train.py"), "--ckpt-dir", str(ckpt), "--steps", str(STEPS),
-        "--save-every", str(SAVE_EVERY), "--loss-log", str(log), *extra,
+        "--save-every", str(save_every), "--loss-log", str(log), *extra,
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
@@ -157,9 +159,26 @@ def main() -> int:
     print(f"  torchrun exited with {code_pre}: the agreed step is committed; a requeue resumes it")
     dckpt("ls", str(RUNS / "preempted"))
 
+    say("10. the memory tier: to memory every 2 steps, to the root every 6, SIGKILL after step 11")
+    mem_dir, mem_log, memory = RUNS / "memory-ckpt", RUNS / "memory.jsonl", RUNS / "memory"
+    tier = ("--memory-every", "2", "--memory-dir", str(memory))
+    torchrun(mem_dir, mem_log, *tier, "--crash-at-step", "11", save_every=6)
+    dckpt("ls", str(mem_dir), "--memory-dir", str(memory))
+    print("  the restart: the memory tier holds a newer step than the root; each file is hashed")
+    if torchrun(mem_dir, mem_log, *tier, save_every=6) != 0:
+        print("the restart from memory failed")
+        return 1
+    got = losses(mem_log)
+    same_memory = all(ref[s] == got[s] for s in range(1, STEPS + 1))
+    print(
+        f"  losses of steps 1-{STEPS} against the reference: "
+        + ("identical" if same_memory else "DIFFERENT")
+    )
+    shutil.rmtree(memory, ignore_errors=True)  # frees the memory; the keeper sees it and exits
+
     say("done: crashed, resumed from a verified checkpoint, continued loss for loss")
     print(f"  checkpoints: {run_dir}\n  loss logs: {ref_log}, {run_log}")
-    return 0 if code == 3 and code_pre == 0 else 1
+    return 0 if code == 3 and code_pre == 0 and same_memory else 1
 
 
 if __name__ == "__main__":
