@@ -32,7 +32,7 @@ from dckpt.root.verify import verify_checkpoint
 
 pytestmark = pytest.mark.multiproc
 
-STEPS = 80
+STEPS = 40
 
 
 def _losses(log: Path) -> dict[int, float]:
