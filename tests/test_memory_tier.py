@@ -439,8 +439,8 @@ def lost_node(
         workers[1].kill()  # first the worker (no step goes on), then every process of node B
         cluster.kill_node("B")
         assert node_b.wait(timeout=10) == -9
-        # It fails by itself (gloo sees the peer gone); a bound, not a timing: a loaded CI
-        # machine once needed more than 60 s for torchrun to wind down.
+        # It fails by itself (gloo sees the peer gone); a bound, not a timing: a loaded
+        # machine (a benchmark beside the suite) once needed more than 60 s to wind down.
         assert node_a.wait(timeout=150) != 0, cluster.tail("a1")
         assert committed_steps(root) == [DURABLE_BEFORE]
         before = _logged(first_log)
