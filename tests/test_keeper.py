@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from proc_kit import pid_alive
 
 from dckpt.errors import IntegrityError, StorageError
 from dckpt.root.layout import step_dir_name
@@ -45,19 +46,10 @@ RANK1 = "rank-00001.mem"
 SIZE = 3 << 20
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie nobody reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait_dead(pid: int, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
     return False
@@ -80,7 +72,7 @@ def nodes(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
         if rec is not None:
             seen_pids.add(rec["pid"])
     for pid in seen_pids:
-        if _alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -308,7 +300,7 @@ def test_keeper_outlives_spawner_stops_and_exits_when_wiped(
     time.sleep(0.2)
     hello = KeeperClient(addr).hello()
     pid = hello["pid"]
-    assert _alive(pid) and hello["node"] == 0
+    assert pid_alive(pid) and hello["node"] == 0
 
     write_save(d0, 2)
     assert KeeperClient(addr).committed(2, to=None)["ok"]

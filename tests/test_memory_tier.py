@@ -59,6 +59,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO, losses, torchrun_workers
+from proc_kit import pid_alive
 from test_two_node import Cluster, _netns_list, _netns_unavailable
 
 from dckpt.root.layout import committed_steps, list_checkpoints, step_dir_name
@@ -80,14 +81,6 @@ RUN_TIMEOUT = 180.0
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _is_keeper(pid: int) -> bool:
     try:
         return b"dckpt.tiers.keeper" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -101,15 +94,15 @@ def _stop_keepers(memory_dir: Path) -> None:
     pids = []
     for node in sorted(memory_dir.glob("node-*")):
         rec = read_keeper_file(node)
-        if rec is not None and _alive(rec["pid"]) and _is_keeper(rec["pid"]):
+        if rec is not None and pid_alive(rec["pid"]) and _is_keeper(rec["pid"]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rec["pid"], signal.SIGTERM)
             pids.append(rec["pid"])
     deadline = time.monotonic() + 10
     for pid in pids:
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _alive(pid):
+        if pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -346,7 +339,7 @@ def test_worker_killed_node_lives(
         # Nothing can commit now (every save needs rank 1): the newest memory step is final.
         newest = committed_memory_steps(own_dir(node))[-1]
         keeper = read_keeper_file(node)
-        assert keeper is not None and _alive(keeper["pid"])
+        assert keeper is not None and pid_alive(keeper["pid"])
         assert agent.wait(timeout=RUN_TIMEOUT) == 0, _tail(out)
     finally:
         if agent.poll() is None:
@@ -368,7 +361,7 @@ def test_worker_killed_node_lives(
     assert "rng           restored on every rank" in text, text
     # The keeper outlived its workers and served the restart: the same process, still alive.
     after = read_keeper_file(memory / "node-0")
-    assert after is not None and after["pid"] == keeper["pid"] and _alive(keeper["pid"])
+    assert after is not None and after["pid"] == keeper["pid"] and pid_alive(keeper["pid"])
     _check_losses(log, range(newest + 1, STEPS + 1), reference())
     assert {s for s, _ in _logged(log)} == set(range(1, STEPS + 1))
     assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
@@ -453,7 +446,7 @@ def lost_node(
         assert both and both[-1] in (KILL_AFTER, KILL_AFTER + MEMORY_EVERY), (own_a, replica_b)
         step = both[-1]
         keeper_a = read_keeper_file(memory / "node-0")
-        assert keeper_a is not None and _alive(keeper_a["pid"])  # node A's keeper lives on
+        assert keeper_a is not None and pid_alive(keeper_a["pid"])  # node A's keeper lives on
         assert step in committed_memory_steps(own_dir(memory / "node-1"))
 
         # The copies, each damaged its own way, run beside the requeue.
@@ -513,7 +506,7 @@ def test_whole_node_lost_uses_partner_replica(
     _check_losses(lost.requeue_log, range(lost.step + 1, STEPS + 1), reference())
     # Node A's keeper served it: the one that survived the loss, still the node's keeper.
     rec = read_keeper_file(lost.memory / "node-0")
-    assert rec is not None and rec["pid"] == lost.keeper_a and _alive(lost.keeper_a)
+    assert rec is not None and rec["pid"] == lost.keeper_a and pid_alive(lost.keeper_a)
     assert committed_steps(lost.root) == [DURABLE_BEFORE, STEPS]
     for entry in list_checkpoints(lost.root):
         if entry.status == "committed":
