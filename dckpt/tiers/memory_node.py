@@ -164,11 +164,15 @@ class MemoryNode:
         shutil.rmtree(tmp, ignore_errors=True)
 
     def replicate(self, step: int) -> dict[str, Any]:
-        """Ask this node's keeper to retire old steps and copy ``step`` to the partner."""
+        """Ask this node's keeper to retire old steps and copy ``step`` to the partner. Never
+        raises: the other ranks wait for this answer in an all-gather, and a failed replica
+        never fails the committed save."""
         try:
             return self.keeper.committed(step, self.partner_addr())
         except StorageError as exc:
             return {"ok": False, "error": str(exc)}
+        except Exception as exc:
+            return {"ok": False, "error": f"asking the keeper failed: {exc!r}"}
 
     def clean_abandoned(self) -> None:
         """At start, on the node's first rank: saves in flight when the last workers died
