@@ -42,9 +42,7 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "FlatFile",
     "MemoryFileError",
-    "SharedLayout",
     "StateFill",
-    "fill_state_dict",
     "map_for_reading",
     "plan_flat",
     "share_out",
@@ -79,14 +77,6 @@ class FlatPlan:
 
 def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
-
-
-@dataclass(frozen=True)
-class SharedLayout:
-    """Which rank's file holds each replicated tensor (the ranks agreed on it at a save)."""
-
-    signature: str
-    owners: dict[str, int]
 
 
 def signature(state_dict: dict[str, Any]) -> tuple[str, dict[str, int]]:
@@ -228,9 +218,8 @@ class FlatFile:
 
     def objects(self) -> dict[str, Any]:
         off, n = self.objects_at
-        value = torch.load(
-            io.BytesIO(bytes(memoryview(self.buf)[off : off + n])), weights_only=True
-        )
+        raw = io.BytesIO(bytes(memoryview(self.buf)[off : off + n]))
+        value = torch.load(raw, weights_only=True)  # tensors and plain values only
         if not isinstance(value, dict):
             raise MemoryFileError(f"{self.source}: its non-tensor values are not a dict")
         return value
@@ -291,10 +280,3 @@ class StateFill:
         for key, value in self.objects.items():
             self.flat[key] = value
         return unflatten_state_dict(self.flat, self.mapping)
-
-
-def fill_state_dict(
-    state_dict: dict[str, Any], flat_file: FlatFile, shared: list[FlatFile] | None = None
-) -> dict[str, Any]:
-    """``StateFill`` in one go: check, then copy; returns the state dict to load."""
-    return StateFill(state_dict, flat_file, shared or []).apply()

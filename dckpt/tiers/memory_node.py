@@ -160,9 +160,6 @@ class MemoryNode:
             (d / MANIFEST_FILE).unlink()
         shutil.rmtree(d, ignore_errors=True)
 
-    def drop_tmp(self, tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-
     def replicate(self, step: int) -> dict[str, Any]:
         """Ask this node's keeper to retire old steps and copy ``step`` to the partner. Never
         raises: the other ranks wait for this answer in an all-gather, and a failed replica
