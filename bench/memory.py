@@ -1,32 +1,38 @@
 """The memory tier against the durable tier (a local directory), same state, same run.
 
 What it runs. ``--world-size`` gloo ranks, each its own *node* (``GROUP_RANK`` = rank), so each
-has its own keeper and its partner is the next rank's node on the ring: replicas really cross
-a socket (loopback here). The state is bench/_harness.build_state (DDP stack + AdamW) of
-``--size`` GB. Per round, interleaved and rotated:
+node's partner is the next rank's node on the ring and replicas really move between ranks,
+over dckpt's own gloo group (loopback here; no socket of dckpt's). The state is
+bench/_harness.build_state (DDP stack + AdamW) of ``--size`` GB. Per round, interleaved and
+rotated:
 
 - ``disk_commit``: ``save(step)`` to the directory root, from the call to the commit
   (``SaveResult.commit_s``: the rename), background save as in training;
-- ``memory_commit``: ``save(step, tier="memory")``, from the call to the commit (every node's
-  ``own/step-N`` renamed in), and ``memory_replicated``: to the partner's verified replica;
+- ``memory_commit``: ``save(step, tier="memory")``, from the call to the commit (the manifest
+  in the root's ledger), and ``memory_replicated``: to every partner's verified replica;
+- ``replica_push``: the seconds each rank spent sending its file to its partner and taking
+  the one it keeps (``SaveResult.replicas_s``, the slowest rank's), against
+  ``gloo_exchange``: gloo's own send and receive of the same bytes between the same ranks
+  (one isend and one irecv of whole, pre-touched tensors on the default group), timed in the
+  same round;
 - ``disk_resume``: ``resume()`` from the directory (no memory tier): every file hashed, the
   DCP load through the verifying reader, the warmup collective. The files were written
   moments before with O_DIRECT (dckpt's default), so they are read from the disk, as after
   a restart;
 - ``memory_local_resume``: ``resume()`` with the memory tier holding a newer step: each rank
-  hashes its file in shared memory and copies it into the state;
-- ``memory_partner_resume``: the same after the last node's own copy was deleted (a lost
-  node, requeued): that node fetches its files from its partner's keeper (the replica),
-  hashed as they arrive, and reads the rest from the replica it keeps; the other nodes read
-  their own (the time is the slowest rank's, the lost node's);
+  hashes its files in shared memory and copies them into the state;
+- ``memory_partner_resume``: the same after the last node's memory was wiped (a lost node,
+  requeued): the node that keeps its replica sends it that node's files, hashed as they
+  arrive (the time is the slowest rank's, the lost node's);
 
 and, once per round, the background save's cost to a training loop: ``--steps`` iterations of
 fixed matmul work + ``opt.step()``, one save at the first, for each tier, against the loop
 without a save. Reported: dckpt's stall (``handle.stall_s``) and the loop's loss (its wall time
 minus the no-save loop's), each the slowest rank's.
 
-Targets (issue 14): restore from local memory <= 0.25x a verified disk load, from the partner
-<= 0.5x, memory save commit <= 0.2x a disk commit, the stall no higher than a disk save's.
+Targets (issue 24): memory commit <= 0.2x a disk commit; restore from local memory <= 0.25x a
+verified disk load, from the partner <= 0.5x; the stall no higher than a disk save's; the
+replica push at >= 0.8x gloo's own exchange of the same bytes.
 """
 
 from __future__ import annotations
@@ -48,14 +54,15 @@ import _harness as h
 
 Tier = Literal["durable", "memory"]
 COMMITS = ("disk_commit", "memory_commit")
+GB_PER_S = ("replica_push", "gloo_exchange")
 RESUMES = ("disk_resume", "memory_local_resume", "memory_partner_resume")
 
 
 def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
     import dckpt
-    from dckpt.root.layout import step_dir_name
     from dckpt.tiers import memory_layout
-    from dckpt.tiers.keeper_client import KeeperClient, read_keeper_file
 
     ranks = h.Ranks(cfg["settle_s"])
     rank, world = ranks.rank, ranks.world_size
@@ -72,13 +79,15 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
         )
 
     seconds: dict[str, list[float]] = {
-        m: [] for m in (*COMMITS, "memory_replicated", *RESUMES, "disk_write_nproc")
+        m: [] for m in (*COMMITS, "memory_replicated", *GB_PER_S, *RESUMES, "disk_write_nproc")
     }
+    pushed: list[int] = []  # bytes each push moved on the slowest rank (sent + received)
     loops: dict[str, list[dict[str, float]]] = {"none": [], "disk": [], "memory": []}
     sizes: dict[str, int] = {}
     step = 0
+    node_dir = memory_layout.node_dir(memory_dir, rank)
     try:
-        # Warm-up, untimed: the keepers start, every buffer and slot is made once.
+        # Warm-up, untimed: every buffer and memory slot is made once.
         with dckpt.CheckpointManager(config(base / "warm", True), state) as mgr:
             mgr.save(1).result()
             mgr.save(2, tier="memory").result()
@@ -103,6 +112,13 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     seconds[method].append(max(ranks.gather(result.commit_s)))
                     if tier == "memory":
                         seconds["memory_replicated"].append(max(ranks.gather(done)))
+                        assert result.replicas_s is not None, "no replica was sent"
+                        seconds["replica_push"].append(max(ranks.gather(result.replicas_s)))
+                        mine = _own_file(node_dir, rank).stat().st_size
+                        sizes_told = ranks.gather(mine)
+                        took = _gloo_exchange(ranks, sizes_told, torch)
+                        seconds["gloo_exchange"].append(max(ranks.gather(took)))
+                        pushed.append(mine + sizes_told[(rank - 1) % world])
                     sizes[method] = result.bytes
             # The durable tier's newest is `step - 10` or `step`; the memory tier's newest is
             # the other. Make the memory step the newer one, so a memory resume uses it.
@@ -111,8 +127,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 mgr.save(step, tier="memory").result()
             for method in h.round_order(RESUMES, rnd):
                 if method == "memory_partner_resume" and rank == world - 1:  # a node lost
-                    own = memory_layout.own_dir(memory_layout.node_dir(memory_dir, rank))
-                    shutil.rmtree(own / step_dir_name(step), ignore_errors=True)
+                    shutil.rmtree(node_dir, ignore_errors=True)
                 with dckpt.CheckpointManager(config(root, method != "disk_resume"), state) as m:
                     ranks.prepare()
                     t0 = time.perf_counter()
@@ -145,14 +160,38 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
             step += 10
             ranks.cleanup(root)
     finally:
-        found = read_keeper_file(memory_layout.node_dir(memory_dir, rank))
-        if found is not None:
-            KeeperClient(f"{found['host']}:{found['port']}").stop(drop=True)
-    return {"seconds": seconds, "loops": loops, "bytes": sizes}
+        shutil.rmtree(node_dir, ignore_errors=True)
+    return {"seconds": seconds, "loops": loops, "bytes": sizes, "pushed": max(pushed)}
+
+
+def _own_file(node_dir: Path, rank: int) -> Path:
+    """This rank's file of the newest memory step in its node's memory."""
+    from dckpt.tiers import memory_layout
+
+    name = memory_layout.file_name(rank)
+    return max(memory_layout.own_dir(node_dir).glob(f"step-*/{name}"))
+
+
+def _gloo_exchange(ranks: h.Ranks, sizes: list[int], torch: Any) -> float:
+    """gloo's own move of the same bytes between the same ranks as the replica push: each
+    rank sends its file's size to the next rank on the ring and takes the previous one's,
+    whole tensors, touched first; returns this rank's seconds."""
+    rank, world = ranks.rank, ranks.world_size
+    out = torch.ones(sizes[rank], dtype=torch.uint8)
+    into = torch.zeros(sizes[(rank - 1) % world], dtype=torch.uint8)
+    ranks.barrier()
+    t0 = time.perf_counter()
+    works = [dist.irecv(into, (rank - 1) % world), dist.isend(out, (rank + 1) % world)]
+    for work in works:
+        assert work is not None
+        work.wait()
+    return time.perf_counter() - t0
 
 
 def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     med = {m: h.median(v) for m, v in raw["seconds"].items()}
+    push_gbps = raw["pushed"] / med["replica_push"] / 1e9
+    gloo_gbps = raw["pushed"] / med["gloo_exchange"] / 1e9
     loops = raw["loops"]
     base, cost = h.loop_costs(loops, ("disk", "memory"))
     return {
@@ -163,11 +202,15 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "seconds": raw["seconds"],
         "median_s": {m: round(v, 4) for m, v in med.items()},
         "disk_write_gb_per_s": round(args.size / med["disk_write_nproc"], 3),
+        "pushed_bytes": raw["pushed"],
+        "replica_push_gb_per_s": round(push_gbps, 3),
+        "gloo_exchange_gb_per_s": round(gloo_gbps, 3),
         "ratios": {
             "memory_commit_vs_disk_commit": round(med["memory_commit"] / med["disk_commit"], 3),
             "memory_replicated_vs_disk_commit": round(
                 med["memory_replicated"] / med["disk_commit"], 3
             ),
+            "replica_push_vs_gloo_exchange": round(push_gbps / gloo_gbps, 3),
             "local_resume_vs_disk_resume": round(
                 med["memory_local_resume"] / med["disk_resume"], 3
             ),
@@ -193,8 +236,8 @@ def render(doc: dict[str, Any]) -> str:
             [
                 f"# Memory tier against the durable tier ({doc['date']})",
                 "",
-                f"`{doc['command']}`; {doc['world_size']} ranks, each its own node (a keeper "
-                f"each, replicas over loopback TCP), {doc['rounds']} rounds, medians, slowest "
+                f"`{doc['command']}`; {doc['world_size']} ranks, each its own node (replicas "
+                f"over dckpt's gloo group, loopback), {doc['rounds']} rounds, medians, slowest "
                 f"rank. Bytes: durable {b.get('disk_commit', 0) / 1e9:.2f} GB, memory "
                 f"{b.get('memory_commit', 0) / 1e9:.2f} GB (both write DDP's replicated tensors "
                 "once; each manager's first memory save, which writes everything while the "
@@ -215,6 +258,15 @@ def render(doc: dict[str, Any]) -> str:
                 f"{s['memory_partner_resume']:.3f} s | {s['disk_resume']:.3f} s | "
                 f"{r['partner_resume_vs_disk_resume']:.2f}x | <= 0.5x |",
                 "",
+                "| replica push (each rank sends its file and takes its partner's) | GB/s | "
+                "ratio | target |",
+                "|---|---:|---:|---|",
+                f"| dckpt, into the partner's memory, hashed as it arrives | "
+                f"{doc['replica_push_gb_per_s']:.2f} | "
+                f"{r['replica_push_vs_gloo_exchange']:.2f}x | >= 0.8x |",
+                f"| gloo's own isend/irecv of the same bytes, same ranks | "
+                f"{doc['gloo_exchange_gb_per_s']:.2f} | 1x | |",
+                "",
                 "| background save, one per loop | dckpt stall | loop's loss (vs no save) |",
                 "|---|---:|---:|",
                 f"| durable (directory) | {c['disk']['stall_s']:.3f} s | "
@@ -224,8 +276,8 @@ def render(doc: dict[str, Any]) -> str:
                 "",
                 f"stall memory/disk: {r['stall_memory_vs_disk']:.2f}x (target: no higher); the "
                 f"loop's loss memory/disk: {r['loop_loss_memory_vs_disk']:.2f}x (the memory "
-                "save's hashing and replica, and both keepers, share these 2 cores with the "
-                "loop). The disk resume reads files written moments before with O_DIRECT.",
+                "save's hashing and replica share these cores with the loop). The disk "
+                "resume reads files written moments before with O_DIRECT.",
             ]
         )
         + "\n"

@@ -80,13 +80,15 @@ class CheckpointConfig:
         best_k, best_mode: also keep the k best by the metric given to ``save(metric=...)``.
         lock: hold ``ROOT/.dckpt-lock`` so a second job on the same root fails fast.
         memory: turn on the memory tier: ``save(step, tier="memory")`` keeps the checkpoint
-            in host memory (``memory_dir``) and, through each node's keeper, on a partner
-            node; ``resume()`` tries it before the durable root when it holds a newer step
-            (see dckpt.save.memory and dckpt.load.memory).
+            in host memory (``memory_dir``) and, sent over dckpt's own process group, on a
+            partner node; its manifest goes into the root (``ROOT/memory/``), the record a
+            resume trusts; ``resume()`` takes the newest step of either tier (see
+            dckpt.save.memory and dckpt.load.memory).
         memory_dir: a directory on a memory file system that holds ``node-<n>/`` for each
-            node. None: ``$DCKPT_MEMORY_DIR`` or ``/dev/shm/dckpt``, under a name derived from
-            the root, so two runs never share it.
-        memory_keep: memory checkpoints each keeper keeps of its own node and of its
+            node (made 0700, its files 0600). None: ``$DCKPT_MEMORY_DIR`` or
+            ``/dev/shm/dckpt-<uid>``, under a name derived from the root, so two runs never
+            share it.
+        memory_keep: memory checkpoints each node keeps of its own ranks and of its
             partner's (the footprint is ``memory_keep + 1`` copies of each, reserved by the
             first memory save).
     """
@@ -127,7 +129,7 @@ class CheckpointConfig:
         """Where this run's memory tier lives (``node-<n>/`` under it, one per node)."""
         if self.memory_dir is not None:
             return Path(self.memory_dir)
-        base = Path(os.environ.get("DCKPT_MEMORY_DIR") or "/dev/shm/dckpt")
+        base = Path(os.environ.get("DCKPT_MEMORY_DIR") or f"/dev/shm/dckpt-{os.geteuid()}")
         key = xxhash.xxh64_hexdigest((self.remote or str(Path(self.root).resolve())).encode())
         return base / f"{Path(self.remote or self.root).name or 'root'}-{key[:12]}"
 

@@ -16,13 +16,18 @@ Unset, it costs one cached lookup per phase. Phases (dckpt.phases.Phase), in sav
 - on every rank: ``prepare`` (state dict taken, in ``save()``), ``make_tmp`` (background, before
   the tmp dir is made), ``stage`` (before the deferred copies are taken), ``write_shards`` (this
   rank's shard files written and fsynced, before DCP's metadata), ``dcp_finish`` (DCP returned
-  on this rank); for an s3:// root also ``upload`` (half of a shard's bytes sent);
+  on this rank); for an s3:// root also ``upload`` (a shard's first part sent);
 - on rank 0, the coordinator: ``write_manifest``, ``fsync_shards`` (manifest written, before
   the files and the tmp dir are fsynced), ``rename`` (before the commit rename),
   ``fsync_parent`` (renamed, before the root is fsynced), ``publish_latest`` (before
   ``latest`` is replaced), ``retention`` (victims renamed to trash, not yet removed);
 - in a resume, on every rank: ``verify`` (this rank's digests of the files it read, before the
-  ranks compare them), ``warmup`` (before this rank joins the warmup collective).
+  ranks compare them), ``warmup`` (before this rank joins the warmup collective);
+- in a memory save (``save(step, tier="memory")``): on every rank ``memory_copy`` (in
+  ``save()``, its state copied into the node's memory, before the file is complete),
+  ``memory_hash`` (background, its file hashed, before the ranks gather their reports) and
+  ``replicate`` (its replica's first chunk sent or received, the rest not); on rank 0
+  ``memory_commit`` (before the manifest goes into the root's ledger: the commit point).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from .phases import Phase
 
 __all__ = [
     "COORDINATOR_PHASES",
+    "MEMORY_PHASES",
     "OBJECT_PHASES",
     "PHASES",
     "RANK_PHASES",
@@ -54,6 +60,8 @@ RESUME_PHASES = tuple(p.value for p in Phase if p.side == "resume")
 """Phases of a resume, on every rank."""
 OBJECT_PHASES = tuple(p.value for p in Phase if p.side == "object")
 """Phases of a save to an object store only (s3:// roots), on every rank."""
+MEMORY_PHASES = tuple(p.value for p in Phase if p.side == "memory")
+"""Phases of a memory save: every rank's, but ``memory_commit``, which is rank 0's."""
 PHASES = tuple(p.value for p in Phase)
 ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt")
 

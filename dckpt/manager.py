@@ -32,26 +32,32 @@ from .config import CheckpointConfig
 from .dist.comm import Comm
 from .dist.progress import Progress
 from .errors import CheckpointError, LockError
+from .load.checks import CandidateChecks
 from .load.config_check import ConfigPolicy
+from .load.durable import DurableReader
 from .load.loss_watch import LossWatch
+from .load.memory import MemoryReader, MemorySource
 from .load.report import ResumeReport
-from .load.resumer import LoadResult, Resumer
+from .load.resumer import LoadResult, Resumer, ResumeTier
 from .preemption import DEFAULT_SIGNALS, Preemption, PreemptionStop
 from .root.commit import CommitStrategy, RenameCommit
-from .root.layout import root_identity
 from .root.lock import RunLock
+from .root.memory_ledger import DirectoryLedger, MemoryLedger
 from .root.source import CheckpointSource, LocalSource
 from .root.upkeep import recover
+from .save.durable import DurableRoute
 from .save.handle import SaveHandle, SaveResult
+from .save.memory import MemoryRoute, Topology
 from .save.mode import SaveMode
 from .save.pipeline import SavePipeline
+from .save.route import DURABLE, SaveRoute
 from .save.saver import Saver
 from .save.stager import Stager
 from .save.step_clock import StepClock
 from .tiers import memory_layout
-from .tiers.keeper_client import ensure_keeper
-from .tiers.memory_node import MemoryNode, Topology
+from .tiers.memory_commit import Lineage, MemoryCommit
 from .tiers.object_commit import ObjectCommit
+from .tiers.object_ledger import ObjectLedger
 from .tiers.object_lock import ObjectLock
 from .tiers.object_root import ObjectRoot
 from .tiers.object_source import ObjectSource, local_share
@@ -59,6 +65,7 @@ from .tiers.s3_store import S3Store
 from .tiers.url import parse_url
 from .train.precision import PrecisionPolicy
 from .train.state import TrainState
+from .units import human_bytes
 
 __all__ = ["CheckpointManager", "LoadResult", "ResumeReport", "SaveHandle", "SaveResult"]
 
@@ -167,28 +174,58 @@ class CheckpointManager:
                 or uuid.uuid4().hex
             )
         )
-        strategy, self._source, self._objects = self._root_kind()
+        strategy, source, self._objects = self._root_kind()
         self._commit = strategy
         self._locks = self._open_root()
-        self._memory = self._open_memory() if config.memory else None
+        lineage = Lineage()
+        checks = CandidateChecks(
+            comm=self._ctl,
+            run_config=self.run_config,
+            precision=precision,
+            policy=ConfigPolicy.build(
+                allow_config_changes, strict_keys, precision_checked=precision is not None
+            ),
+            state=state,
+        )
+        durable = DurableRoute(
+            io=self._io,
+            strategy=strategy,
+            config=config,
+            state=state,
+            stager=Stager(config.device_staging_bytes),
+        )
+        routes: dict[str, SaveRoute] = {durable.tier: durable}
+        tiers = [
+            ResumeTier(
+                "root",
+                source,
+                DurableReader(ctl=self._ctl, source=source, state=state, checks=checks),
+            )
+        ]
+        self._memory: tuple[MemoryRoute, MemorySource] | None = None
+        if config.memory:
+            self._memory = self._open_memory(lineage, source)
+            route, memory_source = self._memory
+            routes[route.tier] = route
+            reader = MemoryReader(ctl=self._ctl, source=memory_source, state=state, checks=checks)
+            tiers.insert(0, ResumeTier("memory tier", memory_source, reader))
         clock, mode, progress = StepClock(), SaveMode(config.async_save), Progress(self._io)
-        pipeline = SavePipeline(
+        self._pipeline = SavePipeline(
             io=self._io,
             progress=progress,
-            strategy=strategy,
             config=config,
             state=state,
             precision=precision,
             run_id=self.run_id,
             run_config=self.run_config,
-            stager=Stager(config.device_staging_bytes),
             clock=clock,
             mode=mode,
-            memory=self._memory,
+            lineage=lineage,
         )
         self._saver = Saver(
             ctl=self._ctl,
-            pipeline=pipeline,
+            pipeline=self._pipeline,
+            routes=routes,
             progress=progress,
             config=config,
             clock=clock,
@@ -197,15 +234,9 @@ class CheckpointManager:
         self._resumer = Resumer(
             ctl=self._ctl,
             config=config,
-            source=self._source,
-            state=state,
-            precision=precision,
-            run_config=self.run_config,
-            config_policy=ConfigPolicy.build(
-                allow_config_changes, strict_keys, precision_checked=precision is not None
-            ),
+            tiers=tiers,
             loss_watch=self._loss_watch,
-            memory=self._memory,
+            lineage=lineage,
         )
         self._stop = PreemptionStop(self._ctl, self._saver)
         self._hook: Any = None
@@ -227,11 +258,6 @@ class CheckpointManager:
             raise
         return ObjectCommit(objects), ObjectSource(objects, self.root), objects
 
-    def _strategy_lock(self, lock: ObjectLock) -> None:
-        """The object commit checks, right before each manifest PUT, that the lock is held."""
-        if isinstance(self._commit, ObjectCommit):
-            self._commit.lock = lock
-
     def _open_root(self) -> list[RunLock | ObjectLock]:
         """Rank 0 makes the root, takes the run lock and recovers from crashed saves; every
         rank raises rank 0's failure (after releasing dckpt's groups). An s3:// root takes
@@ -252,7 +278,8 @@ class CheckpointManager:
                         remote_lock = ObjectLock(store, self.run_id, self.config.lock_lease_s)
                         locks.append(remote_lock)
                         remote_lock.acquire()
-                        self._strategy_lock(remote_lock)
+                        if isinstance(self._commit, ObjectCommit):  # checked before each PUT
+                            self._commit.lock = remote_lock
                 recover(self.root)
                 if self._objects is not None:
                     self._objects.recover()
@@ -285,57 +312,62 @@ class CheckpointManager:
         self._ctl.close()
         self._io.close()
 
-    def _open_memory(self) -> MemoryNode:
-        """The memory tier: every node's first rank makes sure its keeper runs (starting one
-        that outlives this process if none answers) and tidies saves the last workers left
-        half-done; every rank learns the topology. Fails on every rank if any node fails."""
+    def _open_memory(
+        self, lineage: Lineage, durable: CheckpointSource
+    ) -> tuple[MemoryRoute, MemorySource]:
+        """The memory tier: every rank learns the topology (which node each rank is on);
+        each node's first rank makes the node's memory directory private (0700) and removes
+        what the last workers left half-written; rank 0 tidies the ledger's saves in flight.
+        Fails on every rank if any node fails. Nothing listens: replicas move over dckpt's
+        gloo groups (dckpt.dist.transfer)."""
         found = _node_indices(
             self._ctl.all_gather((os.environ.get("GROUP_RANK"), socket.gethostname()))
         )
         if isinstance(found, str):
             self._close_on_failure()
             raise CheckpointError(f"the memory tier cannot tell the nodes apart: {found}")
-        node_of = found
-        node = node_of[self.rank]
+        topology = Topology(found)
+        node = topology.node_of[self.rank]
+        memory_dir = self.config.memory_root
+        ledger: MemoryLedger = DirectoryLedger(self.root)
+        if self._objects is not None:
+            held = next((k.check_held for k in self._locks if isinstance(k, ObjectLock)), None)
+            ledger = ObjectLedger(self._objects, held)
+        commit = MemoryCommit(ledger, self.config.memory_keep, str(memory_dir))
         failure: CheckpointError | None = None
-        addr: str | None = None
-        if node_of.index(node) == self.rank:
-            node_dir = memory_layout.node_dir(self.config.memory_root, node)
-            try:
-                addr = ensure_keeper(node_dir, node, keep=self.config.memory_keep)
-            except (OSError, CheckpointError) as exc:
-                failure = CheckpointError(
-                    f"the memory tier cannot start on node {node} ({node_dir}): {exc}"
-                )
-        told = self._ctl.all_gather((node, addr, failure))
-        failure = next((f for _, _, f in told if f is not None), None)
+        try:
+            if topology.ranks_of(node)[0] == self.rank:
+                node_dir = memory_layout.private_dir(memory_layout.node_dir(memory_dir, node))
+                memory_layout.clean_abandoned(node_dir)
+            if self.rank == 0:
+                commit.recover(self.root)
+        except OSError as exc:
+            failure = CheckpointError(
+                f"the memory tier cannot start on node {node} ({memory_dir}): {exc}"
+            )
+        failure = next((f for f in self._ctl.all_gather(failure) if f is not None), None)
         if failure is not None:
             self._close_on_failure()
             raise failure
-        keepers = {n: a for n, a, _ in told if a is not None}
-        root_id: str | CheckpointError = ""
-        if self.rank == 0:  # the root's id ties every memory checkpoint to this root
-            try:
-                if self._objects is not None:
-                    root_id = self._objects.identity()
-                else:
-                    root_id = root_identity(self.root)
-            except (OSError, CheckpointError) as exc:
-                root_id = CheckpointError(f"cannot read or make the id of {self.root}: {exc}")
-        root_id = self._ctl.broadcast(root_id)
-        if isinstance(root_id, CheckpointError):
-            self._close_on_failure()
-            raise root_id
-        tier = MemoryNode(
-            self.config.memory_root,
-            self.rank,
-            Topology(node_of, keepers),
-            self.config.memory_keep,
-            root_id,
+        route = MemoryRoute(
+            io=self._io,
+            strategy=commit,
+            memory_dir=memory_dir,
+            topology=topology,
+            lineage=lineage,
+            keep=self.config.memory_keep,
+            digest=self.config.digest,
+            timeout_s=self.config.timeout_s,
         )
-        if tier.first:
-            tier.clean_abandoned()
-        return tier
+        source = MemorySource(
+            ctl=self._ctl,
+            ledger=ledger,
+            node_of=topology.node_of,
+            memory_dir=memory_dir,
+            durable_steps=durable.steps,
+            timeout_s=self.config.timeout_s,
+        )
+        return route, source
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -475,9 +507,29 @@ class CheckpointManager:
                     lock.abandon()  # the stuck write may still land: keep others out
                 else:
                     lock.release()
+            if self._memory is not None:
+                self._close_memory()
             self._io.close()
             self._ctl.close()
         self._saver.raise_if_failed()
+
+    def _close_memory(self) -> None:
+        """A run whose last save was durable leaves nothing in memory the root lacks: each
+        rank frees its files of this run in its node's memory (a run that ends with a memory
+        save, or a crash, keeps them for the next start to resume from)."""
+        assert self._memory is not None
+        route, source = self._memory
+        source.close()
+        if self._pipeline.last_committed_tier == DURABLE and self._saver.stuck is None:
+            freed = route.release()
+            if self.rank == 0 and freed:
+                log.info(
+                    "dckpt: the last checkpoint is in the root (step %d): the memory tier's "
+                    "copies of this run were freed (%s on rank 0's node)",
+                    self._pipeline.last_committed[DURABLE],
+                    human_bytes(freed),
+                )
+        route.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

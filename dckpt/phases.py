@@ -29,7 +29,7 @@ class Phase(str, Enum):
     STAGE = "stage"
     WRITE_SHARDS = "write_shards"
     DCP_FINISH = "dcp_finish"
-    # A save to an object store (s3://), on every rank: half of a shard's bytes sent.
+    # A save to an object store (s3://), on every rank: a shard's first part sent.
     UPLOAD = "upload"
     # A save, on rank 0 (the coordinator), after every rank's part.
     WRITE_MANIFEST = "write_manifest"
@@ -41,14 +41,19 @@ class Phase(str, Enum):
     # A resume, on every rank.
     VERIFY = "verify"
     WARMUP = "warmup"
+    # A memory save (``save(step, tier="memory")``): every rank, but ``memory_commit`` (rank 0).
+    MEMORY_COPY = "memory_copy"
+    MEMORY_HASH = "memory_hash"
+    MEMORY_COMMIT = "memory_commit"
+    REPLICATE = "replicate"
 
     def __str__(self) -> str:
         return self.value
 
     @property
     def side(self) -> str:
-        """``rank`` (every rank, in a save), ``coordinator`` (rank 0), ``resume``, or
-        ``object`` (every rank, in a save to an object store only)."""
+        """``rank`` (every rank, in a save), ``coordinator`` (rank 0), ``resume``, ``object``
+        (every rank, in a save to an object store only) or ``memory`` (a memory save)."""
         return _SIDE[self]
 
     @property
@@ -74,6 +79,9 @@ _SIDE = {
     ),
     **dict.fromkeys((Phase.VERIFY, Phase.WARMUP), "resume"),
     Phase.UPLOAD: "object",
+    **dict.fromkeys(
+        (Phase.MEMORY_COPY, Phase.MEMORY_HASH, Phase.MEMORY_COMMIT, Phase.REPLICATE), "memory"
+    ),
 }
 _WHAT = {
     Phase.PREPARE: "the start of the save",
@@ -90,6 +98,10 @@ _WHAT = {
     Phase.RETENTION: "retention",
     Phase.VERIFY: "verifying the files",
     Phase.WARMUP: "the warmup collective",
+    Phase.MEMORY_COPY: "copying the state into the node's memory",
+    Phase.MEMORY_HASH: "hashing its memory file",
+    Phase.MEMORY_COMMIT: "the memory commit (the manifest into the root's ledger)",
+    Phase.REPLICATE: "sending and receiving replicas",
 }
 
 

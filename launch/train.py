@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "every N-th step that is not a --save-every step; resume takes the newer of the two",
     )
     p.add_argument("--memory-dir", default=None, help="the memory tier's directory (a tmpfs)")
-    p.add_argument("--memory-keep", type=int, default=1, help="memory checkpoints per keeper")
+    p.add_argument("--memory-keep", type=int, default=1, help="memory checkpoints each node keeps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-log", default=None, help="rank 0 appends a JSON line per step")
     p.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL after this step")

@@ -35,6 +35,7 @@ VR = "tests/test_verified_resume.py"
 AD = "tests/test_adoption.py"
 S3 = "tests/test_s3.py"
 MT = "tests/test_memory_tier.py"
+ML = "tests/test_memory_ledger.py"
 
 
 @dataclass(frozen=True)
@@ -210,26 +211,33 @@ MUTANTS = (
     Mutant(
         "memory: a copy in a node's memory is used without comparing its digest",
         "dckpt/load/memory.py",
-        "if length != size or actual != digest:",
-        "if False:",
+        "    if actual != record.digest:\n        mm.close()",
+        "    if False:\n        mm.close()",
         (
             f"{MT}::test_flipped_bit_in_replica_falls_back_to_durable",
             f"{MT}::test_flipped_bit_in_own_copy_uses_replica",
         ),
     ),
     Mutant(
-        "memory: a keeper commits a replica without comparing its digests",
-        "dckpt/tiers/keeper.py",
-        "if actual != digest:",
+        "memory: a received file is renamed in without comparing its digest",
+        "dckpt/dist/transfer.py",
+        "if actual != item.digest:",
         "if False:",
-        ("tests/test_keeper.py::test_flipped_bit_is_refused_by_partner",),
+        ("tests/test_transfer.py::test_bytes_that_do_not_hash_right_are_never_named",),
     ),
     Mutant(
-        "memory: a memory checkpoint of another (removed) root is resumed",
+        "memory: a memory step of a branch the run left (its durable anchor moved) is resumed",
         "dckpt/load/memory.py",
-        'if manifest.mesh.get("root_id") != self.tier.root_id:',
+        "if after != before:",
         "if False:",
-        (f"{MT}::test_fresh_root_ignores_stale_memory",),
+        (f"{ML}::test_a_memory_step_of_a_branch_the_run_left_is_not_resumed",),
+    ),
+    Mutant(
+        "memory: a memory save below the newest leaves the records of the branch above it",
+        "dckpt/tiers/memory_commit.py",
+        "dropped = self.ledger.drop_above(step)",
+        "dropped: list[int] = []",
+        (f"{ML}::test_a_memory_save_below_the_newest_removes_the_branch_above_it",),
     ),
 )
 

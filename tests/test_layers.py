@@ -69,7 +69,8 @@ ALLOWED: dict[str, set[str]] = {
         "dckpt.storage.verified_files",
     },
     "config": {"base", "dckpt.root.retention", "dckpt.storage.digest", "dckpt.tiers.url"},
-    "dist": {"base"},
+    # dist moves bytes between ranks and hashes them as they arrive (transfer.py)
+    "dist": {"base", "dckpt.storage.digest"},
     "train": {"base"},
     "save": {"base", "storage", "root", "tiers", "config", "dist", "train"},
     "load": {"base", "storage", "root", "tiers", "config", "dist", "train"},

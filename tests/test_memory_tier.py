@@ -1,42 +1,50 @@
 """The verified memory tier end to end, with real processes: a lost worker, a lost node, a
-flipped bit, both nodes lost, a full memory, and the memory bound.
+flipped bit, both nodes lost, a full memory, the memory bound, and what an outside peer can do.
 
 Role: proves the issue's cases on real jobs of launch/train.py (gloo, CPU), no mocks. Every
 run trains ``STEPS`` steps, saving to the durable root every ``SAVE_EVERY`` and to the memory
 tier every ``MEMORY_EVERY`` steps in between (``--memory-every``); the resume must take the
-newest of the two tiers, prove every byte against the writer's digest, and log the same
-losses, bit for bit, as an uninterrupted reference run (2 ranks, no memory tier: so the
-memory saves are also shown not to perturb training; it runs beside the first tests).
+newest of the two tiers, prove every byte against the writer's digest (the manifest from the
+root's ledger, ``ROOT/memory/``), and log the same losses, bit for bit, as an uninterrupted
+reference run (2 ranks, no memory tier: so the memory saves are also shown not to perturb
+training; it runs beside the first tests).
 
 - ``test_worker_killed_node_lives``: one node, ``torchrun --max-restarts 1``; rank 1 is
   SIGKILLed from outside right after memory step 8 committed; torchrun restarts the workers
-  in place, the node's keeper survives (same pid), the restart resumes step 8 from local
-  memory. (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as launch/netns_cluster.sh sets: with
-  torch's shared rendezvous store the restarted workers read the dead round's gloo
-  addresses and fail to connect, a torch matter, not dckpt's.)
+  in place, and the restart resumes the newest memory step from the node's memory, which
+  outlived the workers (it is a directory, no process holds it).
+  (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as launch/netns_cluster.sh sets: with torch's
+  shared rendezvous store the restarted workers read the dead round's gloo addresses and fail
+  to connect, a torch matter, not dckpt's.)
 - ``lost_node`` (module fixture): a two-node job (two network namespaces,
-  launch/netns_cluster.sh) loses node B (every process, its keeper too) right after node B's
-  memory step 8 was replicated to node A. From that state, at once:
+  launch/netns_cluster.sh) loses node B (every process) right after node B's file of memory
+  step 8 arrived, verified, at node A (sent over dckpt's gloo group). From that state, at once:
   - ``test_whole_node_lost_uses_partner_replica``: node B's memory wiped, both nodes requeued:
-    node B's rank fetches its file from node A's (surviving) keeper;
+    node A's ranks send node B's rank the files it lacks, hashed as they arrive;
   - ``test_flipped_bit_in_replica_falls_back_to_durable``: (a copy) the replica of node B's
-    file on node A has a flipped byte, node B's memory wiped: the memory tier is refused
-    (digest mismatch named) and the durable step 6 is used;
+    file on node A has a flipped byte, node B's memory wiped: no intact copy of the step is
+    left, so its record is quarantined (the damage named) and the durable step 6 is used;
   - ``test_flipped_bit_in_own_copy_uses_replica``: (a copy) node B's own copy has a flipped
     byte, the replica is intact: the replica is used;
-  - ``test_both_nodes_lost_uses_durable``: (a copy) both nodes' memory wiped: the durable tier.
+  - ``test_both_nodes_lost_uses_durable``: (a copy) both nodes' memory wiped: the durable
+    tier, and the report says why the memory step was not used.
   The copies run as two-"node" jobs on this host's network (two processes started with
   torchrun's environment, ``GROUP_RANK`` 0 and 1: the memory tier's node index), beside the
   requeue, to fit the time budget; the resume code does not know the difference.
-- ``size_runs`` (module fixture): two single-rank jobs at once, each on a private tmpfs:
+- ``size_runs`` (module fixture): single-rank jobs at once, each on a private tmpfs:
   - ``test_memory_full_fails_clearly``: a 1 MiB tmpfs as the memory dir: the memory save
-    fails naming the memory tier and saying the durable checkpoints are untouched; the
-    durable checkpoint verifies (the trainer exits non-zero: the error of a save is raised
-    by the next ``save()``);
+    fails naming the memory tier and saying the durable checkpoints are untouched; training
+    goes on, the durable checkpoints verify;
   - ``test_memory_bound_after_fifty_saves``: the memory used (statvfs) once the first memory
-    save is done (its file and its reserved spare) and after fifty differ by under 1 %.
-
-Every keeper a test starts is stopped, every tmpfs unmounted, every namespace removed.
+    save is done (its file and its reserved spare) and at the fiftieth differ by under 1 %;
+    and once the run ended well (its last checkpoint durable) the memory is freed;
+  - ``test_fresh_root_ignores_stale_memory``: a run killed after its memory saves, its root
+    then deleted: the same command starts from scratch (the memory has no record in the root).
+- ``test_no_listener_private_files_and_planted_steps``: a two-"node" memory job beside one
+  without the memory tier: its ranks listen on exactly as many ports as the other job's
+  (torch.distributed's own), none of them answers a request for steps or files, every memory
+  file is 0600 in 0700 directories; then a step planted in a node's memory, without the
+  job's record, is listed by ``dckpt ls`` as unrecorded and never restored.
 """
 
 from __future__ import annotations
@@ -58,14 +66,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, losses, torchrun_workers
-from proc_kit import pid_alive
+from conftest import REPO, dckpt_cli, losses, torchrun_workers
 from test_two_node import Cluster, _netns_list, _netns_unavailable
 
 from dckpt.root.layout import committed_steps, list_checkpoints, step_dir_name
+from dckpt.root.memory_ledger import DirectoryLedger
 from dckpt.root.verify import verify_checkpoint
-from dckpt.tiers.keeper_client import read_keeper_file
-from dckpt.tiers.memory_layout import committed_memory_steps, own_dir, replica_dir
+from dckpt.tiers.memory_layout import own_dir, replica_dir
 
 pytestmark = [pytest.mark.multiproc]
 
@@ -81,39 +88,18 @@ RUN_TIMEOUT = 180.0
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def _is_keeper(pid: int) -> bool:
+def _held(parent: Path, name: str) -> list[int]:
+    """Steps under ``parent`` (a node's ``own/`` or ``replica/node-k/``) holding file ``name``."""
     try:
-        return b"dckpt.tiers.keeper" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        dirs = list(parent.iterdir())
     except OSError:
-        return False
+        return []
+    return sorted(int(d.name[5:]) for d in dirs if (d / name).is_file() and d.name[5:].isdigit())
 
 
-def _stop_keepers(memory_dir: Path) -> None:
-    """Stop the keeper of every ``node-*`` under ``memory_dir`` (SIGTERM: it stops cleanly),
-    and wait until each is gone: keepers are detached and would outlive the test."""
-    pids = []
-    for node in sorted(memory_dir.glob("node-*")):
-        rec = read_keeper_file(node)
-        if rec is not None and pid_alive(rec["pid"]) and _is_keeper(rec["pid"]):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(rec["pid"], signal.SIGTERM)
-            pids.append(rec["pid"])
-    deadline = time.monotonic() + 10
-    for pid in pids:
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def memory_dirs() -> Iterator[list[Path]]:
-    """Append each memory dir a test uses: their keepers are stopped at the end."""
-    dirs: list[Path] = []
-    yield dirs
-    for d in dirs:
-        _stop_keepers(d)
+def _recorded(root: Path) -> list[int]:
+    """Memory steps committed: their manifests are in the root's ledger."""
+    return DirectoryLedger(root).steps()
 
 
 def _wait_until(
@@ -159,7 +145,7 @@ def _resume_line(text: str) -> str:
 
 @contextlib.contextmanager
 def _tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A private tmpfs at ``path`` (root only); unmounted at the end, its keepers stopped."""
+    """A private tmpfs at ``path`` (root only); unmounted at the end."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root and mount(8) for a private tmpfs")
     path.mkdir(parents=True, exist_ok=True)
@@ -174,7 +160,6 @@ def _tmpfs(path: Path, size: str) -> Iterator[Path]:
     try:
         yield path
     finally:
-        _stop_keepers(path)
         if subprocess.run(["umount", str(path)], check=False).returncode != 0:
             subprocess.run(["umount", "-l", str(path)], check=False)
 
@@ -303,10 +288,9 @@ def _check_losses(log: Path, steps: range, reference: dict[int, float]) -> None:
 
 
 def test_worker_killed_node_lives(
-    tmp_path: Path, reference: Callable[[], dict[int, float]], memory_dirs: list[Path]
+    tmp_path: Path, reference: Callable[[], dict[int, float]]
 ) -> None:
     root, memory, log = tmp_path / "ckpt", tmp_path / "mem", tmp_path / "loss.jsonl"
-    memory_dirs.append(memory)
     out = tmp_path / "torchrun.log"
     args = [*TRAIN, *MEMORY, "--memory-dir", str(memory), "--loss-log", str(log)]
     with open(out, "wb") as f:
@@ -333,13 +317,13 @@ def test_worker_killed_node_lives(
             return set(workers) == {0, 1}
 
         _wait_until(found, [agent], "both workers started", lambda: _tail(out))
-        committed = own_dir(node) / step_dir_name(KILL_AFTER) / "manifest.json"
+        committed = root / "memory" / f"{step_dir_name(KILL_AFTER)}.json"
         _wait_until(committed.exists, [agent], f"memory step {KILL_AFTER}", lambda: _tail(out))
         workers[1].kill()  # SIGKILL, as the OOM killer or a segfault would
         # Nothing can commit now (every save needs rank 1): the newest memory step is final.
-        newest = committed_memory_steps(own_dir(node))[-1]
-        keeper = read_keeper_file(node)
-        assert keeper is not None and pid_alive(keeper["pid"])
+        newest = _recorded(root)[-1]
+        for rank in (0, 1):  # both files outlive their processes: no process holds them
+            assert newest in _held(own_dir(node), f"rank-{rank:05d}.mem"), newest
         assert agent.wait(timeout=RUN_TIMEOUT) == 0, _tail(out)
     finally:
         if agent.poll() is None:
@@ -359,9 +343,7 @@ def test_worker_killed_node_lives(
     assert line.startswith(f"dckpt resume: step {newest} from the memory tier (local memory"), line
     assert "[ok  ] memory: rank 0: local memory; rank 1: local memory" in text, text
     assert "rng           restored on every rank" in text, text
-    # The keeper outlived its workers and served the restart: the same process, still alive.
-    after = read_keeper_file(memory / "node-0")
-    assert after is not None and after["pid"] == keeper["pid"] and pid_alive(keeper["pid"])
+    assert f"against the manifest in {root / 'memory' / step_dir_name(newest)}.json" in text
     _check_losses(log, range(newest + 1, STEPS + 1), reference())
     assert {s for s, _ in _logged(log)} == set(range(1, STEPS + 1))
     assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
@@ -377,8 +359,7 @@ class LostNode:
     cluster: Cluster
     root: Path
     memory: Path
-    step: int  # the memory step both nodes hold a copy of (node B's on node A)
-    keeper_a: int  # node A's keeper's pid, alive
+    step: int  # the newest memory step node A alone holds every file of (B's as a replica)
     requeue: tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]
     requeue_log: Path
     copies: dict[str, Job]
@@ -393,11 +374,10 @@ def _memory_of(job: Job) -> Path:
 
 
 def _copy_state(src_root: Path, src_memory: Path, dst: Path) -> tuple[Path, Path]:
-    """A copy of the root and of both nodes' memory, without the live keeper's record (a
-    keeper of the copy is started by the resume)."""
+    """A copy of the root (its ledger too) and of both nodes' memory."""
     root, memory = dst / "ckpt", dst / "mem"
     shutil.copytree(src_root, root)
-    shutil.copytree(src_memory, memory, ignore=shutil.ignore_patterns("keeper.json"))
+    shutil.copytree(src_memory, memory)
     return root, memory
 
 
@@ -426,8 +406,8 @@ def lost_node(
             return 1 in workers
 
         _wait_until(found, [node_a, node_b], "node B's worker started", cluster.tails)
-        # Node B's step is on node A (so node A's own copy committed before it): lose node B.
-        replica = replica_dir(memory / "node-0", 1) / step_dir_name(KILL_AFTER) / "manifest.json"
+        # Node B's file of the step is on node A (sent after the step committed): lose node B.
+        replica = replica_dir(memory / "node-0", 1) / step_dir_name(KILL_AFTER) / "rank-00001.mem"
         _wait_until(replica.exists, [node_a, node_b], "node B's replica on A", cluster.tails)
         workers[1].kill()  # first the worker (no step goes on), then every process of node B
         cluster.kill_node("B")
@@ -439,15 +419,14 @@ def lost_node(
         before = _logged(first_log)
         assert before == [(s, reference()[s]) for s in range(1, len(before) + 1)]
 
-        # The memory step both nodes can be restored from, with node B's memory gone.
-        own_a = set(committed_memory_steps(own_dir(memory / "node-0")))
-        replica_b = set(committed_memory_steps(replica_dir(memory / "node-0", 1)))
-        both = sorted(own_a & replica_b)
+        # The newest memory step node A alone can restore, with node B's memory gone: recorded
+        # in the root, node A's own file, and node B's file as the replica node A keeps.
+        own_a = set(_held(own_dir(memory / "node-0"), "rank-00000.mem"))
+        replica_b = set(_held(replica_dir(memory / "node-0", 1), "rank-00001.mem"))
+        both = sorted(own_a & replica_b & set(_recorded(root)))
         assert both and both[-1] in (KILL_AFTER, KILL_AFTER + MEMORY_EVERY), (own_a, replica_b)
         step = both[-1]
-        keeper_a = read_keeper_file(memory / "node-0")
-        assert keeper_a is not None and pid_alive(keeper_a["pid"])  # node A's keeper lives on
-        assert step in committed_memory_steps(own_dir(memory / "node-1"))
+        assert step in _held(own_dir(memory / "node-1"), "rank-00001.mem")
 
         # The copies, each damaged its own way, run beside the requeue.
         name = f"{step_dir_name(step)}/rank-00001.mem"
@@ -461,7 +440,7 @@ def lost_node(
         _flip_byte(own_dir(_memory_of(copies["own_flipped"]) / "node-1") / name)
         shutil.rmtree(_memory_of(copies["both_lost"]))
 
-        # Node B's machine is gone, and its memory with it; its keeper died with the node.
+        # Node B's machine is gone, and its memory with it.
         shutil.rmtree(memory / "node-1")
         again_log = tmp / "again.jsonl"
         args = [*args, "--loss-log", str(again_log)]
@@ -471,13 +450,12 @@ def lost_node(
         )
         for c in copies.values():
             c.start()
-        yield LostNode(cluster, root, memory, step, keeper_a["pid"], requeue, again_log, copies)
+        yield LostNode(cluster, root, memory, step, requeue, again_log, copies)
     finally:
         mp.undo()
         for c in copies.values():
             c.kill()
-            _stop_keepers(_memory_of(c))
-        cluster.down()  # every process of both nodes, their keepers included
+        cluster.down()  # every process of both nodes
     assert not set(cluster.namespaces) & set(_netns_list().split())
 
 
@@ -496,17 +474,15 @@ def test_whole_node_lost_uses_partner_replica(
         assert _wait_node(lost, proc) == 0, lost.cluster.tails()
     text = lost.cluster.logs["a2"].read_text(errors="replace")
     line = _resume_line(text)
-    want = f"dckpt resume: step {lost.step} from the memory tier (memory, ranks [1] from "
-    assert line.startswith(want + "other nodes"), lost.cluster.tails()
-    # Node B lost its memory: rank 1 fetched both files (the de-duplicated layout) from node
-    # A's keeper, its own from A's replica of B, each proven as it arrived.
-    assert "[ok  ] memory: rank 0: local memory; rank 1: from node 0" in text, text
+    want = f"dckpt resume: step {lost.step} from the memory tier (ranks [1] from other nodes'"
+    assert line.startswith(want), lost.cluster.tails()
+    # Node B lost its memory: node A's rank sent it both files (the de-duplicated layout),
+    # node A's own and the replica node A kept of node B's, each proven as it arrived.
+    assert "[ok  ] memory: rank 0: local memory; rank 1: from node 0 (" in text, text
+    assert "hashed as it arrived" in text, text
     assert "[ok  ] warmup all-reduce: 2 ranks answered, sum 3 = 3 on every rank" in text, text
     assert "rng           restored on every rank" in text, text
     _check_losses(lost.requeue_log, range(lost.step + 1, STEPS + 1), reference())
-    # Node A's keeper served it: the one that survived the loss, still the node's keeper.
-    rec = read_keeper_file(lost.memory / "node-0")
-    assert rec is not None and rec["pid"] == lost.keeper_a and pid_alive(lost.keeper_a)
     assert committed_steps(lost.root) == [DURABLE_BEFORE, STEPS]
     for entry in list_checkpoints(lost.root):
         if entry.status == "committed":
@@ -522,14 +498,17 @@ def test_flipped_bit_in_replica_falls_back_to_durable(
     line = _resume_line(text)
     durable = root / step_dir_name(DURABLE_BEFORE)
     assert line == f"dckpt resume: step {DURABLE_BEFORE} from {durable}", text
-    warning = next(
-        (ln for ln in text.splitlines() if f"memory tier: step {lost_node.step} not used" in ln),
+    # No intact copy of the step is left anywhere: its record is quarantined, the damage named.
+    skipped = next(
+        (ln for ln in text.splitlines() if f"skipped step {lost_node.step} (quarantined)" in ln),
         None,
     )
-    assert warning is not None, text
-    assert "warning: memory tier:" in warning, warning
-    assert "rank 1" in warning and "digest mismatch" in warning, warning
-    assert "node-0/replica/node-1" in warning, warning  # node A's replica, named
+    assert skipped is not None, text
+    assert "IntegrityError: no copy of memory step" in skipped, skipped
+    assert "rank-00001.mem on node 0" in skipped and "digest mismatch" in skipped, skipped
+    assert "node-0/replica/node-1" in skipped, skipped  # node A's replica, named
+    quarantined = root / "memory" / "quarantine" / f"{step_dir_name(lost_node.step)}.json"
+    assert quarantined.is_file(), text
     assert re.search(r"\[ok  \] digests: (\d+) of \1 files hashed and matched", text), text
     _check_losses(log, range(DURABLE_BEFORE + 1, STEPS + 1), reference())
     assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
@@ -542,9 +521,9 @@ def test_flipped_bit_in_own_copy_uses_replica(
     text = job.finish()
     root, log = job.root, _arg(job, "--loss-log")
     line = _resume_line(text)
-    want = f"dckpt resume: step {lost_node.step} from the memory tier (memory, ranks [1] from "
-    assert line.startswith(want + "other nodes"), text
-    assert "rank 0: local memory; rank 1: from node 0" in text, text
+    want = f"dckpt resume: step {lost_node.step} from the memory tier (ranks [1] from other nodes'"
+    assert line.startswith(want), text
+    assert re.search(r"rank 0: local memory; rank 1: (local memory and )?from node 0 \(", text)
     assert "rank 1: the copy of rank-00001.mem in its node's memory did not match" in text, text
     _check_losses(log, range(lost_node.step + 1, STEPS + 1), reference())
     assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
@@ -559,7 +538,10 @@ def test_both_nodes_lost_uses_durable(
     line = _resume_line(text)
     durable = root / step_dir_name(DURABLE_BEFORE)
     assert line == f"dckpt resume: step {DURABLE_BEFORE} from {durable}", text
-    assert "Traceback" not in text and "memory tier: step" not in text, text
+    assert "Traceback" not in text, text
+    # The root records the memory step; the report says why it was not used.
+    passed = f"warning: memory tier: step {lost_node.step} not used: no node holds rank-"
+    assert passed in text and "in memory (a node lost its memory" in text, text
     assert re.search(r"\[ok  \] digests: (\d+) of \1 files hashed and matched", text), text
     _check_losses(log, range(DURABLE_BEFORE + 1, STEPS + 1), reference())
     assert committed_steps(root) == [DURABLE_BEFORE, STEPS]
@@ -568,18 +550,9 @@ def test_both_nodes_lost_uses_durable(
 # --- 5-6: the memory's size ---------------------------------------------------------------------
 
 
-def _own_steps_any(node: Path) -> list[int]:
-    """Steps under ``own/``: committed, in flight or abandoned."""
-    try:
-        names = [p.name for p in own_dir(node).iterdir()]
-    except OSError:
-        return []
-    return [int(n[5:13]) for n in names if n.startswith("step-") and n[5:13].isdigit()]
-
-
 def _bytes_used_on(mount: Path) -> Callable[[], int]:
     """Bytes used on the private tmpfs ``mount`` since this call (pages, as the kernel counts
-    them: files, directories, the keeper's record and log, reserved spares)."""
+    them: files, directories, reserved spares)."""
 
     def used() -> int:
         st = os.statvfs(mount)
@@ -592,16 +565,21 @@ def _bytes_used_on(mount: Path) -> Callable[[], int]:
 @dataclass
 class SizeRuns:
     """Single-rank jobs started together: two with a private tmpfs as their memory dir, one
-    too small for a memory save, one doing fifty of them; and the stale-memory case."""
+    too small for a memory save, one doing sixty of them; and the stale-memory case."""
 
     full: Job
     full_memory: Path
     bound: Job
     bound_memory: Path
     stale: Job  # started again after its root was deleted, its memory kept
+    stale_memory: Path
     used: Callable[[], int]  # bytes used on the bound job's tmpfs since before it started
     file_size: int  # the bound job's memory file
     after_one: int  # bytes used once its first memory save was done
+    after_fifty: int  # bytes used once its fiftieth memory save was committed
+
+
+BOUND_SAVES = 60  # memory saves of the bound job; its last step is saved to the root
 
 
 @pytest.fixture(scope="module")
@@ -612,13 +590,18 @@ def size_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SizeRuns]:
         args = ["--steps", "4", "--save-every", "2", "--memory-every", "3"]
         full_args = [*args, "--memory-dir", str(full)]
         full_job = Job(tmp / "ckpt-full", full_args, tmp / "full-out", nodes=(0,))
-        args = ["--steps", "51", "--memory-every", "1", "--save-every", "1000"]
+        steps = str(BOUND_SAVES + 1)
+        args = ["--steps", steps, "--memory-every", "1", "--save-every", "1000"]
         bound_args = [*args, "--memory-dir", str(bound)]
         bound_job = Job(tmp / "ckpt-bound", bound_args, tmp / "bound-out", nodes=(0,))
-        # The stale-memory case: a short run, then the same command on a deleted root.
-        args = ["--steps", "2", "--memory-every", "1", "--save-every", "100"]
-        stale_args = [*args, "--memory-dir", str(tmp / "stale-mem")]
-        stale_job = Job(tmp / "ckpt-stale", stale_args, tmp / "stale-out", nodes=(0,))
+        # The stale-memory case: a run killed after two memory saves, then the same command
+        # on a deleted root.
+        stale_memory = tmp / "stale-mem"
+        args = ["--steps", "4", "--memory-every", "1", "--save-every", "100"]
+        stale_args = [*args, "--memory-dir", str(stale_memory)]
+        stale_job = Job(
+            tmp / "ckpt-stale", [*stale_args, "--crash-at-step", "3"], tmp / "stale-out", (0,)
+        )
         again = Job(tmp / "ckpt-stale", stale_args, tmp / "stale-again", nodes=(0,))
         try:
             full_job.start()
@@ -626,7 +609,7 @@ def size_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SizeRuns]:
             stale_job.start()
             node = bound / "node-0"
             first = own_dir(node) / step_dir_name(1) / "rank-00000.mem"
-            reserved = node / "spare" / "own" / "rank-00000.mem@reserved"
+            reserved = node / "spare" / "rank-00000.mem@reserved"
             size = 0
 
             def first_save_done() -> bool:
@@ -639,19 +622,25 @@ def size_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SizeRuns]:
                         return True
                 except OSError:
                     pass
-                return size > 0 and any(s >= 2 for s in _own_steps_any(node))
+                return size > 0 and 2 in _held(own_dir(node), "rank-00000.mem")
 
             _wait_until(first_save_done, bound_job.procs, "the first memory save", bound_job.text)
             after_one = used()
-            stale_job.finish()
-            assert committed_memory_steps(own_dir(tmp / "stale-mem" / "node-0")) == [1]
+            assert stale_job.wait() == [-9], stale_job.text()  # killed itself at step 3
+            # save(2) waited for save(1); save(2)'s own commit may not have landed
+            assert _recorded(stale_job.root) in ([1], [1, 2]), stale_job.text()
             shutil.rmtree(stale_job.root)
-            again.start()  # beside the bound job's fifty saves
-            yield SizeRuns(full_job, full, bound_job, bound, again, used, size, after_one)
+            again.start()  # beside the bound job's saves
+            fiftieth = bound_job.root / "memory" / f"{step_dir_name(50)}.json"
+            _wait_until(fiftieth.exists, bound_job.procs, "the 50th memory save", bound_job.text)
+            after_fifty = used()  # ten memory saves follow, then one to the root
+            yield SizeRuns(
+                full_job, full, bound_job, bound, again, stale_memory, used, size, after_one,
+                after_fifty,
+            )  # fmt: skip
         finally:
             for job in (full_job, bound_job, stale_job, again):
                 job.kill()
-            _stop_keepers(tmp / "stale-mem")
 
 
 def test_memory_full_fails_clearly(size_runs: SizeRuns) -> None:
@@ -667,8 +656,8 @@ def test_memory_full_fails_clearly(size_runs: SizeRuns) -> None:
     assert "No space left on device" in text, text
     assert "the durable checkpoints are untouched" in text, text
     assert "Training goes on; the next memory save tries again." in text, text
-    left = sorted(p.name for p in own_dir(node).iterdir())
-    assert left == [], left  # nothing committed, not even a half-written tmp dir
+    left = sorted(str(p) for p in node.rglob("*") if not p.is_dir())
+    assert left == [], left  # nothing committed, not even a half-written file
     assert committed_steps(job.root) == [2, 4]
     for step in (2, 4):
         result = verify_checkpoint(job.root / step_dir_name(step))
@@ -677,23 +666,143 @@ def test_memory_full_fails_clearly(size_runs: SizeRuns) -> None:
 
 def test_memory_bound_after_fifty_saves(size_runs: SizeRuns) -> None:
     """The memory the tier holds once its first save is done (the file, and the spare it
-    reserves for the next) is what it holds after fifty, within 1 %: retired files are
-    reused, nothing accumulates."""
+    reserves for the next) is what it holds at the fiftieth, within 1 %: retired files are
+    reused, nothing accumulates. The run then ends well, its last checkpoint in the root:
+    its memory is freed."""
     runs = size_runs
     text = runs.bound.finish()
-    after_fifty = runs.used()
-    assert text.count("to memory |") == 50, text
-    assert committed_memory_steps(own_dir(runs.bound_memory / "node-0")) == [50]
+    assert text.count("to memory |") == BOUND_SAVES, text
     size, after_one = runs.file_size, runs.after_one
     assert 2 * size <= after_one < 3 * size, (size, after_one)  # this save and its spare
-    assert abs(after_fifty - after_one) <= 0.01 * after_one, (after_one, after_fifty)
+    assert abs(runs.after_fifty - after_one) <= 0.01 * after_one, (after_one, runs.after_fifty)
+    assert "the memory tier's copies of this run were freed" in text, text
+    assert runs.used() < size, (runs.used(), size)  # no file left, at most a directory's page
+    assert not (runs.bound_memory / "node-0").exists()
 
 
 def test_fresh_root_ignores_stale_memory(size_runs: SizeRuns) -> None:
-    """A memory checkpoint belongs to the root it was saved for. A run saved step 1 to memory
-    and step 2 to its root; the root was then deleted and the same command started again (a
-    new run in its place: same path, same config, the node's keeper still up): it must start
-    from scratch, not resume step 1 of a root that is gone."""
+    """A memory checkpoint is restored only from its record in the root. A run saved steps 1
+    and 2 to memory and was killed; its root was then deleted and the same command started
+    again (a new run in its place: same path, same config, the memory still there): it must
+    start from scratch, not resume step 2 of a root that is gone."""
     text = size_runs.stale.finish()
     assert "dckpt resume: no committed checkpoint; starting from scratch" in text, text
     assert "from the memory tier" not in text, text
+
+
+# --- 7: what an outside peer can do -------------------------------------------------------------
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    import psutil
+
+    conns = psutil.Process(pid).net_connections(kind="inet")
+    return sorted((c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN)
+
+
+def _modes(memory: Path) -> list[str]:
+    """Every directory and file under ``memory`` that others could enter or read."""
+    loose = []
+    for path in [memory, *memory.rglob("*")]:
+        mode = path.lstat().st_mode & 0o777
+        want = 0o700 if path.is_dir() else 0o600
+        if mode != want:
+            loose.append(f"{path}: {oct(mode)}")
+    return loose
+
+
+def test_no_listener_private_files_and_planted_steps(tmp_path: Path) -> None:
+    """A memory job (2 ranks as 2 nodes) beside the same job without the memory tier: the
+    memory tier adds no listening socket (each rank listens on as many ports as the other
+    job's rank, all of them torch.distributed's own: gloo's on 127.0.0.1, the rendezvous
+    store's), starts no other process, and keeps its files 0600 in 0700 directories. Then a
+    real memory step's files, planted in both nodes' memory as step 99 with a re-sealed
+    manifest beside them, but without a record in the root, are never restored."""
+    mem, log = tmp_path / "mem", tmp_path / "mem.jsonl"
+    args = ["--steps", "30", "--save-every", "10"]
+    memory_job = Job(
+        tmp_path / "ckpt",
+        [*args, "--memory-every", "1", "--memory-dir", str(mem), "--loss-log", str(log)],
+        tmp_path / "memory-job",
+        nodes=(0, 1),
+    ).start()
+    plain_log = tmp_path / "plain.jsonl"
+    plain = Job(
+        tmp_path / "plain", [*args, "--loss-log", str(plain_log)], tmp_path / "plain-job", (0, 1)
+    ).start()
+    planted = tmp_path / "planted"
+    try:
+
+        def training() -> bool:
+            steps = [len(p.read_text().splitlines()) if p.exists() else 0 for p in (log, plain_log)]
+            return min(steps) >= 3 and len(_recorded(memory_job.root)) >= 1
+
+        both = [*memory_job.procs, *plain.procs]
+        _wait_until(training, both, "both jobs training", lambda: memory_job.text() + plain.text())
+        store_port = None
+        for rank in (0, 1):
+            with_memory = _listening(memory_job.procs[rank].pid)
+            without = _listening(plain.procs[rank].pid)
+            assert len(with_memory) == len(without), (rank, with_memory, without)
+            for ip, port in with_memory:  # only the rendezvous store listens beyond loopback
+                if ip not in ("127.0.0.1", "::1"):
+                    assert rank == 0 and store_port in (None, port), (rank, with_memory)
+                    store_port = port
+        import psutil
+
+        for p in memory_job.procs:
+            assert psutil.Process(p.pid).children(recursive=True) == [], "a process was started"
+        assert _modes(mem) == [], _modes(mem)
+
+        # Copy a real, committed memory step's files aside while they are in memory.
+        def copied() -> bool:
+            step = _recorded(memory_job.root)[-1]
+            try:
+                for rank in (0, 1):
+                    src = own_dir(mem / f"node-{rank}") / step_dir_name(step)
+                    shutil.copytree(src, planted / f"rank{rank}", dirs_exist_ok=True)
+                    shutil.copy(memory_job.root / "memory" / f"{step_dir_name(step)}.json", planted)
+            except OSError:
+                shutil.rmtree(planted, ignore_errors=True)
+                return False
+            return True
+
+        _wait_until(copied, memory_job.procs, "a memory step copied", memory_job.text)
+        memory_job.finish()
+        plain.finish()
+    finally:
+        memory_job.kill()
+        plain.kill()
+    # The run ended well (its last checkpoint is durable): its memory was freed. Plant step 99.
+    import dataclasses
+
+    from dckpt.root.manifest import manifest_bytes, parse_manifest
+
+    record = next(planted.glob("step-*.json"))
+    forged = dataclasses.replace(parse_manifest(record.read_bytes(), str(record)), step=99)
+    for node in (0, 1):
+        for rank in (0, 1):
+            where = own_dir if rank == node else lambda d, r=rank: replica_dir(d, r)
+            target = where(mem / f"node-{node}") / step_dir_name(99)
+            target.mkdir(parents=True, exist_ok=True)
+            name = f"rank-{rank:05d}.mem"
+            shutil.copy(planted / f"rank{rank}" / name, target / name)
+            (target / "manifest.json").write_bytes(manifest_bytes(forged))
+    listed = dckpt_cli("ls", str(memory_job.root), "--memory-dir", str(mem), "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [r for r in json.loads(listed.stdout) if r["tier"] == "memory" and r["step"] == 99]
+    assert rows and all(not r["recorded"] for r in rows), rows
+    assert all("no record in the root: never restored" in r["error"] for r in rows), rows
+    again = Job(
+        memory_job.root,
+        ["--steps", "31", "--save-every", "10", "--memory-every", "1", "--memory-dir", str(mem)],
+        tmp_path / "again",
+        nodes=(0, 1),
+    ).start()
+    text = again.finish()
+    line = _resume_line(text)
+    assert line == f"dckpt resume: step 30 from {memory_job.root / step_dir_name(30)}", text
+    assert "from the memory tier" not in text, text
+    note = "warning: memory tier: step 99 in node 0's memory has no record in "
+    assert note in text and "never restored" in text, text  # said, for both nodes
+    assert "step 99 in node 1's memory has no record" in text, text

@@ -162,5 +162,5 @@ def test_ranks_that_pass_different_steps_to_save_are_refused_and_nothing_is_comm
     errors = run_world(_save_another_step_per_rank, 2, str(tmp_path))
     for error in errors:
         assert "save() was called with different steps or tiers on different ranks" in error
-        assert "rank 0: 10, rank 1: 11" in error
+        assert "rank 0: 10 (durable), rank 1: 11 (durable)" in error
     assert committed_steps(tmp_path) == []

@@ -438,3 +438,47 @@ def test_a_store_that_ignores_conditional_writes_is_refused_a_lock(
     finally:
         proxy.close()
     assert "run/.dckpt-lock" not in s3.keys(bucket)
+
+
+def _memory_on_s3(
+    rank: int, world: int, root: str, base: str, resume: bool
+) -> tuple[int | None, list[list[float]], str]:
+    import dckpt
+
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    model, opt = _model()
+    state = dckpt.TrainState(model, opt)
+    config = dckpt.CheckpointConfig(
+        root=root, mirror=Path(base) / f"mirror{rank}", memory=True, memory_dir=Path(base) / "mem"
+    )
+    with dckpt.CheckpointManager(config, state) as mgr:
+        if resume:
+            report = mgr.resume()
+            return report.step, [t.tolist() for t in _flat(model)], report.format()
+        for step, tier in ((1, "durable"), (2, "memory")):
+            state.step = step
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(float(step))
+            mgr.save(step, tier=tier).result()
+    return None, [t.tolist() for t in _flat(model)], ""
+
+
+def test_the_memory_tier_records_its_manifests_in_the_bucket(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Under an s3:// root a memory save's commit is one PUT of its manifest, in the bucket
+    (``memory/step-N.json``); a resume on two "nodes" reads it there and restores the step
+    from memory, every file proven against it."""
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/jobs/m"
+    saved = run_world(_memory_on_s3, 2, root, str(tmp_path), False, env=s3_env)
+    keys = s3.keys(bucket)
+    assert "jobs/m/memory/step-00000002.json" in keys, keys
+    assert not [k for k in keys if k.startswith("jobs/m/step-00000002")], keys
+    resumed = run_world(_memory_on_s3, 2, root, str(tmp_path), True, env=s3_env)
+    for rank, (step, weights, report) in enumerate(resumed):
+        assert step == 2, report
+        assert weights == saved[rank][1]
+        assert "from the memory tier (local memory" in report, report
+        assert f"against the manifest in s3://{bucket}/jobs/m/memory/step-00000002.json" in report

@@ -1,8 +1,8 @@
 """The ``dckpt`` command: look at, check, inspect and manage checkpoints without Python.
 
 Commands: ``ls``, ``verify``, ``inspect`` (reading.py); ``gc``, ``pin``, ``unpin``
-(manage.py); ``diff``, ``export`` (tensors.py); ``plan`` (planning.py); each also on an
-s3:// root (remote.py). Exit codes: 0 ok; 2
+(manage.py); ``diff``, ``export`` (tensors.py); ``plan`` (planning.py); ``memory clear``
+(memory_tier.py); each but ``memory clear`` also on an s3:// root (remote.py). Exit codes: 0 ok; 2
 bad usage, or a root/step that does not exist or is not dckpt's; 3 an integrity failure.
 Importing this package does not import torch.
 """
@@ -22,6 +22,7 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     from .manage import cmd_gc, cmd_pin, cmd_unpin
+    from .memory_tier import cmd_memory_clear
     from .planning import cmd_plan
     from .reading import cmd_inspect, cmd_ls, cmd_verify
     from .tensors import cmd_diff, cmd_export
@@ -130,6 +131,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("memory", help="the memory tier of a root on this host")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    v = verbs.add_parser(
+        "clear",
+        help="free this host's memory tier of a root (the job ends well: freed by itself)",
+    )
+    v.add_argument("root")
+    v.add_argument("--memory-dir", default=None, help="the memory tier's directory")
+    v.add_argument(
+        "--records",
+        action="store_true",
+        help="also remove the root's records of memory steps (ROOT/memory/), so no resume "
+        "looks for them again",
+    )
+    v.add_argument("--force", action="store_true", help="even while a job holds the lock")
+    v.add_argument("--json", action="store_true", help="machine-readable output")
+    v.set_defaults(func=cmd_memory_clear)
+
     for name, func, what in (
         ("pin", cmd_pin, "keep a step through retention"),
         ("unpin", cmd_unpin, "let retention judge a step again"),
@@ -144,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # exits 2 on bad usage
     try:
-        if is_url(getattr(args, "root", None)):
+        if is_url(getattr(args, "root", None)) and args.command != "memory":
             from .remote import run_remote
 
             code: int = run_remote(args)

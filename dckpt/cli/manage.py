@@ -21,7 +21,7 @@ from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
 __all__ = ["cmd_gc", "cmd_pin", "cmd_unpin", "print_gc"]
 
 
-def _live_lock_owner(args: argparse.Namespace) -> str | None:
+def live_lock_owner(args: argparse.Namespace) -> str | None:
     # Never follows a symlink or waits on a FIFO put in the lock's place.
     raw = read_small_file(root_arg(args.root) / LOCK_FILE, 64 << 10)
     try:
@@ -44,7 +44,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         policy = RetentionPolicy(keep_last=args.keep_last, best_k=args.best_k, best_mode=args.mode)
     except ValueError as exc:
         fail(EXIT_USAGE, str(exc))
-    owner = _live_lock_owner(args)
+    owner = live_lock_owner(args)
     if owner is not None and not args.dry_run and not args.force:
         fail(
             EXIT_USAGE,

@@ -1,27 +1,38 @@
-"""The memory tier as the CLI shows it: what this node's memory holds for a root, and its costs.
+"""The memory tier as the CLI shows it: ``dckpt ls`` lists it, ``dckpt plan`` plans with its
+measured costs, ``dckpt memory clear`` frees it.
 
-``dckpt ls ROOT`` lists the memory tier next to the durable one (``memory_records``): every
-committed memory checkpoint under the root's memory directory on this node, its own copy and
-the replicas it keeps for other nodes, and whether that node's keeper answers. ``dckpt plan
-ROOT`` reads the newest memory save's measured costs and the last memory restore
-(``memory_costs``). Reads files only; never starts a keeper.
+A memory checkpoint is a record in the root's ledger (its manifest: dckpt.root.memory_ledger)
+and the files the nodes hold in memory. ``memory_records`` joins the two for this host: one
+record per copy this host holds (``own``, or ``replica of node k``), one per recorded step
+this host holds no copy of, and one per step this host holds without a record (never
+restored: a save that did not commit, or files planted there). Reads files only.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
-from ..root.layout import step_dir_name
-from ..root.manifest import MANIFEST_FILE, parse_manifest
+from ..root.manifest import Manifest, parse_manifest
+from ..root.memory_ledger import DirectoryLedger, MemoryLedger
 from ..tiers import memory_layout as layout
-from ..tiers.keeper_client import KeeperClient, read_keeper_file
+from ..units import human_bytes
+from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
 
-__all__ = ["memory_costs", "memory_dir_for", "memory_records"]
+__all__ = [
+    "cmd_memory_clear",
+    "memory_costs",
+    "memory_dir_for",
+    "memory_records",
+    "print_memory_ls",
+]
 
 
 def memory_dir_for(root: str, memory_dir: str | None) -> Path:
@@ -30,77 +41,105 @@ def memory_dir_for(root: str, memory_dir: str | None) -> Path:
     return CheckpointConfig(root=root, memory_dir=given).memory_root
 
 
-def _keeper_state(node_dir: Path) -> str:
-    found = read_keeper_file(node_dir)
-    if found is None:
-        return "no keeper"
-    try:
-        KeeperClient(f"{found['host']}:{found['port']}", timeout_s=2.0).hello()
-    except CheckpointError:
-        return f"keeper pid {found['pid']} not answering"
-    return f"keeper pid {found['pid']} up"
+def _manifests(ledger: MemoryLedger) -> dict[int, Manifest | str]:
+    found: dict[int, Manifest | str] = {}
+    for step in ledger.steps():
+        try:
+            found[step] = parse_manifest(ledger.read(step), ledger.where(step))
+        except (OSError, CheckpointError) as exc:
+            found[step] = str(exc)
+    return found
 
 
-def memory_records(memory_root: Path) -> list[dict[str, Any]]:
-    """One record per committed memory checkpoint copy on this node, newest first."""
+def memory_records(ledger: MemoryLedger, memory_root: Path) -> list[dict[str, Any]]:
+    """What the memory tier holds for a root, seen from this host, newest step first: one
+    record per copy held here, one per recorded step held nowhere here, one per step held
+    here without a record (see the module docstring)."""
     now = time.time()
+    manifests = _manifests(ledger)
     records: list[dict[str, Any]] = []
+    held_steps: set[int] = set()
     for node_dir in sorted(memory_root.glob("node-*")):
-        node = node_dir.name.removeprefix("node-")
-        keeper = _keeper_state(node_dir)
-        places = [(layout.own_dir(node_dir), "own", node)]
-        places += [
-            (d, f"replica of node {d.name.removeprefix('node-')}", d.name.removeprefix("node-"))
-            for d in sorted((node_dir / "replica").glob("node-*"))
-        ]
-        for parent, copy, of_node in places:
-            for step in layout.committed_memory_steps(parent):
-                d = parent / step_dir_name(step)
-                record: dict[str, Any] = {
-                    "tier": "memory",
-                    "step": step,
-                    "node": int(node),
-                    "copy": copy,
-                    "path": str(d),
-                    "keeper": keeper,
-                    "error": None,
-                }
-                try:
-                    manifest = parse_manifest((d / MANIFEST_FILE).read_bytes(), str(d))
-                    nodes = manifest.mesh.get("nodes") or []
-                    mine = [
-                        f
-                        for f in manifest.files
-                        if f.rank < len(nodes) and str(nodes[f.rank]) == of_node
-                    ]
-                    record.update(
-                        bytes=sum(f.bytes for f in mine),
-                        files=len(mine),
-                        age_s=max(0.0, now - manifest.created_at),
-                    )
-                except (OSError, CheckpointError) as exc:
-                    record.update(bytes=0, files=None, age_s=None, error=str(exc))
-                records.append(record)
-    return sorted(records, key=lambda r: (-r["step"], r["node"], r["copy"]))
+        node = int(node_dir.name.removeprefix("node-"))
+        copies: dict[tuple[int, str], list[tuple[str, int]]] = {}
+        for step, where, name, size in layout.held_steps(node_dir):
+            copies.setdefault((step, where), []).append((name, size))
+        for (step, where), files in copies.items():
+            held_steps.add(step)
+            manifest = manifests.get(step)
+            record: dict[str, Any] = {
+                "tier": "memory",
+                "step": step,
+                "node": node,
+                "copy": where,
+                "path": str(node_dir),
+                "bytes": sum(size for _, size in files),
+                "files": len(files),
+                "recorded": isinstance(manifest, Manifest),
+                "age_s": None,
+                "error": None,
+            }
+            if isinstance(manifest, Manifest):
+                record["age_s"] = max(0.0, now - manifest.created_at)
+                want = manifest.file_map()
+                odd = [n for n, size in files if n not in want or want[n].bytes != size]
+                if odd:
+                    record["error"] = f"{', '.join(odd)} not as recorded: never restored"
+            elif manifest is None:
+                record["error"] = "no record in the root: never restored"
+            else:
+                record["error"] = manifest
+            records.append(record)
+    for step, manifest in manifests.items():
+        if step in held_steps:
+            continue
+        records.append(
+            {
+                "tier": "memory",
+                "step": step,
+                "node": None,
+                "copy": "not on this host",
+                "path": ledger.where(step),
+                "bytes": manifest.total_bytes if isinstance(manifest, Manifest) else 0,
+                "files": len(manifest.files) if isinstance(manifest, Manifest) else None,
+                "recorded": True,
+                "age_s": max(0.0, now - manifest.created_at)
+                if isinstance(manifest, Manifest)
+                else None,
+                "error": None if isinstance(manifest, Manifest) else manifest,
+            }
+        )
+    return sorted(records, key=lambda r: (-r["step"], r["node"] is None, r["node"] or 0, r["copy"]))
 
 
-def memory_costs(memory_root: Path) -> dict[str, float] | None:
-    """The newest memory save's measured costs and the last memory restore on this node
+def print_memory_ls(records: list[dict[str, Any]], memory_root: Path, age: Any) -> None:
+    """The memory tier's table (``age`` formats seconds as ``ls`` does)."""
+    table = Table(title=f"memory tier (records in the root; copies on this host, {memory_root})")
+    for col in ("step", "node", "copy", "size", "files", "age", "recorded", "note"):
+        table.add_column(col, justify="right" if col in ("step", "node", "size") else "left")
+    for r in records:
+        table.add_row(
+            str(r["step"]),
+            "-" if r["node"] is None else str(r["node"]),
+            r["copy"],
+            human_bytes(r["bytes"]),
+            "-" if r["files"] is None else str(r["files"]),
+            age(r["age_s"]),
+            "yes" if r["recorded"] else "NO",
+            "" if r["error"] is None else r["error"][:80],
+        )
+    out.print(table)
+
+
+def memory_costs(ledger: MemoryLedger, memory_root: Path) -> dict[str, float] | None:
+    """The newest memory save's measured costs and the last memory restore on this host
     (``restore_s`` absent when no resume used the tier here yet); None: no memory save."""
-    best: tuple[int, Path] | None = None
-    for node_dir in memory_root.glob("node-*"):
-        steps = layout.committed_memory_steps(layout.own_dir(node_dir))
-        if steps and (best is None or steps[-1] > best[0]):
-            best = (steps[-1], layout.own_dir(node_dir) / step_dir_name(steps[-1]))
-    if best is None:
+    manifests = [m for m in _manifests(ledger).values() if isinstance(m, Manifest)]
+    if not manifests:
         return None
-    try:
-        manifest = parse_manifest((best[1] / MANIFEST_FILE).read_bytes(), str(best[1]))
-    except (OSError, CheckpointError):
-        return None
-    t = manifest.timings
+    t = max(manifests, key=lambda m: m.step).timings
     costs = {
-        "bytes": float(manifest.total_bytes),
+        "bytes": float(max(manifests, key=lambda m: m.step).total_bytes),
         "stall_s": t.get("training_slowed_s", t.get("stall_s", 0.0)),
         "commit_s": t.get("to_commit_s", 0.0),
     }
@@ -111,3 +150,39 @@ def memory_costs(memory_root: Path) -> dict[str, float] | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return costs
+
+
+def cmd_memory_clear(args: argparse.Namespace) -> int:
+    """``dckpt memory clear ROOT``: free this host's memory tier of a root (every node
+    directory under its memory directory here); with ``--records``, also remove the root's
+    ledger, so no resume looks for that memory again."""
+    from ..tiers.url import is_url
+    from .manage import live_lock_owner
+
+    ledger: MemoryLedger
+    if is_url(args.root):  # the records are in the bucket; the memory is on this host
+        from ..tiers.object_ledger import ObjectLedger
+        from .remote import open_root
+
+        ledger, root_name = ObjectLedger(open_root(args.root)), args.root
+    else:
+        root = root_arg(args.root)
+        owner = live_lock_owner(args)
+        if owner is not None and not args.force:
+            fail(
+                EXIT_USAGE,
+                f"{root} is held by {owner}, which may be saving to its memory tier. Stop it "
+                "first, or use --force.",
+            )
+        ledger, root_name = DirectoryLedger(root), str(root)
+    memory_root = memory_dir_for(root_name, args.memory_dir)
+    freed = layout.clear(memory_root) if memory_root.exists() else 0
+    records = ledger.keep_newest(0) if args.records else []
+    if args.json:
+        doc = {"memory_dir": str(memory_root), "freed_bytes": freed, "records_removed": records}
+        print(json.dumps(doc))
+        return EXIT_OK
+    out.print(f"freed {human_bytes(freed)} of memory under {memory_root} on this host")
+    if args.records:
+        out.print(f"removed the records of memory steps {records or 'none'} from {ledger}")
+    return EXIT_OK

@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 import psutil
 
 from ..errors import IntegrityError, ManifestError
 from ..root.manifest import read_manifest
+from ..root.memory_ledger import DirectoryLedger
 from ..units import plural
 from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, committed_dir, fail, human, out, root_arg
 from .memory_tier import memory_costs, memory_dir_for
@@ -127,7 +129,8 @@ def _memory_plan(
     has memory checkpoints on this host; None otherwise."""
     if args.root is None:
         return None
-    costs = memory_costs(memory_dir_for(args.root, args.memory_dir))
+    root = Path(args.root)
+    costs = memory_costs(DirectoryLedger(root), memory_dir_for(args.root, args.memory_dir))
     if costs is None:
         return None
     inputs = dataclasses.replace(

@@ -25,6 +25,7 @@ from rich.table import Table
 from ..errors import IntegrityError, ManifestError
 from ..root.layout import CheckpointEntry, list_checkpoints, pinned_steps
 from ..root.manifest import Manifest, read_manifest
+from ..root.memory_ledger import DirectoryLedger
 from ..root.verify import VerifyResult, read_verification, record_verification, verify_checkpoint
 from ..save.step_clock import describe_cost
 from ..units import describe_staging
@@ -41,7 +42,7 @@ from .common import (
     plural,
     root_arg,
 )
-from .memory_tier import memory_dir_for, memory_records
+from .memory_tier import memory_dir_for, memory_records, print_memory_ls
 
 __all__ = [
     "cmd_inspect",
@@ -49,6 +50,7 @@ __all__ = [
     "cmd_verify",
     "ls_record",
     "print_ls",
+    "print_ls_with_memory",
     "print_verify",
     "with_manifest",
 ]
@@ -121,34 +123,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
     pins = pinned_steps(root)
     records = [_ls_record(e, now, pins) for e in list_checkpoints(root)]
     memory_root = memory_dir_for(str(root), args.memory_dir)
-    memory = memory_records(memory_root)
+    memory = memory_records(DirectoryLedger(root), memory_root)
+    return print_ls_with_memory(args, records, str(root), memory, memory_root)
+
+
+def print_ls_with_memory(
+    args: argparse.Namespace,
+    records: list[dict[str, Any]],
+    root: str,
+    memory: list[dict[str, Any]],
+    memory_root: Path,
+) -> int:
+    """``ls``: the durable tier's checkpoints, then the memory tier's (both in ``--json``,
+    each record with its ``tier``)."""
     if args.json:
         print(json.dumps([{"tier": "durable", **r} for r in records] + memory, indent=1))
         return EXIT_OK
     if records or not memory:
-        print_ls(args, records, str(root))
+        print_ls(args, records, root)
     if memory:
-        print_memory_ls(memory, memory_root)
+        print_memory_ls(memory, memory_root, _age)
     return EXIT_OK
-
-
-def print_memory_ls(records: list[dict[str, Any]], memory_root: Path) -> None:
-    """The memory tier's table: each copy this node's memory holds, and its keeper."""
-    table = Table(title=f"memory tier on this host, under {memory_root}")
-    for col in ("step", "node", "copy", "size", "files", "age", "keeper", "note"):
-        table.add_column(col, justify="right" if col in ("step", "node", "size") else "left")
-    for r in records:
-        table.add_row(
-            str(r["step"]),
-            str(r["node"]),
-            r["copy"],
-            human(r["bytes"]),
-            "-" if r["files"] is None else str(r["files"]),
-            _age(r["age_s"]),
-            r["keeper"],
-            "" if r["error"] is None else r["error"][:80],
-        )
-    out.print(table)
 
 
 def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str) -> int:

@@ -24,20 +24,22 @@ from ..errors import CheckpointError, IntegrityError, ManifestError
 from ..root.layout import step_dir_name
 from ..root.retention import RetentionPolicy
 from ..root.verify import FileProblem, VerifyResult
+from ..tiers.object_ledger import ObjectLedger
 from ..tiers.object_root import ObjectRoot
 from ..tiers.object_source import ObjectSource
 from ..tiers.s3_store import S3Store
 from ..tiers.url import parse_url
 from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, err, fail, out
 from .manage import print_gc
-from .reading import ls_record, print_ls, print_verify, with_manifest
+from .memory_tier import memory_dir_for, memory_records
+from .reading import ls_record, print_ls_with_memory, print_verify, with_manifest
 
-__all__ = ["run_remote"]
+__all__ = ["open_root", "run_remote"]
 
 IN_PLACE = ("ls", "verify", "gc", "pin", "unpin")
 
 
-def _open(url: str) -> ObjectRoot:
+def open_root(url: str) -> ObjectRoot:
     try:
         return ObjectRoot(S3Store(parse_url(url)))
     except ValueError as exc:
@@ -61,7 +63,7 @@ def _bar(what: str, total: int, quiet: bool) -> Iterator[Callable[[int], None]]:
 
 def run_remote(args: argparse.Namespace) -> int:
     """Run ``args.command`` on the s3:// root ``args.root``."""
-    objects = _open(args.root)
+    objects = open_root(args.root)
     try:
         if args.command in IN_PLACE:
             handler: Callable[[argparse.Namespace, ObjectRoot], int] = globals()[f"_{args.command}"]
@@ -92,7 +94,9 @@ def _ls(args: argparse.Namespace, objects: ObjectRoot) -> int:
             except (ManifestError, IntegrityError) as exc:
                 record["error"] = str(exc)
         records.append(record)
-    return print_ls(args, records, str(objects))
+    memory_root = memory_dir_for(str(objects), args.memory_dir)
+    memory = memory_records(ObjectLedger(objects), memory_root)
+    return print_ls_with_memory(args, records, str(objects), memory, memory_root)
 
 
 def _verify(args: argparse.Namespace, objects: ObjectRoot) -> int:

@@ -44,6 +44,16 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather(self, obj: T, dst: int = 0) -> list[T] | None:
+        """Every rank's ``obj`` on ``dst`` (None elsewhere): what only one rank needs costs the
+        others one send each, not the whole world's objects."""
+        if not self.distributed:
+            return [obj]
+        assert self.group is not None
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        return out
+
     def broadcast(self, obj: T, src: int = 0) -> T:
         if not self.distributed:
             return obj

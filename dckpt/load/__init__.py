@@ -1,5 +1,7 @@
-"""The load and resume: the ordered resume (``resumer``, which states the resume protocol), its
-checks, its report, the config check, the loss watch, and offline reading for the CLI.
+"""The load and resume: the ordered resume over every tier's candidates (``resumer``, which
+states the resume protocol), the tiers' readers (``durable``: fetch, prove, DCP load;
+``memory``: the memory tier's source and reader), the checks, the report, the config check,
+the loss watch, and offline reading for the CLI.
 
-Reaches down into ``train``, ``dist``, ``root`` and ``storage``; never into ``save``.
+Reaches down into ``train``, ``dist``, ``tiers``, ``root`` and ``storage``; never into ``save``.
 """

@@ -45,6 +45,7 @@ from .config_check import ConfigPolicy
 from .report import CandidateReport
 
 __all__ = [
+    "CandidateChecks",
     "agree_on_manifest",
     "check_config_and_precision",
     "check_grad_scaler",
@@ -55,6 +56,41 @@ __all__ = [
     "resolve_per_rank",
     "verify_rest",
 ]
+
+
+class CandidateChecks:
+    """The checks every tier's candidate passes before any byte of it is loaded: the config
+    and precision (every rank judges; all raise the first refusal together), the kinds of
+    state, the GradScaler record."""
+
+    def __init__(
+        self,
+        *,
+        comm: Comm,
+        run_config: dict[str, Any],
+        precision: PrecisionPolicy | None,
+        policy: ConfigPolicy,
+        state: TrainState,
+    ) -> None:
+        self.comm = comm
+        self.run_config = run_config
+        self.precision = precision
+        self.policy = policy
+        self.state = state
+
+    def run(self, manifest: Manifest, report: CandidateReport, *, with_config: bool) -> None:
+        name = report.path.name
+        if with_config:
+            refused: CheckpointError | None = None
+            try:
+                check_config_and_precision(
+                    manifest, self.run_config, self.precision, self.policy, name, report
+                )
+            except CheckpointError as exc:
+                refused = exc
+            raise_first(self.comm, refused)
+        check_state_kinds(manifest, self.state, name, report)
+        check_grad_scaler(manifest, self.state, name, report)
 
 
 def fetch_candidate(

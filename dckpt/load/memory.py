@@ -1,480 +1,510 @@
-"""Resuming from the memory tier: the newest memory checkpoint, each byte proven, or a reason.
+"""Resuming from the memory tier: ``MemorySource`` (a ``CheckpointSource``) and ``MemoryReader``.
 
-``MemoryRestore.restore`` runs on every rank at the start of a resume (dckpt.load.resumer,
-step 1b), before the durable candidates, and either loads a memory checkpoint or says why
-not (the resume then goes on with the durable tier, reporting that reason):
+The resume protocol (dckpt.load.resumer) tries every candidate of every source newest first;
+a memory candidate is a step in the root's ledger (dckpt.root.memory_ledger), and trying it
+takes these steps, on every rank, each failure said on every rank:
 
-1. each node's first rank asks its keeper what it holds (its own steps, its replicas of
-   other nodes); every rank learns every answer (all-gather);
-2. a step is a candidate when every node of this world has a copy somewhere: its own memory
-   or a replica on another node's keeper; only candidates at least as new as the newest
-   durable step are tried, newest first;
-3. every rank reads the manifest (its node's own copy, else the replica's, from the keeper
-   that holds it); all ranks must hold the same bytes; the manifest must name this root (its
-   id) and a durable step the root still holds (``mesh.after``), this world and these nodes;
-4. each node proves the files its ranks read (their own; every rank's when the save shares
-   replicated tensors, ``mesh.shared``), each file once, split among the node's ranks: a
-   copy in the node's memory (its own, or the replica it keeps of another node) is hashed
-   where it lies; if it is missing or does not match the writer's digest, it is fetched from
-   another node's keeper into ``fetched/``, hashed as it arrives, and named only if it
-   matched; a copy that does not match is never read further;
-5. if any file has no proven copy, the candidate is dropped on every rank (its reasons are
-   kept for the report); otherwise the config, precision, state kinds and GradScaler are
-   checked exactly as for a durable checkpoint (a refusal there refuses the resume: the
-   durable tier holds the same run), and each rank copies its tensors into the live state
-   by name, shape and dtype, from whichever proven file holds them, then restores its RNG.
+1. **the record** (``MemorySource.fetch``): rank 0 reads the step's manifest from the root's
+   ledger (where only the job writes: a step found in memory without a record there is
+   never read) and lists the root's durable steps; every rank gets both (one broadcast) and
+   checks the manifest: its self-digest, a memory manifest of this world on these nodes, and
+   its durable anchor (``mesh["after"]``, required): the newest durable step at or before it
+   must be the one it followed, else it belongs to a branch the run left;
+2. **proof in place**: each node proves the files its ranks read (their own; every rank's
+   when the save shares replicated tensors, ``mesh["shared"]``), each once, split among the
+   node's ranks: a copy in the node's memory (its own, or the replica it keeps for the node
+   before it on the ring) is hashed where it lies against the manifest's digest;
+3. **exchange**: every rank learns every proof (an all-gather, with what each node holds);
+   each file no copy of which proved on a node that needs it is sent by a rank of a node
+   that holds one, over dckpt's gloo group (dckpt.dist.transfer), into the node's memory
+   (its ``own/`` or ``replica/`` place, so a replaced node gets its memory back), hashed as
+   it arrives and renamed in only if it matched; a node that holds no copy makes the step
+   unavailable (``CheckpointNotFoundError``: the resume goes on with the next candidate and
+   says why), a copy that arrives damaged is damage (``IntegrityError``: every copy failed);
+4. **config and state** (``MemoryReader.load``): the same checks as a durable checkpoint's
+   (dckpt.load.checks), then each rank matches every live tensor to its bytes by name, shape
+   and dtype (``StateFill``, writing nothing), the ranks agree, and only then does each copy
+   its tensors in, restore its non-tensor values and its RNG.
 
 Invariants: no byte of a memory file is interpreted before its digest matched the manifest
-the ranks agreed on; ranks never mix steps or tiers (every choice is an all-gather).
+from the root's ledger; ranks never mix steps or tiers (every choice is a collective).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import mmap
 import os
-import shutil
+import stat
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..dist.comm import Comm
-from ..errors import CheckpointError
+from ..dist.transfer import Incoming, Outgoing, TransferError, move
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    StateMismatchError,
+    WorldError,
+)
 from ..root.layout import step_dir_name
-from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
+from ..root.manifest import Manifest, parse_manifest
+from ..root.memory_ledger import MemoryLedger
 from ..storage.digest import format_digest, new_hasher
-from ..storage.memory_file import FlatFile, StateFill, map_for_reading
+from ..storage.memory_file import FlatFile, MemoryFileError, StateFill
 from ..storage.records import FileRecord
 from ..tiers import memory_layout as layout
-from ..tiers.keeper_client import KeeperClient
-from ..tiers.memory_node import MemoryNode, memory_file_name
 from ..train import rng
 from ..train.state import TrainState
 from ..units import human_bytes
-from .report import CandidateReport
+from .checks import CandidateChecks, raise_first
+from .report import CandidateReport, LoadResult
 
-__all__ = ["MemoryLoad", "MemoryRestore"]
+__all__ = ["MemoryFetched", "MemoryReader", "MemorySource"]
 
-
-@dataclass(frozen=True)
-class MemoryLoad:
-    """A memory checkpoint loaded into the state."""
-
-    step: int
-    manifest: Manifest
-    path: Path
-    bytes: int
-    seconds: float
-
-
-Proof = tuple[str, str, tuple[int, int, int]]
-"""A proven file: a path every rank of the node can map, how it was proven, its identity."""
-
-
-class _UnusableError(Exception):
-    """This candidate cannot be restored on this rank (the reason says why)."""
-
-
-class _ForeignError(_UnusableError):
-    """This candidate belongs to another root or another branch of the run: not this run's
-    to lose (a fresh start past it is right)."""
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass
-class Outcome:
-    """What the memory tier's part of a resume found, when it loaded nothing."""
+class MemoryFetched:
+    """A memory candidate proven on every node: its manifest, and this node's files."""
 
-    skipped: list[tuple[int, str]]
-    """Candidates not used, and why."""
-    lost: list[tuple[int, str]]
-    """Of those, the ones that were this run's (not another root's or branch's): a fresh
-    start past them would throw work away."""
-    dirty: bool = False
-    """A restore failed after it began copying into the state: the state is mixed."""
+    manifest: Manifest
+    proofs: dict[str, tuple[str, tuple[int, int, int]]]
+    """File name -> (its path on this node, its identity when proven), for this node's ranks."""
+    hows: list[str]
+    """Per rank: where the files it proved came from (the report's ``memory`` line)."""
+    remote: list[int] = field(default_factory=list)
+    """The ranks that received files from another node."""
+    warnings: list[str] = field(default_factory=list)
+    maps: dict[str, mmap.mmap] = field(default_factory=dict)
+    """The mappings this rank made to prove its files, kept for its reads."""
+
+    def line(self) -> str:
+        return "; ".join(f"rank {r}: {h}" for r, h in enumerate(self.hows))
 
 
-class MemoryRestore:
-    """The memory tier's part of a resume; see the module docstring."""
+class MemorySource:
+    """The memory tier's candidates and their proof; see the module docstring."""
 
-    def __init__(self, ctl: Comm, tier: MemoryNode) -> None:
+    def __init__(
+        self,
+        *,
+        ctl: Comm,
+        ledger: MemoryLedger,
+        node_of: tuple[int, ...],
+        memory_dir: Path,
+        durable_steps: Callable[[], list[int]],
+        timeout_s: float,
+    ) -> None:
         self.ctl = ctl
-        self.tier = tier
+        self.ledger = ledger
+        self.node_of = node_of
         self.rank = ctl.rank
-        self._durable: set[int] = set()
+        self.node = node_of[self.rank]
+        self.memory_dir = Path(memory_dir)
+        self.dir = layout.node_dir(memory_dir, self.node)
+        self.local = layout.own_dir(self.dir)
+        self.durable_steps = durable_steps
+        self.timeout_s = timeout_s
+        self.mates = [r for r, n in enumerate(node_of) if n == self.node]
+        self.slots = layout.Slots(self.dir)
 
-    def holders(self) -> dict[int, dict[int, list[int]]]:
-        """step -> node -> the nodes whose keeper holds a copy of it (the node itself
-        first), from every node's keeper; steps some node has no copy of are left out."""
-        mine: dict[str, Any] | None = None
-        if self.tier.first:
+    def __str__(self) -> str:
+        return f"the memory tier ({self.memory_dir})"
+
+    def steps(self) -> list[int]:
+        return self.ledger.steps()
+
+    def origin(self, step: int) -> str:
+        return f"the memory tier ({self.memory_dir}, {step_dir_name(step)})"
+
+    def complete(self, step: int) -> None:
+        return None
+
+    def confirm_damage(self, step: int, exc: CheckpointError) -> None:
+        pass  # every copy was tried before a memory step is called damaged
+
+    def quarantine(self, step: int, reason: str) -> None:
+        self.ledger.quarantine(step, reason)
+
+    def quarantined_count(self) -> int:
+        return self.ledger.quarantined()
+
+    # --- step 1: the record ---------------------------------------------------------------------
+
+    def fetch(self, step: int) -> MemoryFetched:
+        manifest = self._record(step)
+        needed = self._needed(manifest)
+        records = manifest.file_map()
+        duty = [n for i, n in enumerate(needed) if self.mates[i % len(self.mates)] == self.rank]
+        fetched = MemoryFetched(manifest, {}, [])
+        bad: dict[str, str] = {}
+        for name in duty:  # 2: this rank's share of its node's files, where they lie
+            path = self._place(step, name)
             try:
-                mine = self.tier.keeper.hello()
-            except CheckpointError as exc:
-                mine = {"error": str(exc)}
-        told = self.ctl.all_gather((self.tier.node, mine))
-        copies: dict[int, dict[int, list[int]]] = {}
-        for node, hello in told:
-            if not hello or "error" in hello:
-                continue
-            for step in hello.get("own", []):
-                copies.setdefault(int(step), {}).setdefault(node, []).insert(0, node)
-            for of_node, steps in hello.get("replicas", {}).items():
-                for step in steps:
-                    copies.setdefault(int(step), {}).setdefault(int(of_node), []).append(node)
-        nodes = set(self.tier.topology.node_of)
-        return {s: c for s, c in copies.items() if nodes <= set(c)}
+                fetched.maps[name], identity = _prove(path, records[name])
+                fetched.proofs[name] = (str(path), identity)
+            except FileNotFoundError:
+                bad[name] = ""
+            except (OSError, ValueError, IntegrityError) as exc:
+                bad[name] = str(exc)
+        listing = layout.held(self.dir, step) if self.mates[0] == self.rank else None
+        told = self.ctl.all_gather((listing, fetched.proofs, bad))
+        self._exchange(step, manifest, told, fetched)  # 3
+        return fetched
 
-    def restore(
-        self,
-        state: TrainState,
-        durable: list[int],
-        check: Any,
-    ) -> tuple[MemoryLoad, CandidateReport] | Outcome:
-        """Load the newest usable memory checkpoint at least as new as the newest of the
-        ``durable`` steps (the root's committed ones), or say why each candidate was not
-        used. ``check(manifest, report)`` runs the durable tier's config and state checks
-        (raising refuses). Every rank makes the same collective calls in every branch: a
-        failure on one rank is all-gathered, never raised past the others."""
-        copies = self.holders()
-        outcome = Outcome([], [])
-        self._durable = set(durable)
-        for step in sorted(copies, reverse=True):
-            if durable and step < max(durable):
-                break
-            try:
-                got = self._candidate(state, step, copies[step], check, outcome)
-            finally:
-                self._tidy_fetched()
-            if got is not None:
-                return got
-            if outcome.dirty:
-                break
-        return outcome
-
-    def _candidate(
-        self,
-        state: TrainState,
-        step: int,
-        copies: dict[int, list[int]],
-        check: Any,
-        outcome: Outcome,
-    ) -> tuple[MemoryLoad, CandidateReport] | None:
-        report = CandidateReport(step, self.tier.own / step_dir_name(step))
-        t0 = time.perf_counter()
+    def _record(self, step: int) -> Manifest:
         raw: bytes | None = None
-        failure: tuple[str, bool] | None = None  # (why, foreign)
-        try:  # every rank reaches the all-gather below, whatever failed before it
-            raw = self._manifest_raw(step, copies[self.tier.node])
-        except _UnusableError as exc:
-            failure = (str(exc), False)
-        shas = self.ctl.all_gather(None if raw is None else hashlib.sha256(raw).hexdigest())
-        if raw is not None and failure is None and len(set(shas)) != 1:
-            failure = ("the ranks did not all read the same manifest bytes", False)
-        proofs: dict[str, Proof] = {}
-        manifest: Manifest | None = None
-        if raw is not None and failure is None:
+        durable: list[int] = []
+        why: CheckpointError | None = None
+        if self.rank == 0:
             try:
-                manifest, needed = self._check_manifest(step, raw)
-                proofs = self._prove(step, manifest, needed, copies)
-            except _UnusableError as exc:
-                failure = (str(exc), isinstance(exc, _ForeignError))
-            except Exception as exc:  # anything else: a reason, not a hang of the others
-                failure = (f"rank {self.rank}: {exc!r}", False)
-        told_all = self.ctl.all_gather((failure, proofs))
-        if self._skip(step, [f for f, _ in told_all], outcome):
-            return None
-        assert manifest is not None
-        mine = [r for r, n in enumerate(self.tier.topology.node_of) if n == self.tier.node]
-        proven = {name: proof for r in mine for name, proof in told_all[r][1].items()}
-        if not manifest.mesh.get("shared"):  # this rank's own file holds all it needs
-            own = memory_file_name(self.rank)
-            proven = {own: proven[own]}
-        hows = [_summary(proved) for _, proved in told_all]
-        check(manifest, report)  # a refusal here refuses the resume, on every rank
-        prepared: tuple[StateFill, list[mmap.mmap]] | None = None
-        failure = None
+                raw = self.ledger.read(step)
+                durable = self.durable_steps()
+            except CheckpointError as exc:
+                why = exc
+            except OSError as exc:
+                why = CheckpointNotFoundError(f"cannot read {self.ledger.where(step)}: {exc}")
+        raw, durable, why = self.ctl.broadcast((raw, durable, why))
+        if why is not None:
+            raise why
+        assert raw is not None
+        manifest = parse_manifest(raw, self.ledger.where(step))  # the same on every rank
+        if manifest.step != step or manifest.mesh.get("tier") != "memory":
+            raise ManifestError(
+                f"{self.ledger.where(step)} is not the memory manifest of step {step}"
+            )
+        world = list(self.node_of)
+        if manifest.world_size != len(world) or manifest.mesh.get("nodes") != world:
+            raise CheckpointNotFoundError(
+                f"saved by {manifest.world_size} ranks on nodes {manifest.mesh.get('nodes')}, "
+                f"now {len(world)} ranks on nodes {world}: a memory checkpoint is restored by "
+                "the same ranks on the same nodes only"
+            )
+        names = {layout.file_name(r) for r in range(len(world))}
+        if {f.path for f in manifest.files} != names:
+            raise ManifestError(f"{self.ledger.where(step)} does not list one file per rank")
+        if "after" not in manifest.mesh:
+            raise CheckpointNotFoundError(
+                "its manifest names no durable anchor (mesh.after): it cannot be placed in this "
+                "run's history"
+            )
+        after = manifest.mesh["after"]
+        before = max((d for d in durable if d <= step), default=None)
+        if after != before:
+            raise CheckpointNotFoundError(
+                f"it follows durable step {after}, but the newest durable step at or before it "
+                f"is {before}: it belongs to a branch the run left (rolled back, or its durable "
+                "step was removed)"
+            )
+        return manifest
+
+    def _needed(self, manifest: Manifest) -> list[str]:
+        """The files this node's ranks read: every rank's for a save that shares replicated
+        tensors across the world, else this node's ranks' own."""
+        if manifest.mesh.get("shared") == "world":
+            ranks = list(range(len(self.node_of)))
+        else:
+            ranks = list(self.mates)
+        return [layout.file_name(r) for r in ranks]
+
+    def _place(self, step: int, name: str, node: int | None = None) -> Path:
+        """Where ``node`` (this one) keeps ``name`` of ``step``: its own ranks' files under
+        ``own/``, the files of the node before it on the ring under ``replica/``, any other
+        under ``replica/`` too (a world-shared save on a changed ring)."""
+        node = self.node if node is None else node
+        of_node = self.node_of[layout.rank_of(name)]
+        base = layout.node_dir(self.memory_dir, node)
+        parent = layout.own_dir(base) if of_node == node else layout.replica_dir(base, of_node)
+        return parent / step_dir_name(step) / name
+
+    # --- step 3: the exchange ---------------------------------------------------------------
+
+    def _exchange(
+        self,
+        step: int,
+        manifest: Manifest,
+        told: list[tuple[dict[str, str] | None, dict[str, Any], dict[str, str]]],
+        fetched: MemoryFetched,
+    ) -> None:
+        records = manifest.file_map()
+        holds = {self.node_of[r]: listing for r, (listing, _, _) in enumerate(told) if listing}
+        nodes = sorted(set(self.node_of))
+        plan: list[tuple[int, int, int, str]] = []  # (sender, receiver, holder node, name)
+        missing: list[str] = []
+        damaged: list[str] = []
+        for receiver, (_, _, bad) in enumerate(told):
+            for name in sorted(bad):
+                mine = self.node_of[receiver]
+                owner = self.node_of[layout.rank_of(name)]
+                holders = [n for n in [owner, *nodes] if n != mine and name in holds.get(n, {})]
+                if holders:
+                    ranks = [r for r, n in enumerate(self.node_of) if n == holders[0]]
+                    plan.append((ranks[len(plan) % len(ranks)], receiver, holders[0], name))
+                elif bad[name]:  # its one copy is damaged, and no other node holds one
+                    damaged.append(f"{name} on node {mine}: {bad[name]}")
+                else:
+                    missing.append(f"{name} (for rank {receiver})")
+        if damaged:
+            raise IntegrityError(
+                str(self.memory_dir),
+                "a copy that hashes to the writer's digest",
+                "; ".join(damaged),
+                detail=f"no copy of memory step {step} in any node's memory is intact",
+            )
+        if missing:
+            raise CheckpointNotFoundError(
+                f"no node holds {', '.join(missing)} in memory (a node lost its memory, and "
+                "the replica of it is gone too)"
+            )
+        outgoing: list[Outgoing] = []
+        incoming: list[Incoming] = []
+        pairs: dict[tuple[int, int], int] = {}
+        for sender, receiver, holder, name in plan:
+            tag = pairs.setdefault((sender, receiver), 0)
+            pairs[sender, receiver] = tag + 1
+            if sender == self.rank:
+                path = self._place(step, name, holder)
+                data = self.slots.view(path) if path.exists() else b""
+                outgoing.append(Outgoing(data, receiver, records[name].bytes, tag))
+            if receiver == self.rank:
+                into = self._place(step, name)
+                incoming.append(
+                    Incoming(sender, into, records[name].bytes, records[name].digest, tag, name)
+                )
+        t0 = time.perf_counter()
+        failure: CheckpointError | None = None
         try:
-            prepared = self._prepare(state, step, proven)
-        except Exception as exc:
-            failure = (f"rank {self.rank}: {exc}", False)
-        if self._skip(step, self.ctl.all_gather(failure), outcome):
-            _close(prepared[1] if prepared else [])
-            return None
-        assert prepared is not None
-        fill, maps = prepared
-        try:  # from here on the live state changes
-            rng_line = self._apply(state, fill)
-        except Exception as exc:
-            failure = (f"rank {self.rank}: restoring into the state failed: {exc!r}", False)
+            got = move(self.ctl, outgoing, incoming, self.slots, timeout_s=self.timeout_s)
+        except TransferError as exc:  # the group is gone: nothing more can be agreed
+            raise WorldError(f"moving memory step {step} between the nodes failed: {exc}") from exc
+        arrived: dict[str, tuple[str, tuple[int, int, int]]] = {}
+        for item, result in zip(incoming, got, strict=True):
+            if result.error is not None:
+                failure = failure or IntegrityError(
+                    str(self._place(step, item.into.name, self.node_of[item.src])),
+                    item.digest,
+                    f"other bytes from rank {item.src}",
+                    detail=f"no copy of {item.into.name} matched its digest ({result.error})",
+                )
+                continue
+            arrived[item.into.name] = (str(item.into), _identity(os.stat(item.into)))
+        elapsed = time.perf_counter() - t0
+        outcomes = self.ctl.all_gather((failure, arrived, elapsed))
+        for error, _, _ in outcomes:
+            if error is not None:
+                raise error
+        for r, (_, got_here, seconds) in enumerate(outcomes):
+            _, proofs, bad = told[r]
+            parts = []
+            if proofs:
+                parts.append("local memory")
+            if got_here:
+                fetched.remote.append(r)
+                size = sum(records[n].bytes for n in got_here)
+                origin = sorted({h for s, rcv, h, n in plan if rcv == r})
+                parts.append(
+                    f"from node {', '.join(map(str, origin))} ({human_bytes(size)} in "
+                    f"{seconds:.3f} s, hashed as it arrived)"
+                )
+                for name in sorted(got_here):
+                    if bad.get(name):
+                        fetched.warnings.append(
+                            f"rank {r}: the copy of {name} in its node's memory did not match "
+                            f"the writer's digest, another node's was used: {bad[name]}"
+                        )
+            fetched.hows.append(
+                " and ".join(parts) or "local memory (proved by another rank of its node)"
+            )
+            if self.node_of[r] == self.node:
+                fetched.proofs.update(told[r][1])
+                fetched.proofs.update(got_here)
+
+    def unrecorded(self) -> list[str]:
+        """Steps some node holds in memory that the root's ledger has no record of (a save
+        that never committed, or files put there by other hands): never restored, said."""
+        held = None
+        if self.mates[0] == self.rank:
+            held = sorted({step for step, _, _, _ in layout.held_steps(self.dir)})
+        recorded: list[int] | None = None
+        if self.rank == 0:
+            try:
+                recorded = self.ledger.steps()
+            except (OSError, CheckpointError):
+                recorded = None
+        told = self.ctl.all_gather((self.node, held, recorded))
+        known = next((r for _, _, r in told if r is not None), None)
+        if known is None:
+            return []
+        notes = []
+        for node, steps, _ in told:
+            for step in sorted(set(steps or []) - set(known)):
+                notes.append(
+                    f"memory tier: step {step} in node {node}'s memory has no record in "
+                    f"{self.ledger}: never restored (a save that did not commit, or files "
+                    "put there by other hands)"
+                )
+        return notes
+
+    def close(self) -> None:
+        self.slots.close()
+
+
+class MemoryReader:
+    """Loads a memory candidate into the state; see the module docstring (step 4)."""
+
+    def __init__(
+        self, *, ctl: Comm, source: MemorySource, state: TrainState, checks: CandidateChecks
+    ) -> None:
+        self.ctl = ctl
+        self.source = source
+        self.state = state
+        self.checks = checks
+        self.rank = ctl.rank
+
+    def survey(self) -> list[str]:
+        return self.source.unrecorded()
+
+    def load(self, step: int, report: CandidateReport, *, with_config: bool) -> LoadResult:
+        t0 = time.perf_counter()
+        fetched = self.source.fetch(step)
+        try:
+            return self._load(step, report, fetched, t0, with_config)
+        finally:
+            _close(list(fetched.maps.values()))
+
+    def _load(
+        self,
+        step: int,
+        report: CandidateReport,
+        fetched: MemoryFetched,
+        t0: float,
+        with_config: bool,
+    ) -> LoadResult:
+        manifest = fetched.manifest
+        report.world_size_saved = manifest.world_size
+        remote = fetched.remote
+        where = "local memory" if not remote else f"ranks {remote} from other nodes' memory"
+        report.origin = (
+            f"the memory tier ({where}; {self.source.memory_dir}, {step_dir_name(step)})"
+        )
+        self.checks.run(manifest, report, with_config=with_config)
+        maps = dict(fetched.maps)
+        failure: CheckpointError | None = None
+        fill: StateFill | None = None
+        try:
+            for name, (path, identity) in fetched.proofs.items():
+                if name not in maps:
+                    maps[name] = _map(path, identity)
+            fill = self._prepare(step, manifest, maps)
+        except (MemoryFileError, CheckpointError, OSError) as exc:
+            failure = StateMismatchError(f"rank {self.rank}: {exc}")
+        try:
+            raise_first(self.ctl, failure)  # every rank matched every tensor, or none copies
+            assert fill is not None
+            filled = fill.apply()  # from here on the live state changes
+            saved_rng = filled.pop("rng")[f"rank_{self.rank}"]
+            self.state.load_state_dict(filled)
+            rng.restore(saved_rng)
         finally:
             del fill
-            _close(maps)
-        if self._skip(step, self.ctl.all_gather(failure), outcome):
-            outcome.dirty = True
-            return None
-        report.origin = self._origin(step, hows)
-        for r, (_, proved) in enumerate(told_all):
-            for name, (_, how, _) in sorted(proved.items()):
-                if "; local copy: " in how:
-                    report.warn(
-                        f"rank {r}: the copy of {name} in its node's memory did not match "
-                        "the writer's digest, another node's was used: "
-                        + how.split("; local copy: ", 1)[1]
-                    )
-        report.check("memory", True, "; ".join(f"rank {r}: {h}" for r, h in enumerate(hows)))
-        report.check("state", True, ", ".join(state.categories()))
-        report.rng = rng_line
-        result = MemoryLoad(
-            step=step,
-            manifest=manifest,
-            path=report.path,
-            bytes=manifest.total_bytes,
-            seconds=time.perf_counter() - t0,
+            _close([m for n, m in maps.items() if n not in fetched.maps])
+        for warning in fetched.warnings:
+            report.warn(warning)
+        report.check("memory", True, fetched.line())
+        report.check("state", True, ", ".join(self.state.categories()))
+        report.rng = "restored on every rank (python, numpy, torch" + (
+            ", CUDA)" if "cuda" in saved_rng else ")"
         )
-        self._record_restore(result, report.origin)
+        n = len(manifest.files)
         report.check(
             "digests",
             True,
-            f"{len(manifest.files)} of {len(manifest.files)} files hashed and matched "
-            f"({manifest.digest_algorithm}) on every node that reads them, before a byte "
-            "of them was read; every rank read the same manifest",
+            f"{n} of {n} files hashed and matched ({manifest.digest_algorithm}) on every node "
+            "that reads them, before a byte of them was read, against the manifest in "
+            f"{self.source.ledger.where(step)}",
         )
-        return result, report
+        seconds = time.perf_counter() - t0
+        self._record_restore(step, manifest, seconds, report.origin)
+        return LoadResult(
+            step=step,
+            path=report.path,
+            bytes=manifest.total_bytes,
+            files_verified=n,
+            seconds=seconds,
+            manifest=manifest,
+        )
 
-    @staticmethod
-    def _skip(step: int, told: list[tuple[str, bool] | None], outcome: Outcome) -> bool:
-        """Record why ``step`` is not used, when any rank said so (every rank decides alike)."""
-        failures = [f for f in told if f is not None]
-        if not failures:
-            return False
-        why = "; ".join(dict.fromkeys(w for w, _ in failures))
-        outcome.skipped.append((step, why))
-        if not all(foreign for _, foreign in failures):
-            outcome.lost.append((step, why))
-        return True
+    def _prepare(self, step: int, manifest: Manifest, maps: dict[str, mmap.mmap]) -> StateFill:
+        """Match every live tensor to its bytes (this rank's own file first); writes nothing."""
+        own = layout.file_name(self.rank)
+        if not manifest.mesh.get("shared"):  # this rank's own file holds all it needs
+            maps = {own: maps[own]}
+        state_dict = self.state.state_dict()
+        state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
+        mine = FlatFile(maps[own], f"rank {self.rank}'s memory file of step {step}")
+        others = [FlatFile(mm, f"{n} of memory step {step}") for n, mm in maps.items() if n != own]
+        return StateFill(state_dict, mine, others)
 
-    def _record_restore(self, result: MemoryLoad, origin: str) -> None:
+    def _record_restore(self, step: int, manifest: Manifest, seconds: float, origin: str) -> None:
         """The node's first rank notes what this restore cost (``dckpt plan`` reads it)."""
-        if not self.tier.first:
+        if self.source.mates[0] != self.rank:
             return
         record = {
-            "step": result.step,
-            "seconds": result.seconds,
-            "bytes": result.bytes,
+            "step": step,
+            "seconds": seconds,
+            "bytes": manifest.total_bytes,
             "origin": origin,
             "at": time.time(),
         }
         with contextlib.suppress(OSError):
-            part = self.tier.dir / f".{layout.RESTORE_FILE}.part"
+            part = self.source.dir / f".{layout.RESTORE_FILE}.part"
             part.write_text(json.dumps(record))
-            os.replace(part, self.tier.dir / layout.RESTORE_FILE)
+            os.replace(part, self.source.dir / layout.RESTORE_FILE)
 
-    def _origin(self, step: int, hows: list[str]) -> str:
-        remote = [r for r, h in enumerate(hows) if not h.startswith("local")]
-        where = "local memory" if not remote else f"memory, ranks {remote} from other nodes"
-        return f"the memory tier ({where}; {self.tier.dir.parent}, {step_dir_name(step)})"
 
-    def _check_manifest(self, step: int, raw: bytes) -> tuple[Manifest, list[str]]:
-        """Step 3 on this rank, no collective: the manifest every rank read (``raw``), checked
-        against this root and this world; returns it and the files this node must prove."""
-        try:
-            manifest = parse_manifest(raw, f"memory manifest of step {step}")
-        except CheckpointError as exc:
-            raise _UnusableError(f"rank {self.rank}: {exc}") from None
-        if manifest.mesh.get("root_id") != self.tier.root_id:
-            raise _ForeignError(
-                "it was saved beside another checkpoint root (root id "
-                f"{manifest.mesh.get('root_id')}, this root's is {self.tier.root_id}): the "
-                "root was removed and made again, or another run shares the memory directory"
+def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, int]]:
+    """Map ``path`` and hash it where it lies; IntegrityError unless it is exactly the
+    writer's bytes. Returns the mapping (kept for the reads) and the file's identity."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise IntegrityError(str(path), record.digest, "not a regular file", "not a file")
+        if st.st_size != record.bytes:
+            raise IntegrityError(
+                str(path), f"{record.bytes} bytes", f"{st.st_size} bytes", "size mismatch"
             )
-        after = manifest.mesh.get("after")
-        if after is not None and after not in self._durable:
-            raise _ForeignError(
-                f"it follows durable step {after}, which the root no longer holds (deleted, "
-                "quarantined or rolled back): the run it belongs to is not this root's"
-            )
-        world = list(self.tier.topology.node_of)
-        if manifest.world_size != len(world) or manifest.mesh.get("nodes") != world:
-            raise _UnusableError(
-                f"saved by {manifest.world_size} ranks on nodes {manifest.mesh.get('nodes')}, "
-                f"now {len(world)} ranks on nodes {world}: a memory checkpoint is restored "
-                "by the same ranks only"
-            )
-        names = {memory_file_name(r) for r in range(len(world))}
-        if {f.path for f in manifest.files} != names:
-            raise _UnusableError(f"its manifest does not list one file per rank ({sorted(names)})")
-        if manifest.mesh.get("shared") == "world":  # each rank reads from every rank's file
-            return manifest, sorted(names)
-        return manifest, sorted(
-            memory_file_name(r) for r, n in enumerate(world) if n == self.tier.node
-        )
-
-    def _prove(
-        self, step: int, manifest: Manifest, needed: list[str], copies: dict[int, list[int]]
-    ) -> dict[str, Proof]:
-        """Step 4, this rank's share of its node's files (no collective): each proven where it
-        lies, or fetched from a node that holds it and proven as it arrives. Returns file ->
-        (a path every rank of this node can map, how it was proven)."""
-        node_of = self.tier.topology.node_of
-        mates = [r for r, n in enumerate(node_of) if n == self.tier.node]
-        records = manifest.file_map()
-        proofs: dict[str, Proof] = {}
-        for i, name in enumerate(needed):
-            owner = int(name.removeprefix("rank-").removesuffix(".mem"))
-            duty = owner if not manifest.mesh.get("shared") else mates[i % len(mates)]
-            if duty != self.rank:
-                continue
-            proofs[name] = self._prove_one(step, records[name], node_of[owner], copies)
-        return proofs
-
-    def _prove_one(
-        self, step: int, record: FileRecord, of_node: int, copies: dict[int, list[int]]
-    ) -> Proof:
-        me, name = self.tier.node, record.path
-        holders = copies.get(of_node, [])
-        failures: list[str] = []
-        if me in holders:  # this node's own copy, or the replica it keeps of another node
-            if of_node == me:
-                path = self.tier.own / step_dir_name(step) / name
-            else:
-                path = layout.replica_dir(self.tier.dir, of_node) / step_dir_name(step) / name
-            try:
-                identity = _hash_in_place(path, record.bytes, record.digest)
-                return str(path), "local memory", identity
-            except (CheckpointError, OSError, ValueError) as exc:
-                failures.append(str(exc))
-        for holder in holders:
-            if holder == me:
-                continue
-            try:
-                path = self._fetch(holder, step, of_node, record)
-                identity = _identity(os.stat(path))
-            except (CheckpointError, OSError, KeyError, ValueError) as exc:
-                failures.append(f"node {holder}'s copy: {exc}")
-                continue
-            why = f"; local copy: {failures[0]}" if failures else ""
-            how = f"from node {holder} ({human_bytes(record.bytes)}{why})"
-            return str(path), how, identity
-        raise _UnusableError(
-            f"rank {self.rank}: no copy of {name} matched the writer's digest "
-            f"({'; '.join(failures) or 'no node holds one'})"
-        )
-
-    def _fetch(self, holder: int, step: int, of_node: int, record: FileRecord) -> Path:
-        """``record``'s file from ``holder``'s keeper, hashed as it arrives, into this node's
-        ``fetched/step-N/`` (where every rank of the node can map it), written through a
-        mapping with its pages already in place (faulting a fresh buffer in page by page took
-        longer than the transfer); a spare slot of that name is reused when the node has one.
-        The file gets its name only once every byte matched the writer's digest."""
-        target = self.tier.dir / FETCHED_DIR / step_dir_name(step)
-        target.mkdir(parents=True, exist_ok=True)
-        name, size = record.path, record.bytes
-        part = target / f".{name}.part-{os.getpid()}"
-        if not layout.take_spare(layout.spare_dir(self.tier.dir, "own"), name, part):
-            part.unlink(missing_ok=True)
-        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, max(size, 1))
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        try:
-            client = KeeperClient(self.tier.topology.keepers[holder])
-            client.read(of_node, step, name, size, record.digest, into=memoryview(mm))
-        except BaseException:
-            part.unlink(missing_ok=True)
-            raise
-        finally:
-            with contextlib.suppress(BufferError):
-                mm.close()
-        os.rename(part, target / name)
-        return target / name
-
-    def _tidy_fetched(self) -> None:
-        """After every rank of the node mapped its files: fetched files of this node's ranks
-        become spare slots (the next memory save reuses their pages); the rest go."""
-        if not self.tier.first:
-            return
-        fetched = self.tier.dir / FETCHED_DIR
-        spares = layout.spare_dir(self.tier.dir, "own")
-        mine = {
-            memory_file_name(r)
-            for r, n in enumerate(self.tier.topology.node_of)
-            if n == self.tier.node
-        }
-        for path in sorted(fetched.glob("step-*/*")):
-            taken = spares.is_dir() and any(
-                p.name.split("@", 1)[0] == path.name for p in spares.iterdir()
-            )
-            if path.name in mine and not taken:
-                with contextlib.suppress(OSError):
-                    spares.mkdir(parents=True, exist_ok=True)
-                    os.rename(path, spares / f"{path.name}@fetched")
-                    continue
-            path.unlink(missing_ok=True)
-        shutil.rmtree(fetched, ignore_errors=True)
-
-    def _manifest_raw(self, step: int, holders: list[int]) -> bytes:
-        node = self.tier.node
-        errors: list[str] = []
-        for holder in holders:
-            try:
-                if holder == node:
-                    return (self.tier.own / step_dir_name(step) / MANIFEST_FILE).read_bytes()
-                return KeeperClient(self.tier.topology.keepers[holder]).manifest(node, step)
-            except (CheckpointError, OSError, KeyError) as exc:
-                errors.append(str(exc))
-        raise _UnusableError(f"rank {self.rank}: no readable manifest ({'; '.join(errors)})")
-
-    def _prepare(
-        self, state: TrainState, step: int, proven: dict[str, Proof]
-    ) -> tuple[StateFill, list[mmap.mmap]]:
-        """Map the proven files (each must still be the file that was proven: same inode,
-        size and change time) and match every live tensor to its bytes; writes nothing."""
-        own = memory_file_name(self.rank)
-        maps: dict[str, mmap.mmap] = {}
-        try:
-            for name, (path, _, identity) in proven.items():
-                maps[name] = _map(path, identity)
-            state_dict = state.state_dict()
-            state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
-            mine = FlatFile(maps[own], f"rank {self.rank}'s memory file of step {step}")
-            others = [
-                FlatFile(mm, f"{name} of memory step {step}")
-                for name, mm in maps.items()
-                if name != own
-            ]
-            return StateFill(state_dict, mine, others), list(maps.values())
-        except BaseException:
-            _close(list(maps.values()))
-            raise
-
-    def _apply(self, state: TrainState, fill: StateFill) -> str:
-        """Step 5's copy, once every rank prepared: returns the RNG line."""
-        filled = fill.apply()
-        saved_rng = filled.pop("rng")[f"rank_{self.rank}"]
-        state.load_state_dict(filled)
-        rng.restore(saved_rng)
-        return "restored on every rank (python, numpy, torch" + (
-            ", CUDA)" if "cuda" in saved_rng else ")"
-        )
-
-
-FETCHED_DIR = "fetched"
-"""Under a node's memory: files fetched from other nodes for a resume, until it is done."""
+        mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    algorithm = record.digest.split(":", 1)[0]
+    hasher = new_hasher(algorithm)
+    view = memoryview(mm)
+    hasher.update(view)
+    del view
+    actual = format_digest(algorithm, hasher)
+    if actual != record.digest:
+        mm.close()
+        raise IntegrityError(str(path), record.digest, actual)
+    return mm, _identity(st)
 
 
 def _map(path: str, identity: tuple[int, int, int]) -> mmap.mmap:
     """Map ``path`` if it is still the file that was proven (the proof and the read may be on
-    two ranks, so the file is opened twice)."""
+    two ranks of the node, so the file is opened twice)."""
     with open(path, "rb") as f:
         if _identity(os.fstat(f.fileno())) != identity:
             raise CheckpointError(f"{path} changed after it was proven: not read")
-        return map_for_reading(f.fileno())
+        return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
@@ -485,36 +515,3 @@ def _close(maps: list[mmap.mmap]) -> None:
     for mm in maps:
         with contextlib.suppress(BufferError):  # a view still alive: the GC closes it
             mm.close()
-
-
-def _hash_in_place(path: Path, size: int, digest: str) -> tuple[int, int, int]:
-    """Hash the file where it lies; CheckpointError unless it is exactly the writer's bytes.
-    Returns the file's identity (inode, size, change time), for the read that follows."""
-    algorithm = digest.split(":", 1)[0]
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        if st.st_size != size:
-            raise CheckpointError(
-                f"{path}: {st.st_size} bytes, the writer recorded {size} bytes, {digest}"
-            )
-        with map_for_reading(f.fileno()) as mm:
-            hasher = new_hasher(algorithm)
-            hasher.update(memoryview(mm))
-            actual, length = format_digest(algorithm, hasher), len(mm)
-    if length != size or actual != digest:
-        raise CheckpointError(
-            f"{path}: {length} bytes hashing to {actual}, the writer recorded {size} bytes, "
-            f"{digest}"
-        )
-    return _identity(st)
-
-
-def _summary(proved: dict[str, Proof]) -> str:
-    """One rank's part of the proof, for the report: ``local memory`` when every file it
-    proved was in its node's memory."""
-    hows = [how for _, how, _ in proved.values()]
-    if not hows:
-        return "local memory (proved by another rank of its node)"
-    if all(h == "local memory" for h in hows):
-        return "local memory"
-    return "; ".join(h for h in hows if h != "local memory")

@@ -10,9 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..root.manifest import Manifest
 from .config_check import ConfigChange
 
-__all__ = ["CandidateReport", "Check", "ResumeReport"]
+__all__ = ["CandidateReport", "Check", "LoadResult", "ResumeReport"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadResult:
+    """A verified load: which step, from where, how much was checked and how long it took."""
+
+    step: int
+    path: Path
+    bytes: int
+    files_verified: int
+    seconds: float
+    manifest: Manifest
 
 
 @dataclass(frozen=True)

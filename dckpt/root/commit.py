@@ -173,7 +173,8 @@ class RenameCommit:
         return str(Path(root) / step_dir_name(step))
 
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
-        apply_retention(root, policy)
+        if policy.enabled:
+            apply_retention(root, policy)
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
         """See the module docstring. ``cancelled`` is read right before the commit point: a

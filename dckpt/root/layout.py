@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -29,13 +28,11 @@ from .manifest import MANIFEST_FILE
 __all__ = [
     "LATEST_FILE",
     "QUARANTINE_DIR",
-    "ROOT_ID_FILE",
     "CheckpointEntry",
     "committed_steps",
     "list_checkpoints",
     "read_latest",
     "read_small_file",
-    "root_identity",
     "step_dir_name",
 ]
 
@@ -52,29 +49,6 @@ LOCK_FILE = ".dckpt-lock"
 QUARANTINED_RE = re.compile(r"step-([0-9]{8,})(-[0-9a-f]{8})?")
 
 Status = Literal["committed", "incomplete", "quarantined"]
-
-
-ROOT_ID_FILE = ".dckpt-root-id"
-"""A random id made once per root (only when the memory tier is on): memory checkpoints record
-it, so a root that was removed and made again never resumes the old run's memory."""
-
-
-def root_identity(root: str | os.PathLike[str]) -> str:
-    """The root's id, made (exclusively, so concurrent makers agree) if it has none."""
-    path = Path(root) / ROOT_ID_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        raw = read_small_file(path, 64)
-        if raw is None or not raw.strip():
-            raise OSError(f"{path} is not a readable root id: remove it") from None
-        return raw.decode(errors="replace").strip()
-    ident = uuid.uuid4().hex
-    with os.fdopen(fd, "w") as f:
-        f.write(ident + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return ident
 
 
 def step_dir_name(step: int) -> str:

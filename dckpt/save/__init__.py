@@ -1,5 +1,9 @@
-"""The save: the staging copy, the background thread, the ordered pipeline (``pipeline``, which
-states the save protocol), the coordinator, and what a save costs the training loop.
+"""The save: the ordered pipeline (``pipeline``, which states the save protocol) and its seam
+to a tier (``route``: ``SaveRoute``), the tiers' routes (``durable``: the stager and DCP's
+write; ``memory``: the copy into the node's memory and the replicas), the staging copy
+(``stager``), the background thread (``background``), the foreground policy (``saver``), the
+coordinator, the handle, and what a save costs the training loop (``mode``, ``step_clock``).
 
-Reaches down into ``train``, ``dist``, ``root`` and ``storage``; nothing below imports it.
+Reaches down into ``train``, ``dist``, ``tiers``, ``root`` and ``storage``; nothing below
+imports it.
 """

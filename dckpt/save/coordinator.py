@@ -48,6 +48,9 @@ class RankReport:
     when another rank's are not like them."""
     metric: dict[str, float] = field(default_factory=dict)
     """The ``save(metric=...)`` this rank passed: rank 0 records its own."""
+    route: dict[str, Any] = field(default_factory=dict)
+    """What the tier's route adds for the other ranks (the memory tier: the layout its file
+    was written with)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,9 +74,6 @@ class Coordinator:
         self.comm = comm
         self.root = root
         self.strategy = strategy
-        self.committed: tuple[int, str] | None = None
-        """On rank 0: (step, path) of the save it committed last, even if telling the other
-        ranks failed afterwards."""
 
     def agree(self, error: str | None, what: str, step: int | str | None = None) -> None:
         """All ranks learn whether any rank failed ``what``, or (``step``, which names the
@@ -96,12 +96,15 @@ class Coordinator:
         """Every rank's report, on every rank."""
         return self.comm.all_gather(report)
 
-    def refusal(self, tmp: Path, reports: list[RankReport]) -> SaveOutcome | None:
-        """Rank 0: the outcome of a save some rank failed (its tmp location removed), or None."""
+    def refusal(
+        self, tmp: Path, reports: list[RankReport], refused: str | None = None
+    ) -> SaveOutcome | None:
+        """Rank 0: the outcome of a save some rank failed, or that the tier refused (``refused``
+        says why), its tmp location removed; None when it may be committed."""
         failed = [r for r in reports if r.error is not None]
-        if failed:
+        if failed or refused is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            return SaveOutcome(path=None, error=_describe(failed))
+            return SaveOutcome(path=None, error=_describe(failed) or refused)
         return None
 
     def commit(self, tmp: Path, manifest: Manifest, cancelled: Flag) -> SaveOutcome:
@@ -113,7 +116,6 @@ class Coordinator:
             fault_point(Phase.WRITE_MANIFEST, 0, step)
             write_manifest(tmp, sealed)
             final = self.strategy.finalize(self.root, tmp, step, cancelled=cancelled)
-            self.committed = (step, str(final))
         except Exception as exc:  # any failure here must leave nothing committed
             shutil.rmtree(tmp, ignore_errors=True)
             return SaveOutcome(

@@ -45,6 +45,9 @@ class SaveResult:
     """How long the training loop was held: inside save() plus the wait before the next step."""
     commit_s: float
     """From save() being called to the checkpoint being durable and visible."""
+    replicas_s: float | None = None
+    """A memory save with a partner node: this rank's seconds sending its file to the partner
+    and receiving the ones it keeps, each hashed as it arrived (after the commit)."""
 
 
 class SaveTicket:

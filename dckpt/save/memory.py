@@ -1,119 +1,458 @@
-"""A memory save's step in ``save()``: this rank's state copied into its node's memory.
+"""A memory save's own steps: ``MemoryRoute``, the save pipeline's route to the memory tier.
 
-The rest of a memory save (digest, manifest, each node's commit, the replica) is the
-protocol in dckpt.tiers.memory_node, run by dckpt.save.pipeline. This is the only part that
-sees tensors: one memcpy per tensor into ``own/step-N.tmp-<id>/rank-<r>.mem``, into pages
-reused from the save before last (dckpt.storage.memory_file), before ``save()`` returns.
+The pipeline (dckpt.save.pipeline) runs a memory save through the same protocol as a durable
+one; this route is what differs, step by step:
+
+- step 3, in ``save()`` (``snapshot``): this rank's state dict is copied into its file in
+  its node's memory, ``own/step-N/.rank-<r>.mem.part-<id>`` (dckpt.tiers.memory_layout),
+  one memcpy per tensor into pages mapped since the save before last
+  (dckpt.storage.memory_file's flat format): that copy is the snapshot. Replicated tensors
+  (DCP's rule: plain tensors every rank holds alike) go into one owner rank's file each, as
+  the ranks agreed at the previous memory save, so under DDP each rank copies about 1/world;
+- step 5 (``write``): the file is hashed where it lies (the writer's digest), then renamed to
+  ``rank-<r>.mem``; its report carries the layout this rank wrote (``settle`` reads it);
+- step 6 (``settle``, every rank): the layout the ranks' files were written with must be one
+  (else no rank could restore the save: refused), and the next save's owners are agreed on;
+- step 7: rank 0's manifest records the nodes, the replica ring, the layout and the durable
+  step this run follows (``mesh``), and ``MemoryCommit`` puts it into the root's ledger;
+- step 10 (``finish``, once committed): every rank sends its file to its partner node's rank
+  and receives the files it keeps for the ranks of the node before it on the ring
+  (dckpt.dist.transfer, over dckpt's gloo group: no socket of dckpt's own), each renamed in
+  only once it hashed to the writer's digest as it arrived; rank 0 gathers the outcomes for
+  its log line; then each rank retires its older files to spares. A failed replica is
+  logged, never fails the committed save (the node's own copy and the durable tier stand);
+  a peer that stops answering within ``timeout_s`` loses dckpt's group (the next ``save()``
+  asks for a restart), as a failed collective does.
+
+A memory save always runs in the background, and a failure every rank agreed on fails its
+handle only (logged by rank 0): training goes on, and the durable tier is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import StorageError
-from ..storage.memory_file import (
-    MemoryFileError,
-    plan_flat,
-    share_out,
-    signature,
-    write_into,
-)
+from ..dist.comm import Comm
+from ..dist.transfer import Incoming, Outgoing, TransferError, move
+from ..errors import StorageError, describe_os_error
+from ..phases import Phase, Trace
+from ..root.commit import CommitStrategy
+from ..root.layout import STEP_RE, step_dir_name
+from ..storage.digest import format_digest, new_hasher
+from ..storage.memory_file import MemoryFileError, plan_flat, share_out, signature, write_into
+from ..storage.records import FileRecord
 from ..tiers import memory_layout as layout
-from ..tiers.memory_node import MemoryNode, memory_file_name
+from ..tiers.memory_commit import Lineage
+from ..units import human_bytes
+from .coordinator import RankReport
+from .handle import SaveTicket
+from .route import Finished, SaveJob
 
-__all__ = ["Staged", "agree_on_layout", "stage"]
+__all__ = ["MemoryRoute", "Topology", "sharing_scope"]
+
+log = logging.getLogger("dckpt")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The nodes of this world, as learned at start by an all-gather: each rank's node."""
+
+    node_of: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        return len(set(self.node_of))
+
+    def ranks_of(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def partner(self, node: int) -> int | None:
+        return layout.partner_of(node, self.nodes)
+
+    def keeper_of(self, rank: int) -> int | None:
+        """The rank that keeps ``rank``'s replica: on the partner node, the rank at the same
+        place among its node's ranks (modulo, when the nodes differ in size)."""
+        node = self.node_of[rank]
+        partner = self.partner(node)
+        if partner is None:
+            return None
+        mates, keepers = self.ranks_of(node), self.ranks_of(partner)
+        return keepers[mates.index(rank) % len(keepers)]
+
+    def replicas(self) -> dict[str, int]:
+        """node -> the node that keeps its replica (JSON keys), for the manifest."""
+        pairs = {n: self.partner(n) for n in sorted(set(self.node_of))}
+        return {str(n): p for n, p in pairs.items() if p is not None}
 
 
 @dataclass(frozen=True)
 class Staged:
-    """A memory save's file, and what the ranks must agree on about its layout."""
+    """A memory save's file as ``save()`` wrote it, and the layout it was written with."""
 
-    path: Path
+    part: Path
+    final: Path
+    size: int
     signature: str
     """Digest of this rank's replicated-looking tensors (dckpt.storage.memory_file)."""
     shared: str | None
-    """The layout this file was written with: the signature whose owners it followed (it
-    holds only the replicated tensors it owns), or None (it holds every tensor)."""
+    """The signature whose owners this file followed (it holds only the replicated tensors
+    it owns), or None (it holds every tensor)."""
 
 
-def stage(node: MemoryNode, step: int, save_id: str, state_dict: dict[str, Any]) -> Staged:
-    """Copy this rank's state into its memory file. Replicated tensors (as DCP counts them:
-    plain tensors every rank holds alike) are written by one rank each, as agreed at the
-    previous memory save (``MemoryNode.owners``), so under DDP each rank copies about
-    1/world of them; the first save, or one whose tensors changed, writes everything. A
-    memory file system too small for it raises StorageError (nothing durable is touched)."""
-    tmp = node.tmp_location(step, save_id)
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StorageError(
-            f"cannot make {tmp} in the memory tier ({exc}): the memory save failed and the "
-            "durable checkpoints are untouched"
-        ) from None
-    path = tmp / memory_file_name(node.rank)
-    spares = layout.spare_dir(node.dir, "own")
-    sig, sizes = signature(state_dict)
-    shared = sig if node.owners is not None and node.owners[0] == sig else None
-    skip: frozenset[str] = frozenset()
-    if shared is not None and node.owners is not None:
-        skip = node.owners[1]
-    node.pending_sizes = sizes
-    try:
-        plan = plan_flat(state_dict, skip)
-    except MemoryFileError as exc:
-        raise StorageError(f"this state cannot be kept in the memory tier: {exc}") from None
-    try:
-        write_into(path, plan, lambda p: layout.take_spare(spares, p.name, p))
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        raise StorageError(
-            f"the memory tier at {node.dir} could not hold rank {node.rank}'s "
-            f"{plan.size / 2**20:.1f} MiB for step {step} "
-            f"({os.strerror(exc.errno) if exc.errno else exc}): the memory save failed and "
-            "the durable checkpoints are untouched. Give the memory file system more room "
-            "(memory_dir, or /dev/shm's size) or lower memory_keep."
-        ) from None
-    return Staged(path, sig, shared)
-
-
-def agree_on_layout(node: MemoryNode, told: list[tuple[str, str | None]]) -> str | None:
-    """In the background, after every rank's ``(signature, shared)``: why this save's files
-    cannot be read together (None when they can), and the owners the next save follows.
-    Every rank computes the same from the same list."""
-    signatures = {sig for sig, _ in told}
-    used = {shared for _, shared in told}
-    problem = None
-    if used != {None} and (len(used) != 1 or signatures != used):
-        problem = (
-            "the ranks' replicated tensors changed while some ranks wrote only their share "
-            "of them (signatures differ), so no rank could restore this save: it is refused, "
-            "and the next memory save writes every tensor on every rank"
-        )
-    scope, kind = sharing_scope(node)
-    if problem is None and len(signatures) == 1 and node.pending_sizes and kind is not None:
-        sig = next(iter(signatures))
-        if node.owners is None or node.owners[0] != sig:
-            owners = share_out(node.pending_sizes, len(scope))
-            skip = frozenset(k for k, i in owners.items() if scope[i] != node.rank)
-            node.owners = (sig, skip, kind)
-    else:
-        node.owners = None
-    return problem
-
-
-def sharing_scope(node: MemoryNode) -> tuple[list[int], str | None]:
+def sharing_scope(topology: Topology, rank: int) -> tuple[list[int], str | None]:
     """The ranks that share out the replicated tensors, and what a resume must read: with at
     most two nodes, the whole world ("world": each node holds every file, its own and its
     partner's replica); with more, the ranks of each node ("node": each node's files and
     their replica suffice, no node reads another's). None: nothing to share (one rank)."""
-    node_of = node.topology.node_of
-    if node.topology.nodes <= 2:
+    node_of = topology.node_of
+    if topology.nodes <= 2:
         scope, kind = list(range(len(node_of))), "world"
     else:
-        scope, kind = [r for r, n in enumerate(node_of) if n == node.node], "node"
+        scope, kind = topology.ranks_of(node_of[rank]), "node"
     if len(scope) < 2 and (kind == "world" or max(node_of.count(n) for n in node_of) < 2):
         return scope, None
     return scope, kind
+
+
+class MemoryRoute:
+    """The memory tier's steps of a save; see the module docstring."""
+
+    tier = "memory"
+    noun = "memory save"
+    label = " to memory"
+    can_block = False
+    """A memory save is never synchronous (its copy in ``save()`` is its snapshot), and the
+    automatic save mode never learns from it."""
+    soft = True
+    """A failure every rank agreed on fails the handle only: training goes on."""
+
+    def __init__(
+        self,
+        *,
+        io: Comm,
+        strategy: CommitStrategy,
+        memory_dir: Path,
+        topology: Topology,
+        lineage: Lineage,
+        keep: int,
+        digest: str,
+        timeout_s: float,
+    ) -> None:
+        self.io = io
+        self.strategy = strategy
+        self.rank = io.rank
+        self.topology = topology
+        self.node = topology.node_of[self.rank]
+        self.dir = layout.node_dir(memory_dir, self.node)
+        self.memory_dir = Path(memory_dir)
+        self.lineage = lineage
+        self.keep = keep
+        self.digest = digest
+        self.timeout_s = timeout_s
+        self.slots = layout.Slots(self.dir)
+        self.name = layout.file_name(self.rank)
+        self.owners: tuple[str, frozenset[str], str] | None = None
+        """The layout agreed at the last memory save: (signature of the replicated tensors,
+        those this rank leaves to others, "world" or "node": who reads whose files)."""
+        self._sizes: dict[str, int] = {}
+        self._kind: str | bool = False
+        self._reserved = False
+        self._named: Path | None = None  # the file step 5 last gave its name
+
+    # --- step 3, in save() --------------------------------------------------------------------
+
+    def snapshot(
+        self, state_dict: dict[str, Any], *, step: int, save_id: str, asynchronous: bool,
+        trace: Trace,
+    ) -> Staged:  # fmt: skip
+        """Copy this rank's state into its memory file (the snapshot). A memory file system
+        too small for it raises StorageError, and nothing durable is touched."""
+        final = layout.own_dir(self.dir) / step_dir_name(step) / self.name
+        part = final.with_name(layout.part_name(self.name, save_id))
+        sig, sizes = signature(state_dict)
+        shared = sig if self.owners is not None and self.owners[0] == sig else None
+        skip = self.owners[1] if shared is not None and self.owners is not None else frozenset()
+        self._sizes = sizes
+        try:
+            plan = plan_flat(state_dict, skip)
+        except MemoryFileError as exc:
+            raise StorageError(f"this state cannot be kept in the memory tier: {exc}") from None
+        try:
+            mm = self.slots.open(part, plan.size, spare_of=self.name)
+            write_into(mm, plan)
+        except OSError as exc:
+            self.slots.drop(part)
+            with contextlib.suppress(OSError):
+                part.parent.rmdir()  # only if this save made it and left it empty
+            raise StorageError(
+                f"the memory tier at {self.dir} could not hold rank {self.rank}'s "
+                f"{human_bytes(plan.size)} for step {step} "
+                f"({os.strerror(exc.errno) if exc.errno else exc}): the memory save failed and "
+                "the durable checkpoints are untouched. Give the memory file system more room "
+                "(memory_dir, or /dev/shm's size) or lower memory_keep."
+            ) from None
+        trace.at(Phase.MEMORY_COPY)
+        return Staged(part, final, plan.size, sig, shared)
+
+    # --- step 5, in the background -------------------------------------------------------------
+
+    def write(
+        self, staged: Staged, ticket: SaveTicket, trace: Trace, tmp: Path, report: RankReport
+    ) -> RankReport:
+        """Hash this rank's file where it lies and give it its name; its report."""
+        ticket.staged.set()  # the copy in save() is the snapshot
+        t0 = time.perf_counter()
+        records: tuple[FileRecord, ...] = ()
+        error: str | None = None
+        try:
+            hasher = new_hasher(self.digest)
+            view = memoryview(self.slots.view(staged.part))
+            hasher.update(view[: staged.size])
+            del view
+            trace.at(Phase.MEMORY_HASH)
+            if staged.final.exists():  # this step saved again: the old copy becomes a spare
+                self.slots.retire(staged.final, "replaced")
+            os.rename(staged.part, staged.final)
+            self._named = staged.final
+            records = (
+                FileRecord(
+                    path=self.name,
+                    bytes=staged.size,
+                    digest=format_digest(self.digest, hasher),
+                    rank=self.rank,
+                ),
+            )
+            trace.passed(Phase.WRITE_SHARDS)
+            trace.passed(Phase.DCP_FINISH)
+        except Exception as exc:  # reported to every rank by the gather
+            error = f"hashing its memory file failed: {describe_os_error(exc, self.dir)}"
+        return dataclasses.replace(
+            report,
+            records=records,
+            error=error,
+            timings={"hash_s": time.perf_counter() - t0},
+            route={"layout": (staged.signature, staged.shared)},
+        )
+
+    # --- step 6, every rank ----------------------------------------------------------------
+
+    def settle(self, reports: list[RankReport]) -> str | None:
+        """Why this save's files cannot be read together (None when they can), and the owners
+        the next save follows. Every rank computes the same from the same reports."""
+        told: list[tuple[str, str | None]] = [
+            r.route.get("layout", ("", None)) for r in sorted(reports, key=lambda r: r.rank)
+        ]
+        signatures = {sig for sig, _ in told}
+        used = {shared for _, shared in told}
+        self._kind = self.owners[2] if self.owners is not None and used != {None} else False
+        if used != {None} and (len(used) != 1 or signatures != used):
+            self.owners = None
+            return (
+                "the ranks' replicated tensors changed while some ranks wrote only their share "
+                "of them (signatures differ), so no rank could restore this save: it is "
+                "refused, and the next memory save writes every tensor on every rank"
+            )
+        scope, kind = sharing_scope(self.topology, self.rank)
+        if len(signatures) == 1 and self._sizes and kind is not None:
+            sig = next(iter(signatures))
+            if self.owners is None or self.owners[0] != sig:
+                owners = share_out(self._sizes, len(scope))
+                skip = frozenset(k for k, i in owners.items() if scope[i] != self.rank)
+                self.owners = (sig, skip, kind)
+        else:
+            self.owners = None
+        return None
+
+    # --- step 7, rank 0 --------------------------------------------------------------------
+
+    def mesh(self) -> dict[str, Any]:
+        return {
+            "tier": "memory",
+            "nodes": list(self.topology.node_of),
+            "replicas": self.topology.replicas(),
+            # whose files hold each other's replicated tensors ("world": every rank's;
+            # "node": each node's), False: none
+            "shared": self._kind,
+            "after": self.lineage.anchor,
+        }
+
+    # --- step 10, once committed ---------------------------------------------------------------
+
+    def finish(
+        self, job: SaveJob, reports: list[RankReport], timings: dict[str, float], trace: Trace
+    ) -> Finished:
+        """The replicas, the outcomes gathered to rank 0, retirement, and (first save) the
+        spares reserved; never raises past the other ranks' waits."""
+        step = job.step
+        records = {rep.rank: rec for rep in reports for rec in rep.records}
+        keeper = self.topology.keeper_of(self.rank)
+        kept_for = [
+            r for r in range(len(self.topology.node_of)) if self.topology.keeper_of(r) == self.rank
+        ]
+        outgoing: list[Outgoing] = []
+        mine: dict[str, Any] = {"to": keeper, "received": []}
+        try:
+            if keeper is not None:
+                own = layout.own_dir(self.dir) / step_dir_name(step) / self.name
+                outgoing.append(Outgoing(self.slots.view(own), keeper, records[self.rank].bytes))
+            incoming = [
+                Incoming(
+                    src=r,
+                    into=self._replica_path(r, step),
+                    size=records[r].bytes,
+                    digest=records[r].digest,
+                    spare_of=layout.file_name(r),
+                )
+                for r in kept_for
+            ]
+            t0 = time.perf_counter()
+            got = move(
+                self.io, outgoing, incoming, self.slots, timeout_s=self.timeout_s, trace=trace
+            )
+            mine["received"] = [(r, g.error, g.seconds) for r, g in zip(kept_for, got, strict=True)]
+            mine["seconds"] = time.perf_counter() - t0
+        except TransferError as exc:
+            return self._lost(step, exc)
+        except Exception as exc:  # this rank's own trouble (its memory): said, not raised
+            mine["error"] = f"rank {self.rank}: {describe_os_error(exc, self.dir)}"
+        try:
+            told = self.io.gather(mine)
+        except RuntimeError as exc:  # a peer that stopped answering: the group is gone
+            return self._lost(step, exc)
+        self._retire(step, kept_for, ok=not mine.get("error"))
+        if not self._reserved:
+            self._reserved = True
+            self._reserve(records, kept_for)
+        seconds = mine.get("seconds") if keeper is not None else None
+        if told is None:
+            return Finished(None, replicas_s=seconds)
+        return dataclasses.replace(self._describe(told), replicas_s=seconds)
+
+    def _lost(self, step: int, exc: BaseException) -> Finished:
+        """A peer stopped answering while the replicas moved: the step stays committed (the
+        nodes' own copies and the durable tier stand), dckpt's group is gone."""
+        log.error(
+            "dckpt: memory step %d is committed, but its replicas failed on rank %d: %s. "
+            "dckpt's group cannot be used again: the next save() asks for a restart (it "
+            "resumes from this step in memory).",
+            step,
+            self.rank,
+            str(exc)[:300],
+        )
+        why = f"the replicas of memory step {step}: {str(exc)[:200]}"
+        return Finished(f"replicas FAILED on rank {self.rank}: {why}", why, ok=False)
+
+    def _replica_path(self, rank: int, step: int) -> Path:
+        of_node = self.topology.node_of[rank]
+        return layout.replica_dir(self.dir, of_node) / step_dir_name(step) / layout.file_name(rank)
+
+    def _describe(self, told: list[dict[str, Any]]) -> Finished:
+        """Rank 0's line: each node's files at its partner, verified, or why not."""
+        topology = self.topology
+        if topology.nodes < 2:
+            return Finished("replicas: none (one node): local copies only")
+        parts, ok = [], True
+        for node in sorted(set(topology.node_of)):
+            errors: list[str] = []
+            seconds = 0.0
+            for rank in topology.ranks_of(node):
+                keeper = topology.keeper_of(rank)
+                assert keeper is not None
+                got = {src: (e, t) for src, e, t in told[keeper].get("received", [])}
+                errors += [str(told[r]["error"]) for r in (rank, keeper) if told[r].get("error")]
+                if rank in got:
+                    error, took = got[rank]
+                    errors += [f"rank {keeper}: {error}"] if error else []
+                    seconds = max(seconds, float(took))
+                elif not told[keeper].get("error"):
+                    errors.append(f"rank {keeper} did not receive rank {rank}'s file")
+            partner = topology.partner(node)
+            if errors:
+                ok = False
+                parts.append(
+                    f"node {node} -> node {partner} FAILED: {'; '.join(dict.fromkeys(errors))}"
+                )
+            else:
+                parts.append(f"node {node} -> node {partner} verified in {seconds:.3f} s")
+        return Finished("replicas: " + "; ".join(parts), ok=ok)
+
+    def _retire(self, step: int, kept_for: list[int], *, ok: bool) -> None:
+        """Keep this rank's ``keep`` newest files up to ``step`` in ``own/`` and of each node
+        it keeps replicas for; older ones (and any above ``step``: a branch rolled back from)
+        become spares. After a failed replica, the older ones stay too: the step before this
+        one may still be the newest every node can restore."""
+        places = [(layout.own_dir(self.dir), {self.name})]
+        for node in sorted({self.topology.node_of[r] for r in kept_for}):
+            names = {layout.file_name(r) for r in kept_for if self.topology.node_of[r] == node}
+            places.append((layout.replica_dir(self.dir, node), names))
+        for parent, names in places:
+            steps = _steps_under(parent)
+            keep = (
+                [s for s in steps if s <= step][-self.keep :]
+                if ok
+                else [s for s in steps if s <= step]
+            )
+            for s in steps:
+                if s in keep:
+                    continue
+                for name in names:
+                    path = parent / step_dir_name(s) / name
+                    if path.exists():
+                        self.slots.retire(path, str(s))
+
+    def _reserve(self, records: dict[int, FileRecord], kept_for: list[int]) -> None:
+        """After this process's first memory save: a spare for this rank's file and for each
+        replica it keeps, so the footprint after the first save is the steady state."""
+        try:
+            self.slots.reserve(self.name, records[self.rank].bytes)
+            for r in kept_for:
+                self.slots.reserve(layout.file_name(r), records[r].bytes)
+        except OSError as exc:
+            log.warning(
+                "dckpt: could not reserve a second memory slot on rank %d in %s (%s): the next "
+                "memory save allocates it, and may find the memory full",
+                self.rank,
+                self.dir,
+                exc,
+            )
+
+    # --- after a failed save -------------------------------------------------------------------
+
+    def abandon(self, staged: Staged | None, step: int) -> None:
+        """A save every rank agreed failed: this rank's file of it becomes a spare again."""
+        if staged is None:
+            return
+        named = staged.final if self._named == staged.final else None
+        for path in (staged.part, named):
+            if path is not None and path.exists():
+                self.slots.retire(path, "failed")
+
+    def release(self) -> int:
+        """Free this rank's files of this run in its node's memory (own, the replicas it
+        keeps, their spares); returns the bytes freed. For a run that ended with its last
+        checkpoint in the root."""
+        self.slots.close()
+        names = {self.name} | {
+            layout.file_name(r)
+            for r in range(len(self.topology.node_of))
+            if self.topology.keeper_of(r) == self.rank
+        }
+        return layout.remove_node_files(self.dir, names)
+
+    def close(self) -> None:
+        self.slots.close()
+
+
+def _steps_under(parent: Path) -> list[int]:
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := STEP_RE.fullmatch(n)))

@@ -24,6 +24,7 @@ from .background import SaveThread
 from .handle import SaveHandle, SaveResult, SaveTicket
 from .mode import SaveMode
 from .pipeline import SavePipeline
+from .route import DURABLE, SaveRoute
 from .step_clock import StepClock
 
 __all__ = ["Saver"]
@@ -42,6 +43,7 @@ class Saver:
         *,
         ctl: Comm,
         pipeline: SavePipeline,
+        routes: dict[str, SaveRoute],
         progress: Progress,
         config: CheckpointConfig,
         clock: StepClock,
@@ -49,6 +51,7 @@ class Saver:
     ) -> None:
         self._ctl = ctl
         self._pipeline = pipeline
+        self._routes = routes
         self._progress = progress
         self._config = config
         self._clock = clock
@@ -70,7 +73,8 @@ class Saver:
 
     @property
     def last_committed_step(self) -> int | None:
-        return self._pipeline.last_committed_step
+        """The step of the last committed durable save."""
+        return self._pipeline.last_committed.get(DURABLE)
 
     @property
     def asynchronous(self) -> bool:
@@ -86,8 +90,10 @@ class Saver:
         loss: dict[str, Any],
         tier: str = "durable",
     ) -> SaveHandle:
-        """Steps 1-3 of the save protocol, then the hand-off to the save thread. A memory
-        save always runs in the background: its copy in ``save()`` is the snapshot."""
+        """Steps 1-3 of the save protocol, then the hand-off to the save thread. A route that
+        cannot block (the memory tier's: its copy in ``save()`` is the snapshot) always runs
+        in the background."""
+        route = self._routes[tier]
         self._refuse_if_unusable()
         t0 = time.perf_counter()
         self._thread.raise_if_failed()
@@ -116,9 +122,10 @@ class Saver:
             self._mode.apply(plan)
             if self.rank == 0 and plan.message:
                 log.info("dckpt: %s", plan.message)
-        asynchronous = self._mode.asynchronous or tier == "memory"
+        asynchronous = self._mode.asynchronous or not route.can_block
 
         job = self._pipeline.prepare(
+            route,
             step,
             started=t0,
             epoch=epoch,
@@ -126,7 +133,6 @@ class Saver:
             metric=metric,
             loss=loss,
             asynchronous=asynchronous,
-            tier=tier,
         )
         ticket = SaveTicket(step, t0)
         handle = SaveHandle(ticket)
@@ -136,7 +142,7 @@ class Saver:
             lambda: self._pipeline.run(job, ticket),
             deadline_s=self._config.watchdog_s,
             where=lambda: self._progress.lagging(job.save_id),
-            soft=tier == "memory",
+            soft=route.soft,
         )
         if not asynchronous:
             try:

@@ -18,7 +18,8 @@ first difference) rather than loading into the wrong tensor.
 
 Invariants: ``write_into`` copies every tensor before it returns (the snapshot is the state at
 ``save()`` time); the reader trusts nothing in the file before its digest matched the
-manifest, and even then checks every offset against the buffer's length.
+manifest, and even then checks every offset against the buffer's length. Files and their
+mappings are dckpt.tiers.memory_layout's; this module only lays bytes out and reads them.
 """
 
 from __future__ import annotations
@@ -26,24 +27,20 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import mmap
-import os
 import struct
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.tensor import DTensor
 
 __all__ = [
     "FlatFile",
     "MemoryFileError",
     "StateFill",
-    "map_for_reading",
     "plan_flat",
     "share_out",
     "signature",
@@ -55,9 +52,6 @@ _HEAD = struct.Struct("<8sQ")
 _DATA_ALIGN = 4096
 _ALIGN = 64
 _MAX_HEADER = 64 << 20
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-"""Map every page in one call: faulting them in one by one as the copy touches them took as
-long as the copy itself (256 MiB: 0.08 s against 0.04 s, on /dev/shm)."""
 
 
 class MemoryFileError(ValueError):
@@ -151,36 +145,23 @@ def plan_flat(state_dict: dict[str, Any], skip: frozenset[str] = frozenset()) ->
     return FlatPlan(tensors, blob, objects_offset, header, size)
 
 
-def write_into(path: Path, plan: FlatPlan, reuse: Callable[[Path], bool] | None = None) -> None:
-    """Write the planned file at ``path``, copying every tensor now (the snapshot). ``reuse``
-    may first move a retired file of the same name there, whose pages are then overwritten
-    instead of allocated. Raises OSError (ENOSPC when the memory file system is full)."""
-    if reuse is None or not reuse(path):
-        path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if os.fstat(fd).st_size != plan.size:
-            os.ftruncate(fd, plan.size)
-        # Reserve every page now, so a full memory file system fails here, clearly, and not
-        # with SIGBUS halfway through the copy below.
-        os.posix_fallocate(fd, 0, plan.size)
-        with mmap.mmap(fd, plan.size, flags=mmap.MAP_SHARED | _POPULATE) as mm:
-            mm[: _HEAD.size] = _HEAD.pack(MAGIC, len(plan.header))
-            mm[_HEAD.size : _HEAD.size + len(plan.header)] = plan.header
-            for _key, local, offset, nbytes in plan.tensors:
-                if nbytes:
-                    dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
-                    dst.view(local.dtype).view(local.shape).copy_(local)
-                    del dst  # the mmap cannot close while a tensor views it
-            end = plan.objects_offset + len(plan.objects)
-            mm[plan.objects_offset : end] = plan.objects
-    finally:
-        os.close(fd)
-
-
-def map_for_reading(fd: int) -> mmap.mmap:
-    """The whole file behind ``fd``, mapped read-only with every page mapped at once."""
-    return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+def write_into(buf: Any, plan: FlatPlan) -> None:
+    """Write the planned file into ``buf`` (a writable mapping of exactly ``plan.size``
+    bytes, every page allocated: dckpt.tiers.memory_layout.Slots.open), copying every tensor
+    now (the snapshot)."""
+    view = memoryview(buf)
+    if len(view) != plan.size:
+        raise ValueError(f"the mapping holds {len(view)} bytes, the plan {plan.size}")
+    view[: _HEAD.size] = _HEAD.pack(MAGIC, len(plan.header))
+    view[_HEAD.size : _HEAD.size + len(plan.header)] = plan.header
+    for _key, local, offset, nbytes in plan.tensors:
+        if nbytes:
+            dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+            dst.view(local.dtype).view(local.shape).copy_(local)
+            del dst  # the mapping cannot close while a tensor views it
+    end = plan.objects_offset + len(plan.objects)
+    view[plan.objects_offset : end] = plan.objects
+    del view
 
 
 def _round(n: int, to: int) -> int:
@@ -244,6 +225,7 @@ class StateFill:
     def __init__(
         self, state_dict: dict[str, Any], flat_file: FlatFile, shared: list[FlatFile]
     ) -> None:
+        self.state_dict = state_dict
         self.flat, self.mapping = flatten_state_dict(state_dict)
         rows = {row[0]: (flat_file, row) for row in flat_file.rows}
         for other in shared:
@@ -272,11 +254,13 @@ class StateFill:
 
     def apply(self) -> dict[str, Any]:
         """Copy every tensor into the live one (a DTensor's local shard); the saved non-tensor
-        values replace the live ones. Returns the state dict to load."""
+        values replace the live ones, in place, in the state dict given (so its empty
+        containers, which a flat view drops, such as an optimizer's state before its first
+        step, stay as they are). Returns that state dict, to load."""
         with torch.no_grad():  # the live tensors may be parameters that require grad
             for key in self.live:
                 source, (_, dtype, shape, offset, nbytes) = self.rows[key]
                 _local(self.flat[key]).copy_(source.tensor(dtype, shape, offset, nbytes))
         for key, value in self.objects.items():
-            self.flat[key] = value
-        return unflatten_state_dict(self.flat, self.mapping)
+            set_element(self.state_dict, self.mapping[key], value)
+        return self.state_dict

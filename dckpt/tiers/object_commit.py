@@ -228,4 +228,5 @@ class ObjectCommit:
             log.warning("dckpt: the manifest PUT of step %d failed but landed: %s", step, exc)
 
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
-        self.objects.apply_retention(policy)
+        if policy.enabled:
+            self.objects.apply_retention(policy)

@@ -29,13 +29,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import IntegrityError, ManifestError, StorageError
+from ..errors import IntegrityError, ManifestError
 from ..root.layout import (
     LATEST_FILE,
     PINS_DIR,
     QUARANTINE_DIR,
     QUARANTINED_RE,
-    ROOT_ID_FILE,
     STEP_RE,
     Status,
     step_dir_name,
@@ -77,18 +76,6 @@ class ObjectRoot:
 
     def where(self, *parts: str) -> str:
         return f"s3://{self.url.bucket}/{self.key(*parts)}"
-
-    def identity(self) -> str:
-        """The root's id (``.dckpt-root-id``), made with a conditional PUT if it has none."""
-        key = self.key(ROOT_ID_FILE)
-        for _ in range(3):
-            got = self.store.get_small(key, 64)
-            if got is not None and got[0].strip():
-                return got[0].decode(errors="replace").strip()
-            ident = uuid.uuid4().hex
-            if self.store.put_small(key, (ident + "\n").encode(), if_absent=True) is not None:
-                return ident
-        raise StorageError(f"cannot read or make {self.where(ROOT_ID_FILE)}")
 
     # --- reading ----------------------------------------------------------------------------
 

@@ -1,0 +1,136 @@
+"""Loading a durable candidate (a directory root, or an s3:// root through its mirror):
+``DurableReader``, steps 2-5 of the resume protocol (dckpt.load.resumer) for one step.
+
+1. the source brings the step to where it is read (``checks.fetch_candidate``: nothing for a
+   directory; every object hashed as it arrives into the mirror for an object store);
+2. the manifest, the layout and the verified ``.metadata`` on every rank, then the ranks
+   compare the manifest's digest of digests;
+3. the config, precision, state kinds and GradScaler (``CandidateChecks``), then every
+   tensor's shape and dtype against the metadata, before any tensor is read;
+4. DCP loads through the ``VerifyingReader`` (each file hashed whole and matched before a
+   tensor is filled from it); the files no rank read are hashed too, and every rank checks
+   every rank's digests against the manifest;
+5. the RNG last: restored per rank, or reseeded from (seed, step, rank) when the world size
+   changed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from ..dist.comm import Comm
+from ..errors import CheckpointError, unwrap_dcp_error
+from ..root.manifest import Manifest
+from ..root.source import CheckpointSource
+from ..storage.verifying_reader import SafeLoadPlanner
+from ..train import rng
+from ..train.state import TrainState
+from ..units import plural
+from . import checks
+from .report import CandidateReport, LoadResult
+
+__all__ = ["DurableReader"]
+
+
+class DurableReader:
+    """Loads a durable candidate into the state; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        ctl: Comm,
+        source: CheckpointSource,
+        state: TrainState,
+        checks: checks.CandidateChecks,
+    ) -> None:
+        self.ctl = ctl
+        self.source = source
+        self.state = state
+        self.checks = checks
+        self.rank, self.world_size = ctl.rank, ctl.world_size
+
+    def survey(self) -> list[str]:
+        return []
+
+    def load(self, step: int, report: CandidateReport, *, with_config: bool) -> LoadResult:
+        t0 = time.perf_counter()
+        path, name, state = report.path, report.path.name, self.state
+        checks.fetch_candidate(self.ctl, self.source, step, report)
+        manifest, reader = checks.read_candidate(self.ctl, path, step, report)
+        checks.agree_on_manifest(self.ctl, manifest, path, report)
+        self.checks.run(manifest, report, with_config=with_config)
+        state_dict = state.state_dict()
+        if manifest.world_size != self.world_size:
+            checks.resolve_per_rank(state, state_dict, manifest.world_size, name, report)
+        checks.check_shapes(state_dict, reader, name)
+        saved = set(manifest.state)
+        same_world = manifest.world_size == self.world_size and "rng" in saved
+        if same_world:
+            state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
+        try:
+            with self.ctl.quiet():
+                dcp_load(
+                    state_dict,
+                    storage_reader=reader,
+                    planner=SafeLoadPlanner(),
+                    process_group=self.ctl.group,
+                    no_dist=not self.ctl.distributed,
+                )
+        except CheckpointException as exc:
+            inner = unwrap_dcp_error(exc)
+            if inner is not exc:
+                raise inner from None
+            raise CheckpointError(f"loading {path} failed: {exc}") from None
+        files_verified, ranks_checked = checks.verify_rest(self.ctl, path, manifest, reader)
+        report.check(
+            "digests",
+            files_verified == len(manifest.files),
+            f"{files_verified} of {plural(len(manifest.files), 'file')} hashed and matched "
+            f"({manifest.digest_algorithm}); "
+            + (
+                "the one rank checked its digests"
+                if ranks_checked == 1
+                else f"every rank checked the digests of all {ranks_checked} ranks"
+            ),
+        )
+        state.load_state_dict(state_dict)
+        restored = [c for c in state.categories() if c in saved]
+        report.check("state", set(restored) == set(state.categories()), ", ".join(restored))
+        self._restore_rng(step, manifest, state_dict, same_world, report)
+        return LoadResult(
+            step=step,
+            path=path,
+            bytes=manifest.total_bytes,
+            files_verified=files_verified,
+            seconds=time.perf_counter() - t0,
+            manifest=manifest,
+        )
+
+    def _restore_rng(
+        self,
+        step: int,
+        manifest: Manifest,
+        state_dict: dict[str, Any],
+        same_world: bool,
+        report: CandidateReport,
+    ) -> None:
+        if same_world:
+            rng.restore(state_dict["rng"][f"rank_{self.rank}"])
+            kinds = "python, numpy, torch" + (
+                ", CUDA" if "cuda" in state_dict["rng"][f"rank_{self.rank}"] else ""
+            )
+            report.rng = f"restored on every rank ({kinds})"
+            return
+        rng.reseed(self.state.seed, step, self.rank)
+        report.rng = (
+            f"reseeded from (seed {self.state.seed}, step {step}, rank): the world size "
+            f"changed from {manifest.world_size} to {self.world_size}, so saved per-rank "
+            "generator states do not map"
+        )
+        report.warn(
+            "RNG reseeded, not restored: dropout and sampling differ from an uninterrupted run"
+        )

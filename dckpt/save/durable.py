@@ -1,0 +1,206 @@
+"""A durable save's own steps: ``DurableRoute``, the save pipeline's route to the root.
+
+The pipeline (dckpt.save.pipeline) states the protocol; this route is what a save to the
+root (a directory, or an s3:// root through its mirror) does in it:
+
+- step 3 (``snapshot``): the ``Stager`` takes this rank's snapshot (CPU tensors copied now,
+  CUDA tensors queued on the training stream, non-tensor values deep-copied), or, for a
+  synchronous save, hands over the live state; rank 0 first warns when the root's file system
+  cannot hold the save;
+- step 5 (``write``): ``dcp.save`` plans on dckpt's *io* group; the ``StagingSavePlanner``
+  drains device buffers to pinned host memory (and takes deferred copies), then sets the
+  ticket's ``staged``; the ``HashingWriter`` writes each shard file with its digest computed
+  as the bytes go out (for an object store, the commit strategy's ``tee`` also sends them to
+  the store, and ``publish`` checks each arrived whole);
+- steps 6-10 need nothing of it beyond the commit strategy (rename, or manifest-last).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
+
+from ..config import CheckpointConfig
+from ..dist.comm import Comm
+from ..errors import describe_os_error, unwrap_dcp_error
+from ..phases import Phase, Trace
+from ..root.commit import CommitStrategy
+from ..storage.hashing_writer import HashingWriter
+from ..train.state import TrainState
+from ..units import describe_staging, human_bytes
+from .coordinator import RankReport
+from .handle import SaveTicket
+from .route import DURABLE, Finished, SaveJob
+from .stager import Snapshot, Stager, StagingSavePlanner, Watch, watch_versions
+
+__all__ = ["DurableRoute"]
+
+log = logging.getLogger("dckpt")
+
+
+class DurableRoute:
+    """The durable tier's steps of a save; see the module docstring."""
+
+    tier = DURABLE
+    noun = "save"
+    label = ""
+    can_block = True
+    """A durable save may be synchronous (``async_save``), and the automatic mode learns from
+    what its saves cost the loop."""
+    soft = False
+    """A failed durable save is raised by the next ``save()``, ``wait()`` or ``close()``."""
+
+    def __init__(
+        self,
+        *,
+        io: Comm,
+        strategy: CommitStrategy,
+        config: CheckpointConfig,
+        state: TrainState,
+        stager: Stager,
+    ) -> None:
+        self.io = io
+        self.strategy = strategy
+        self.config = config
+        self.root = config.directory
+        self.state = state
+        self.stager = stager
+        self.rank, self.world_size = io.rank, io.world_size
+        self.last_bytes = 0
+        """The previous committed save's size: the next one's estimate."""
+
+    def snapshot(
+        self, state_dict: dict[str, Any], *, step: int, save_id: str, asynchronous: bool,
+        trace: Trace,
+    ) -> Snapshot:  # fmt: skip
+        if self.rank == 0:
+            self._check_free_space(step, state_dict)
+        if asynchronous:
+            return self.stager.snapshot(state_dict, self._deferred())
+        return self.stager.live(state_dict)  # the caller waits for the commit
+
+    def _deferred(self) -> Watch:
+        """Tensors whose copy may wait until the next optimizer step (``overlap_staging``):
+        only what the hooked optimizer changes, its parameters and its state. Their version
+        counters are read now, after the state dict was taken (taking it moves some)."""
+        opt = self.state.optimizer
+        if opt is None or not self.config.overlap_staging:
+            return {}
+        tensors = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        for per_param in opt.state.values():
+            tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+        return watch_versions(tensors)
+
+    def _check_free_space(self, step: int, state_dict: dict[str, Any]) -> None:
+        """Warn before staging when the root's file system cannot hold this save.
+
+        The estimate is the previous save's size, or (first save) the bytes of the tensors in
+        this state dict, with each sharded tensor counted for the whole world.
+        """
+        need = self.last_bytes or _tensor_bytes(state_dict, self.world_size)
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        if need > free:
+            log.warning(
+                "dckpt: step %d needs about %s but only %s is free on %s: the save will "
+                "likely fail with 'no space left on device' (older checkpoints stay intact). "
+                "Free space or lower keep_last.",
+                step,
+                human_bytes(need),
+                human_bytes(free),
+                self.root,
+            )
+
+    def write(
+        self, snapshot: Snapshot, ticket: SaveTicket, trace: Trace, tmp: Path, report: RankReport
+    ) -> RankReport:
+        """Step 5 on this rank: DCP's save through the hashing writer; its report."""
+        t_staging = time.perf_counter()
+        writer = HashingWriter(
+            tmp,
+            algorithm=self.config.digest,
+            rank=self.rank,
+            thread_count=self.config.io_threads,
+            direct=self.config.direct_io,
+            trace=trace,
+            tee=self.strategy.tee(tmp, ticket.step, trace),
+        )
+        planner = StagingSavePlanner(
+            self.stager, snapshot, ticket.staged, cancelled=ticket.cancelled, trace=trace
+        )
+        error: str | None = None
+        try:
+            with self.io.quiet():
+                dcp_save(
+                    snapshot.state_dict,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self.io.group,
+                    no_dist=not self.io.distributed,
+                )
+            trace.at(Phase.DCP_FINISH)
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = f"writing shards failed: {describe_os_error(unwrap_dcp_error(exc), self.root)}"
+        finally:
+            ticket.staged.set()
+        publish_s = 0.0
+        if error is None:
+            try:  # an object store: every file this rank wrote must be complete there
+                publish_s = self.strategy.publish(
+                    tmp, writer.records(), rank=self.rank, step=ticket.step, trace=trace
+                )
+                trace.passed(Phase.DCP_FINISH)
+            except Exception as exc:
+                error = f"uploading shards failed: {describe_os_error(exc, self.root)}"
+        return dataclasses.replace(
+            report,
+            records=tuple(writer.records()),
+            error=error,
+            timings={
+                "prepare_s": t_staging - ticket.started,
+                "write_s": time.perf_counter() - t_staging - publish_s,
+                **({"upload_s": publish_s} if publish_s else {}),
+                **planner.stats.as_timings(),
+            },
+        )
+
+    def settle(self, reports: list[RankReport]) -> str | None:
+        return None  # DCP's own plan already agreed who wrote what
+
+    def mesh(self) -> dict[str, Any]:
+        return {}
+
+    def finish(
+        self, job: SaveJob, reports: list[RankReport], timings: dict[str, float], trace: Trace
+    ) -> Finished:
+        """Nothing follows the commit; the save line says which path the bytes took."""
+        self.last_bytes = sum(rec.bytes for rep in reports for rec in rep.records)
+        return Finished(describe_staging(timings) if job.asynchronous else "live state written")
+
+    def abandon(self, snapshot: Snapshot | None, step: int) -> None:
+        pass  # the tmp location, removed by rank 0, held all of it
+
+
+def _tensor_bytes(obj: Any, world_size: int) -> int:
+    """Bytes of the tensors in a nested state dict; a DTensor's local shard counts world-wide."""
+    if isinstance(obj, DTensor):
+        return int(obj.to_local().nbytes) * world_size
+    if isinstance(obj, torch.Tensor):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, world_size) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, world_size) for v in obj)
+    return 0

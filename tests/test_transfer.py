@@ -1,0 +1,120 @@
+"""Files moved between real gloo ranks over dckpt's own group (dckpt.dist.transfer): the
+memory tier's replicas and a lost node's files at a resume.
+
+Each test spawns 2 ranks; rank 0 sends a file of several chunks from its mapping, rank 1
+receives it into its memory directory, hashing every chunk as it lands:
+
+- the bytes arrive exactly, and are renamed to their name only after they hashed right;
+- bytes that do not hash to the digest the receiver was given are never renamed in, and the
+  error says so;
+- a receiver whose memory is full takes the bytes and drops them (the sender is not hung), and
+  says why;
+- a receiver whose sender never sends gives up within the deadline (TransferError), it does
+  not hang.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dist_harness import run_world
+
+pytestmark = [pytest.mark.multiproc]
+
+SIZE = (40 << 20) + 12345  # three chunks, the last one short
+
+
+def _exchange(rank: int, world: int, base: str, digest: str | None, send: bool) -> dict[str, Any]:
+    import mmap
+
+    import torch
+
+    from dckpt.dist.comm import Comm
+    from dckpt.dist.transfer import CHUNK, Incoming, Outgoing, TransferError, move
+    from dckpt.storage.digest import format_digest, new_hasher
+    from dckpt.tiers.memory_layout import Slots
+
+    assert SIZE > 2 * CHUNK
+    comm = Comm(60.0)
+    node = Path(base) / f"node-{rank}"
+    slots = Slots(node)
+    data = torch.Generator().manual_seed(7)
+    payload = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=data).numpy().tobytes()
+    hasher = new_hasher("xxh3_128")
+    hasher.update(payload)
+    right = format_digest("xxh3_128", hasher)
+    out: dict[str, Any] = {"right": right}
+    t0 = time.perf_counter()
+    try:
+        if rank == 0:
+            src = node / "own" / "f.mem"
+            mm = slots.open(src, SIZE)
+            mm[:] = payload
+            move(comm, [Outgoing(mm, 1, SIZE)] if send else [], [], slots, timeout_s=60.0)
+        else:
+            into = node / "replica" / "f.mem"
+            got = move(
+                comm,
+                [],
+                [Incoming(0, into, SIZE, digest or right)],
+                slots,
+                timeout_s=3.0,
+            )
+            out["error"] = got[0].error
+            out["exists"] = into.exists()
+            out["parts"] = sorted(p.name for p in into.parent.iterdir())
+            if into.exists():
+                with open(into, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                    out["exact"] = m[:] == payload
+            out["seconds"] = time.perf_counter() - t0
+    except TransferError as exc:
+        out["transfer_error"] = str(exc)
+        out["seconds"] = time.perf_counter() - t0
+    finally:
+        slots.close()
+    if send:  # rank 0 stays until rank 1 has every byte
+        comm.barrier()
+    return out
+
+
+def test_a_file_arrives_exactly_and_is_named_only_once_it_hashed_right(tmp_path: Path) -> None:
+    _, received = run_world(_exchange, 2, str(tmp_path), None, True)
+    assert received["error"] is None and received["exists"] and received["exact"], received
+    assert received["parts"] == ["f.mem"], received  # no part file left behind
+
+
+def test_bytes_that_do_not_hash_right_are_never_named(tmp_path: Path) -> None:
+    wrong = "xxh3_128:" + "0" * 32
+    _, received = run_world(_exchange, 2, str(tmp_path), wrong, True)
+    assert not received["exists"] and received["parts"] == [], received
+    assert "digest mismatch" in received["error"] and wrong in received["error"], received
+
+
+def test_a_full_memory_takes_the_bytes_and_drops_them(tmp_path: Path) -> None:
+    """The receiver's memory directory is a 16 MiB tmpfs: the file cannot be held, the
+    receiver says so, and the sender's sends complete (the exchange returns on both)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a private tmpfs")
+    small = tmp_path / "node-1"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)], check=True)
+    try:
+        sent, received = run_world(_exchange, 2, str(tmp_path), None, True)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    assert "transfer_error" not in sent, sent
+    assert not received["exists"], received
+    assert "this node's memory cannot hold f.mem" in received["error"], received
+    assert "No space left on device" in received["error"], received
+
+
+def test_a_sender_that_never_sends_is_given_up_on_within_the_deadline(tmp_path: Path) -> None:
+    results = run_world(_exchange, 2, str(tmp_path), None, False, expect_failure=True)
+    received = results[1]
+    assert "waiting for the bytes 0-" in received["transfer_error"], received
+    assert received["seconds"] < 30, received
