@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import WorldError
-from ..units import plural
 from ..faults import fault_point
 from ..phases import Phase
+from ..units import plural
 
 __all__ = [
     "WarmupResult",
@@ -158,7 +158,8 @@ def check_warmup(results: list[WarmupResult]) -> str:
             " restart it without that host."
         )
     slowest = max(r.latency_s for r in results)
+    first = results[0]
     return (
-        f"{plural(len(results), 'rank')} answered, sum {results[0].value:g} = {results[0].expected:g} "
+        f"{plural(len(results), 'rank')} answered, sum {first.value:g} = {first.expected:g} "
         f"on every rank, slowest {slowest * 1000:.1f} ms"
     )
