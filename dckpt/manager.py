@@ -178,6 +178,8 @@ class CheckpointManager:
         self._commit = strategy
         self._locks = self._open_root()
         lineage = Lineage()
+        if config.memory and self.rank == 0:  # until a resume says otherwise: the root's newest
+            lineage.anchor = max(source.steps(), default=None)
         checks = CandidateChecks(
             comm=self._ctl,
             run_config=self.run_config,
@@ -349,6 +351,7 @@ class CheckpointManager:
         if failure is not None:
             self._close_on_failure()
             raise failure
+        slots = memory_layout.Slots(memory_layout.node_dir(memory_dir, node))
         route = MemoryRoute(
             io=self._io,
             strategy=commit,
@@ -358,6 +361,7 @@ class CheckpointManager:
             keep=self.config.memory_keep,
             digest=self.config.digest,
             timeout_s=self.config.timeout_s,
+            slots=slots,
         )
         source = MemorySource(
             ctl=self._ctl,
@@ -366,6 +370,7 @@ class CheckpointManager:
             memory_dir=memory_dir,
             durable_steps=durable.steps,
             timeout_s=self.config.timeout_s,
+            slots=slots,
         )
         return route, source
 
@@ -518,8 +523,7 @@ class CheckpointManager:
         rank frees its files of this run in its node's memory (a run that ends with a memory
         save, or a crash, keeps them for the next start to resume from)."""
         assert self._memory is not None
-        route, source = self._memory
-        source.close()
+        route, _source = self._memory
         if self._pipeline.last_committed_tier == DURABLE and self._saver.stuck is None:
             freed = route.release()
             if self.rank == 0 and freed:

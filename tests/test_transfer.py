@@ -10,7 +10,8 @@ receives it into its memory directory, hashing every chunk as it lands:
 - a receiver whose memory is full takes the bytes and drops them (the sender is not hung), and
   says why;
 - a receiver whose sender never sends gives up within the deadline (TransferError), it does
-  not hang.
+  not hang; so does one whose sender trickles (each chunk in time, the whole file not): the
+  deadline is the exchange's, not each chunk's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ pytestmark = [pytest.mark.multiproc]
 SIZE = (40 << 20) + 12345  # three chunks, the last one short
 
 
-def _exchange(rank: int, world: int, base: str, digest: str | None, send: bool) -> dict[str, Any]:
+def _exchange(
+    rank: int, world: int, base: str, digest: str | None, send: bool | str
+) -> dict[str, Any]:
     import mmap
 
     import torch
@@ -55,7 +58,19 @@ def _exchange(rank: int, world: int, base: str, digest: str | None, send: bool) 
             src = node / "own" / "f.mem"
             mm = slots.open(src, SIZE)
             mm[:] = payload
-            move(comm, [Outgoing(mm, 1, SIZE)] if send else [], [], slots, timeout_s=60.0)
+            if send == "trickle":  # each chunk well within the deadline, all of them not
+                import torch.distributed as dist
+
+                buf = torch.frombuffer(mm, dtype=torch.uint8)
+                for i, a in enumerate(range(0, SIZE, CHUNK)):
+                    dist.isend(buf[a : a + CHUNK], 1, group=comm.group, tag=i)
+                    time.sleep(1.5)
+                del buf
+                time.sleep(2)
+            elif send:
+                move(comm, [Outgoing(mm, 1, SIZE)], [], slots, timeout_s=60.0)
+            else:  # alive, silent: past rank 1's deadline
+                time.sleep(6)
         else:
             into = node / "replica" / "f.mem"
             got = move(
@@ -77,7 +92,7 @@ def _exchange(rank: int, world: int, base: str, digest: str | None, send: bool) 
         out["seconds"] = time.perf_counter() - t0
     finally:
         slots.close()
-    if send:  # rank 0 stays until rank 1 has every byte
+    if send is True:  # rank 0 stays until rank 1 has every byte
         comm.barrier()
     return out
 
@@ -118,3 +133,11 @@ def test_a_sender_that_never_sends_is_given_up_on_within_the_deadline(tmp_path: 
     received = results[1]
     assert "waiting for the bytes 0-" in received["transfer_error"], received
     assert received["seconds"] < 30, received
+
+
+def test_a_sender_that_trickles_is_given_up_on_at_the_exchanges_deadline(tmp_path: Path) -> None:
+    """Three chunks, 1.5 s apart, against a 3 s deadline: each chunk would make it alone."""
+    results = run_world(_exchange, 2, str(tmp_path), None, "trickle", expect_failure=True)
+    received = results[1]
+    assert "within the exchange's 3 s (timeout_s)" in received["transfer_error"], received
+    assert received["seconds"] < 4.4, received  # the third chunk would land at 4.5 s

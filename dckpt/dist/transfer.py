@@ -6,15 +6,17 @@ one exchange on every rank that takes part (both ends know the plan: who sends w
 whom, its size and the writer's digest):
 
 1. each receiver maps a part file next to its target (a spare of the same name is reused, so
-   no page is allocated on a steady run), and posts one receive per chunk straight into the
-   mapping; each sender posts one send per chunk straight from its file's mapping (gloo
-   moves them in C++, off the GIL, no copy in between);
+   no page is allocated on a steady run) and posts one receive per chunk straight into the
+   mapping, each chunk's pages allocated just before (so a fresh file's allocation overlaps
+   the chunks already arriving); each sender posts one send per chunk straight from its
+   file's mapping (gloo moves them in C++, off the GIL, no copy in between);
 2. each receiver waits for its chunks in order and hashes each as it lands, while the later
    ones are still arriving; a file is renamed to its target only once every byte hashed to
    the digest its writer recorded, and is deleted otherwise;
-3. every wait has a deadline (``timeout_s`` per chunk): a peer that stops answering fails
-   the exchange with ``TransferError`` instead of hanging it. After that gloo has closed the
-   pair: the group is unusable, as after any failed collective.
+3. the whole exchange has one deadline (``timeout_s``, as one collective has), and every
+   wait gets what is left of it: a peer that stops answering, or trickles, fails the exchange
+   with ``TransferError`` instead of hanging it. After that gloo has closed the pair: the
+   group is unusable, as after any failed collective.
 
 Chunks (16 MiB) keep hashing beside the transfer and bound what one wait covers; measured
 here, chunked sends into a mapped file ran at the speed of one send of the whole buffer.
@@ -45,11 +47,20 @@ CHUNK = 16 << 20
 _CHUNKS_PER_FILE = 1 << 20  # tags: (file of this pair) << 20 | chunk; 16 TiB per file
 
 
+class Claim(Protocol):
+    buffer: Any
+    """A writable mapping of the file."""
+
+    def allocate(self, start: int, end: int) -> None:
+        """Allocate the pages of ``[start, end)`` (OSError, ENOSPC, when it cannot)."""
+        ...
+
+
 class Targets(Protocol):
     """Where received files are made (dckpt.tiers.memory_layout.Slots is one)."""
 
-    def open(self, path: Path, size: int, *, spare_of: str | None = None) -> Any:
-        """A writable mapping of ``size`` bytes at ``path``, every page allocated."""
+    def claim(self, path: Path, size: int, *, spare_of: str | None = None) -> Claim:
+        """A writable mapping of ``size`` bytes at ``path``, its pages allocated by range."""
         ...
 
     def drop(self, path: Path) -> None:
@@ -85,6 +96,8 @@ class Incoming:
     tag: int = 0
     spare_of: str | None = None
     """A spare of this name is reused for the part file (its pages already allocated)."""
+    claim: Claim | None = None
+    """The part file, claimed ahead by the caller (its pages perhaps being allocated by then)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,7 @@ def move(
     *,
     timeout_s: float,
     trace: Trace | None = None,
-    part_suffix: str = "",
+    part_suffix: str = "-in",
 ) -> list[Received]:
     """Send ``outgoing`` and receive ``incoming`` (see the module docstring); returns one
     ``Received`` per incoming file, in order. Raises TransferError when a peer fails."""
@@ -122,7 +135,7 @@ def move(
         return []
     if comm.group is None:
         raise ValueError("moving files between ranks needs a process group")
-    deadline = datetime.timedelta(seconds=timeout_s)
+    deadline = (time.monotonic() + timeout_s, timeout_s)
     posted: list[tuple[Incoming, Path, Any, str | None, list[Any]]] = []
     sends: list[tuple[Outgoing, torch.Tensor, list[Any]]] = []
     results: list[Received] = []
@@ -132,29 +145,27 @@ def move(
         for item in incoming:
             part = item.into.with_name(f".{item.into.name}.part{part_suffix}")
             refused: str | None = None
+            works = []
             try:
-                mm: Any = slots.open(part, item.size, spare_of=item.spare_of)
+                claim = item.claim or slots.claim(part, item.size, spare_of=item.spare_of)
+                mm: Any = claim.buffer
                 chunks = _view(mm, item.size)
             except OSError as exc:
-                # The sender sends all the same: take its bytes into one reused chunk, and
-                # drop them, so a full memory here never hangs the sender.
-                refused = f"this node's memory cannot hold {item.into.name} ({exc})"
-                mm, scratch = (
-                    None,
-                    scratch if scratch is not None else torch.empty(CHUNK, dtype=torch.uint8),
-                )
-                chunks = scratch
-            works = [
-                _post(
-                    dist.irecv,
-                    chunks[a:b] if refused is None else chunks[: b - a],
-                    item.src,
-                    comm,
-                    item.tag,
-                    i,
-                )
-                for i, (a, b) in enumerate(_chunks(item.size))
-            ]
+                mm, refused = None, f"this node's memory cannot hold {item.into.name} ({exc})"
+            for i, (a, b) in enumerate(_chunks(item.size)):
+                if refused is None:
+                    try:  # each chunk's pages, while the chunks before it arrive
+                        claim.allocate(a, b)
+                        target = chunks[a:b]
+                    except OSError as exc:
+                        refused = f"this node's memory cannot hold {item.into.name} ({exc})"
+                if refused is not None:
+                    # The sender sends all the same: take its bytes into one reused chunk,
+                    # and drop them, so a full memory here never hangs the sender.
+                    if scratch is None:
+                        scratch = torch.empty(CHUNK, dtype=torch.uint8)
+                    target = scratch[: b - a]
+                works.append(_post(dist.irecv, target, item.src, comm, item.tag, i))
             posted.append((item, part, mm, refused, works))
         for out in outgoing:
             buf = _view(out.data, out.size)
@@ -167,7 +178,7 @@ def move(
         for item, part, mm, refused, works in posted:
             algorithm = item.digest.split(":", 1)[0]
             hasher = new_hasher(algorithm)
-            view = memoryview(mm) if mm is not None else None
+            view = memoryview(mm) if mm is not None and refused is None else None
             for (a, b), work in zip(_chunks(item.size), works, strict=True):
                 _wait(work, deadline, f"the bytes {a}-{b} of {item.into.name} from rank {item.src}")
                 if view is not None:
@@ -206,14 +217,20 @@ def move(
 def _post(op: Any, chunk: torch.Tensor, peer: int, comm: Comm, tag: int, i: int) -> Any:
     assert comm.group is not None
     global_peer = dist.get_global_rank(comm.group, peer)
-    return op(chunk, global_peer, group=comm.group, tag=tag * _CHUNKS_PER_FILE + i)
-
-
-def _wait(work: Any, deadline: datetime.timedelta, what: str) -> None:
     try:
-        work.wait(deadline)
+        return op(chunk, global_peer, group=comm.group, tag=tag * _CHUNKS_PER_FILE + i)
+    except RuntimeError as exc:  # the pair to that peer closed already
+        raise TransferError(f"cannot reach rank {peer}: {str(exc)[:300]}") from exc
+
+
+def _wait(work: Any, deadline: tuple[float, float], what: str) -> None:
+    """Wait for ``work`` until the exchange's deadline ``(time.monotonic() at which it ends,
+    timeout_s)``, not a moment longer."""
+    end, timeout_s = deadline
+    try:
+        work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
     except RuntimeError as exc:
         raise TransferError(
-            f"waiting for {what} failed after at most {deadline.total_seconds():.0f} s: "
+            f"waiting for {what} failed within the exchange's {timeout_s:.0f} s (timeout_s): "
             f"{str(exc)[:300]}"
         ) from exc

@@ -37,6 +37,7 @@ import json
 import mmap
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dist.comm import Comm
-from ..dist.transfer import Incoming, Outgoing, TransferError, move
+from ..dist.transfer import CHUNK, Incoming, Outgoing, TransferError, move
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -60,6 +61,7 @@ from ..storage.digest import format_digest, new_hasher
 from ..storage.memory_file import FlatFile, MemoryFileError, StateFill
 from ..storage.records import FileRecord
 from ..tiers import memory_layout as layout
+from ..tiers.memory_layout import Claim
 from ..train import rng
 from ..train.state import TrainState
 from ..units import human_bytes
@@ -84,7 +86,9 @@ class MemoryFetched:
     """The ranks that received files from another node."""
     warnings: list[str] = field(default_factory=list)
     maps: dict[str, mmap.mmap] = field(default_factory=dict)
-    """The mappings this rank made to prove its files, kept for its reads."""
+    """The mappings this rank made to prove its files, kept for its reads (closed after)."""
+    held: dict[str, mmap.mmap] = field(default_factory=dict)
+    """The files this rank received, mapped by its ``Slots`` (which keep them mapped)."""
 
     def line(self) -> str:
         return "; ".join(f"rank {r}: {h}" for r, h in enumerate(self.hows))
@@ -102,6 +106,7 @@ class MemorySource:
         memory_dir: Path,
         durable_steps: Callable[[], list[int]],
         timeout_s: float,
+        slots: layout.Slots,
     ) -> None:
         self.ctl = ctl
         self.ledger = ledger
@@ -114,7 +119,8 @@ class MemorySource:
         self.durable_steps = durable_steps
         self.timeout_s = timeout_s
         self.mates = [r for r, n in enumerate(node_of) if n == self.node]
-        self.slots = layout.Slots(self.dir)
+        self.slots = slots
+        """This rank's mappings of its node's files (shared with the memory save)."""
 
     def __str__(self) -> str:
         return f"the memory tier ({self.memory_dir})"
@@ -146,6 +152,16 @@ class MemorySource:
         duty = [n for i, n in enumerate(needed) if self.mates[i % len(self.mates)] == self.rank]
         fetched = MemoryFetched(manifest, {}, [])
         bad: dict[str, str] = {}
+        # The files this node lacks will arrive from another: allocate their memory now, while
+        # the ranks prove what they hold and as the bytes arrive (fresh pages are what a
+        # replaced node waits on: 0.13 s for 256 MiB here, longer than the transfer).
+        ahead = {
+            n: self._claim_ahead(step, n, records[n].bytes)
+            for n in duty
+            if not self._place(step, n).exists()
+        }
+        room = threading.Thread(target=_allocate, args=(list(ahead.values()),), daemon=True)
+        room.start()
         for name in duty:  # 2: this rank's share of its node's files, where they lie
             path = self._place(step, name)
             try:
@@ -157,8 +173,23 @@ class MemorySource:
                 bad[name] = str(exc)
         listing = layout.held(self.dir, step) if self.mates[0] == self.rank else None
         told = self.ctl.all_gather((listing, fetched.proofs, bad))
-        self._exchange(step, manifest, told, fetched)  # 3
+        try:
+            self._exchange(step, manifest, told, fetched, ahead)  # 3
+        finally:
+            room.join()
+            for name, claim in ahead.items():  # claimed, and never received into
+                if claim is not None and name not in fetched.held:
+                    self.slots.drop(self._place(step, name).with_name(f".{name}.part-in"))
         return fetched
+
+    def _claim_ahead(self, step: int, name: str, size: int) -> Claim | None:
+        """The part file ``name`` will arrive into, made and mapped now (``move`` receives
+        into it); None when this node's memory cannot even make it (said at the receive)."""
+        part = self._place(step, name).with_name(f".{name}.part-in")
+        try:
+            return self.slots.claim(part, size)
+        except OSError:
+            return None
 
     def _record(self, step: int) -> Manifest:
         raw: bytes | None = None
@@ -233,6 +264,7 @@ class MemorySource:
         manifest: Manifest,
         told: list[tuple[dict[str, str] | None, dict[str, Any], dict[str, str]]],
         fetched: MemoryFetched,
+        ahead: dict[str, Claim | None],
     ) -> None:
         records = manifest.file_map()
         holds = {self.node_of[r]: listing for r, (listing, _, _) in enumerate(told) if listing}
@@ -272,13 +304,13 @@ class MemorySource:
             pairs[sender, receiver] = tag + 1
             if sender == self.rank:
                 path = self._place(step, name, holder)
-                data = self.slots.view(path) if path.exists() else b""
+                proven = fetched.proofs.get(name, ("", None))[0] == str(path)
+                data = fetched.maps[name] if proven else self.slots.view(path)
                 outgoing.append(Outgoing(data, receiver, records[name].bytes, tag))
             if receiver == self.rank:
                 into = self._place(step, name)
-                incoming.append(
-                    Incoming(sender, into, records[name].bytes, records[name].digest, tag, name)
-                )
+                size, digest = records[name].bytes, records[name].digest
+                incoming.append(Incoming(sender, into, size, digest, tag, name, ahead.get(name)))
         t0 = time.perf_counter()
         failure: CheckpointError | None = None
         try:
@@ -296,6 +328,7 @@ class MemorySource:
                 )
                 continue
             arrived[item.into.name] = (str(item.into), _identity(os.stat(item.into)))
+            fetched.held[item.into.name] = self.slots.view(item.into)  # mapped as it came
         elapsed = time.perf_counter() - t0
         outcomes = self.ctl.all_gather((failure, arrived, elapsed))
         for error, _, _ in outcomes:
@@ -353,9 +386,6 @@ class MemorySource:
                 )
         return notes
 
-    def close(self) -> None:
-        self.slots.close()
-
 
 class MemoryReader:
     """Loads a memory candidate into the state; see the module docstring (step 4)."""
@@ -396,12 +426,12 @@ class MemoryReader:
             f"the memory tier ({where}; {self.source.memory_dir}, {step_dir_name(step)})"
         )
         self.checks.run(manifest, report, with_config=with_config)
-        maps = dict(fetched.maps)
+        maps = {**fetched.maps, **fetched.held}
         failure: CheckpointError | None = None
         fill: StateFill | None = None
         try:
             for name, (path, identity) in fetched.proofs.items():
-                if name not in maps:
+                if name not in maps:  # proven by another rank of this node
                     maps[name] = _map(path, identity)
             fill = self._prepare(step, manifest, maps)
         except (MemoryFileError, CheckpointError, OSError) as exc:
@@ -415,7 +445,7 @@ class MemoryReader:
             rng.restore(saved_rng)
         finally:
             del fill
-            _close([m for n, m in maps.items() if n not in fetched.maps])
+            _close([m for n, m in maps.items() if n not in fetched.maps and n not in fetched.held])
         for warning in fetched.warnings:
             report.warn(warning)
         report.check("memory", True, fetched.line())
@@ -468,6 +498,20 @@ class MemoryReader:
             part = self.source.dir / f".{layout.RESTORE_FILE}.part"
             part.write_text(json.dumps(record))
             os.replace(part, self.source.dir / layout.RESTORE_FILE)
+
+
+def _allocate(claims: list[Claim | None]) -> None:
+    """Allocate the claimed files' pages chunk by chunk, in the order they will arrive (the
+    receive allocates each chunk too, just before it: whichever comes first does it)."""
+    for claim in claims:
+        if claim is None:
+            continue
+        size = len(claim.buffer)
+        for start in range(0, size, CHUNK):
+            try:
+                claim.allocate(start, min(start + CHUNK, size))
+            except OSError:
+                break  # the receive meets it again, and says so
 
 
 def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, int]]:

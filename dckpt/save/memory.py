@@ -144,6 +144,7 @@ class MemoryRoute:
         keep: int,
         digest: str,
         timeout_s: float,
+        slots: layout.Slots,
     ) -> None:
         self.io = io
         self.strategy = strategy
@@ -156,14 +157,14 @@ class MemoryRoute:
         self.keep = keep
         self.digest = digest
         self.timeout_s = timeout_s
-        self.slots = layout.Slots(self.dir)
+        self.slots = slots
+        """This rank's files in its node's memory, mapped once (shared with the resume)."""
         self.name = layout.file_name(self.rank)
         self.owners: tuple[str, frozenset[str], str] | None = None
         """The layout agreed at the last memory save: (signature of the replicated tensors,
         those this rank leaves to others, "world" or "node": who reads whose files)."""
         self._sizes: dict[str, int] = {}
         self._kind: str | bool = False
-        self._reserved = False
         self._named: Path | None = None  # the file step 5 last gave its name
 
     # --- step 3, in save() --------------------------------------------------------------------
@@ -327,9 +328,7 @@ class MemoryRoute:
         except RuntimeError as exc:  # a peer that stopped answering: the group is gone
             return self._lost(step, exc)
         self._retire(step, kept_for, ok=not mine.get("error"))
-        if not self._reserved:
-            self._reserved = True
-            self._reserve(records, kept_for)
+        self._reserve(records, kept_for)
         seconds = mine.get("seconds") if keeper is not None else None
         if told is None:
             return Finished(None, replicas_s=seconds)
@@ -408,8 +407,10 @@ class MemoryRoute:
                         self.slots.retire(path, str(s))
 
     def _reserve(self, records: dict[int, FileRecord], kept_for: list[int]) -> None:
-        """After this process's first memory save: a spare for this rank's file and for each
-        replica it keeps, so the footprint after the first save is the steady state."""
+        """A spare of this save's size for this rank's file and for each replica it keeps
+        (made by the first save, resized when the size changed: a no-op on a steady run), so
+        the footprint after the first save is the steady state and the next save copies into
+        pages that are allocated and mapped already."""
         try:
             self.slots.reserve(self.name, records[self.rank].bytes)
             for r in kept_for:

@@ -9,6 +9,7 @@ local shard) laid end to end, plus the non-tensor values:
 b"DCKPTMEM" | u64 little-endian header length | header (JSON) | zero padding to 4 KiB
 tensor bytes, each at a 64-byte aligned offset the header records
 non-tensor values: torch.save of {flat key: value}, read back with weights_only=True
+zero padding to a multiple of 64 KiB (a file keeps its size, and its mapped pages, across saves)
 ```
 
 The header is ``{"version": 1, "tensors": [[key, dtype, shape, offset, nbytes], ...],
@@ -51,6 +52,10 @@ MAGIC = b"DCKPTMEM"
 _HEAD = struct.Struct("<8sQ")
 _DATA_ALIGN = 4096
 _ALIGN = 64
+_SIZE_STEP = 64 << 10
+"""A file's size is rounded up to this (zero padding at its end): the pickled non-tensor
+values change by a few bytes between saves (a step count's digits), and a file that keeps its
+size reuses its predecessor's mapped pages instead of being mapped and allocated again."""
 _MAX_HEADER = 64 << 20
 
 
@@ -133,7 +138,8 @@ def plan_flat(state_dict: dict[str, Any], skip: frozenset[str] = frozenset()) ->
         row[3] = offset
         tensors.append((key, local, offset, nbytes))
         offset = _round(offset + nbytes, _ALIGN)
-    objects_offset, size = offset, offset + len(blob)
+    objects_offset = offset
+    size = _round(offset + len(blob), _SIZE_STEP)
     header = json.dumps(
         {"version": 1, "tensors": rows, "objects": [objects_offset, len(blob)], "size": size}
     ).encode()
@@ -161,6 +167,7 @@ def write_into(buf: Any, plan: FlatPlan) -> None:
             del dst  # the mapping cannot close while a tensor views it
     end = plan.objects_offset + len(plan.objects)
     view[plan.objects_offset : end] = plan.objects
+    view[end:] = bytes(plan.size - end)  # the padding: no stale bytes of an earlier file
     del view
 
 

@@ -17,9 +17,10 @@ manifest, built by rank 0 from every rank's digests (dckpt.save.pipeline, steps 
 A resume restores a memory step only from a manifest in this ledger, where no outside peer
 can write: files found in a node's memory without one are never read (dckpt.load.memory).
 
-``Lineage`` is the newest durable step the run continues from (saved or resumed from); the
-manager owns it, the save pipeline moves it at each durable commit, and every memory manifest
-records it (``mesh["after"]``), so a memory step of a branch the run left is not resumed.
+``Lineage`` is the newest durable step the run continues from (saved or resumed from; the
+root's newest at start, before any resume); the manager owns it, the save pipeline moves it at
+each durable commit, and every memory manifest records it (``mesh["after"]``), so a memory
+step of a branch the run left is not resumed.
 
 Knows files, never tensors.
 """
