@@ -10,6 +10,12 @@ to collaborators built here with explicit parts:
   docstring is the resume protocol;
 - ``watch_preemption``, ``preempted`` -> ``dckpt.preemption.PreemptionStop``.
 
+Each tier is built here from its parts and handed down, so nothing below asks which tier it
+runs: the root (a ``DurableRoute`` with ``RenameCommit`` or ``ObjectCommit``; a
+``LocalSource`` or ``ObjectSource`` with a ``DurableReader``) and, with ``memory=True``, the
+memory tier (a ``MemoryRoute`` with ``MemoryCommit``; a ``MemorySource`` with a
+``MemoryReader``), with the ``Lineage`` they share.
+
 Two groups, created in the same order on every rank: *ctl* for foreground calls (load, skip
 and mode decisions, preemption) and *io* for the background save, so they never interleave.
 """

@@ -176,7 +176,7 @@ def main() -> int:
         f"  losses of steps 1-{STEPS} against the reference: "
         + ("identical" if same_memory else "DIFFERENT")
     )
-    left = [p for p in memory.rglob("*") if p.is_file()] if memory.exists() else []
+    left = list(memory.rglob("rank-*.mem*")) if memory.exists() else []
     print(f"  the run ended with its last step in the root: {len(left)} memory files left")
 
     say("done: crashed, resumed from a verified checkpoint, continued loss for loss")

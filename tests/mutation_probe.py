@@ -141,7 +141,8 @@ MUTANTS = (
     Mutant(
         "commit: rank 0 commits although a rank reported a failure",
         "dckpt/save/coordinator.py",
-        "        if failed:\n            shutil.rmtree(tmp, ignore_errors=True)\n",
+        "        if failed or refused is not None:\n"
+        "            shutil.rmtree(tmp, ignore_errors=True)\n",
         "        if False:\n            shutil.rmtree(tmp, ignore_errors=True)\n",
         ("tests/test_async.py::test_write_failing_on_one_rank_fails_the_save_everywhere",),
     ),

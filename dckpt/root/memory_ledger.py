@@ -36,7 +36,7 @@ from .durable import fsync_dir, fsync_file
 from .layout import QUARANTINE_DIR, read_small_file, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES
 
-__all__ = ["LEDGER_DIR", "DirectoryLedger", "MemoryLedger", "record_name"]
+__all__ = ["LEDGER_DIR", "DirectoryLedger", "MemoryLedger", "Pruning", "record_name"]
 
 LEDGER_DIR = "memory"
 RECORD_RE = re.compile(r"step-([0-9]{8,})\.json")
@@ -83,7 +83,25 @@ class MemoryLedger(Protocol):
         ...
 
 
-class DirectoryLedger:
+class Pruning:
+    """The ledger's upkeep, the same for every store: what a ledger removes is found from its
+    listing (``steps``), and removed by its ``_remove``."""
+
+    def steps(self) -> list[int]:
+        raise NotImplementedError
+
+    def _remove(self, steps: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def drop_above(self, step: int) -> list[int]:
+        return self._remove([s for s in self.steps() if s > step])
+
+    def keep_newest(self, count: int) -> list[int]:
+        steps = self.steps()
+        return self._remove(steps[: max(0, len(steps) - count)])
+
+
+class DirectoryLedger(Pruning):
     """The ledger of a directory root: ``ROOT/memory/``."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -123,13 +141,6 @@ class DirectoryLedger:
         if steps:
             fsync_dir(self.dir)
         return steps
-
-    def drop_above(self, step: int) -> list[int]:
-        return self._remove([s for s in self.steps() if s > step])
-
-    def keep_newest(self, count: int) -> list[int]:
-        steps = self.steps()
-        return self._remove(steps[: max(0, len(steps) - count)])
 
     def quarantine(self, step: int, reason: str) -> str:
         aside = self.dir / QUARANTINE_DIR

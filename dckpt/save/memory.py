@@ -76,15 +76,15 @@ class Topology:
     def partner(self, node: int) -> int | None:
         return layout.partner_of(node, self.nodes)
 
-    def keeper_of(self, rank: int) -> int | None:
+    def replica_holder(self, rank: int) -> int | None:
         """The rank that keeps ``rank``'s replica: on the partner node, the rank at the same
         place among its node's ranks (modulo, when the nodes differ in size)."""
         node = self.node_of[rank]
         partner = self.partner(node)
         if partner is None:
             return None
-        mates, keepers = self.ranks_of(node), self.ranks_of(partner)
-        return keepers[mates.index(rank) % len(keepers)]
+        mates, holders = self.ranks_of(node), self.ranks_of(partner)
+        return holders[mates.index(rank) % len(holders)]
 
     def replicas(self) -> dict[str, int]:
         """node -> the node that keeps its replica (JSON keys), for the manifest."""
@@ -293,9 +293,11 @@ class MemoryRoute:
         spares reserved; never raises past the other ranks' waits."""
         step = job.step
         records = {rep.rank: rec for rep in reports for rec in rep.records}
-        keeper = self.topology.keeper_of(self.rank)
+        keeper = self.topology.replica_holder(self.rank)
         kept_for = [
-            r for r in range(len(self.topology.node_of)) if self.topology.keeper_of(r) == self.rank
+            r
+            for r in range(len(self.topology.node_of))
+            if self.topology.replica_holder(r) == self.rank
         ]
         outgoing: list[Outgoing] = []
         mine: dict[str, Any] = {"to": keeper, "received": []}
@@ -362,7 +364,7 @@ class MemoryRoute:
             errors: list[str] = []
             seconds = 0.0
             for rank in topology.ranks_of(node):
-                keeper = topology.keeper_of(rank)
+                keeper = topology.replica_holder(rank)
                 assert keeper is not None
                 got = {src: (e, t) for src, e, t in told[keeper].get("received", [])}
                 errors += [str(told[r]["error"]) for r in (rank, keeper) if told[r].get("error")]
@@ -443,7 +445,7 @@ class MemoryRoute:
         names = {self.name} | {
             layout.file_name(r)
             for r in range(len(self.topology.node_of))
-            if self.topology.keeper_of(r) == self.rank
+            if self.topology.replica_holder(r) == self.rank
         }
         return layout.remove_node_files(self.dir, names)
 

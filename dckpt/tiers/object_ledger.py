@@ -14,13 +14,13 @@ from pathlib import Path
 from ..errors import ManifestError
 from ..root.layout import QUARANTINE_DIR, step_dir_name
 from ..root.manifest import MAX_MANIFEST_BYTES
-from ..root.memory_ledger import LEDGER_DIR, RECORD_RE, record_name
+from ..root.memory_ledger import LEDGER_DIR, RECORD_RE, Pruning, record_name
 from .object_root import ObjectRoot
 
 __all__ = ["ObjectLedger"]
 
 
-class ObjectLedger:
+class ObjectLedger(Pruning):
     """The memory ledger under an s3:// root; see the module docstring."""
 
     def __init__(self, objects: ObjectRoot, held: Callable[[], None] | None = None) -> None:
@@ -62,13 +62,6 @@ class ObjectLedger:
     def _remove(self, steps: list[int]) -> list[int]:
         self.store.delete([self._key(record_name(s)) for s in steps])
         return steps
-
-    def drop_above(self, step: int) -> list[int]:
-        return self._remove([s for s in self.steps() if s > step])
-
-    def keep_newest(self, count: int) -> list[int]:
-        steps = self.steps()
-        return self._remove(steps[: max(0, len(steps) - count)])
 
     def quarantine(self, step: int, reason: str) -> str:
         name = record_name(step)
