@@ -53,7 +53,7 @@ from .root.source import CheckpointSource, LocalSource
 from .root.upkeep import recover
 from .save.durable import DurableRoute
 from .save.handle import SaveHandle, SaveResult
-from .save.memory import MemoryRoute, Topology
+from .save.memory import MemoryRoute
 from .save.mode import SaveMode
 from .save.pipeline import SavePipeline
 from .save.route import DURABLE, SaveRoute
@@ -334,7 +334,7 @@ class CheckpointManager:
         if isinstance(found, str):
             self._close_on_failure()
             raise CheckpointError(f"the memory tier cannot tell the nodes apart: {found}")
-        topology = Topology(found)
+        topology = memory_layout.Topology(found)
         node = topology.node_of[self.rank]
         memory_dir = self.config.memory_root
         ledger: MemoryLedger = DirectoryLedger(self.root)
@@ -372,7 +372,7 @@ class CheckpointManager:
         source = MemorySource(
             ctl=self._ctl,
             ledger=ledger,
-            node_of=topology.node_of,
+            topology=topology,
             memory_dir=memory_dir,
             durable_steps=durable.steps,
             timeout_s=self.config.timeout_s,

@@ -234,6 +234,13 @@ MUTANTS = (
         (f"{ML}::test_a_memory_step_of_a_branch_the_run_left_is_not_resumed",),
     ),
     Mutant(
+        "memory: a save of a step saved before retires the committed copy before it commits",
+        "dckpt/save/memory.py",
+        "os.replace(staged.final, _aside(staged))",
+        'self.slots.retire(staged.final, "replaced")',
+        (f"{ML}::test_a_failed_save_of_a_step_saved_before_keeps_its_committed_copy",),
+    ),
+    Mutant(
         "memory: a memory save below the newest leaves the records of the branch above it",
         "dckpt/tiers/memory_commit.py",
         "dropped = self.ledger.drop_above(step)",

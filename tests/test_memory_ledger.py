@@ -9,7 +9,8 @@ only while it belongs to the run's history:
 - a memory save below the newest recorded memory step (a rollback of the memory tier itself)
   removes the records above it, so the abandoned branch is never resumed;
 - a record whose manifest lacks the anchor is refused;
-- the ledger keeps ``memory_keep + 1`` records.
+- the ledger keeps ``memory_keep + 1`` records;
+- a failed save of a step saved before leaves the committed copy as it was.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 
 import dckpt
@@ -109,3 +111,28 @@ def test_the_ledger_keeps_one_record_more_than_the_nodes_keep(tmp_path: Path) ->
     assert DirectoryLedger(root).steps() == [4, 5]  # memory_keep=1: this one and the last
     held = sorted(p.parent.name for p in (memory / "node-0" / "own").glob("*/rank-*.mem"))
     assert held == ["step-00000005"], held
+
+
+def test_a_failed_save_of_a_step_saved_before_keeps_its_committed_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory step 3 is committed; saving step 3 again fails at its commit: the first copy,
+    set aside while the second was written, is back in place, and a resume restores it."""
+    root, memory = tmp_path / "ckpt", tmp_path / "mem"
+    mgr, net = _manager(root, memory)
+    with mgr:
+        mgr.save(1).result()
+        _bump(net)
+        mgr.save(3, tier="memory").result()
+        want = {k: v.clone() for k, v in net.state_dict().items()}
+        _bump(net)
+        monkeypatch.setenv("DCKPT_FAULT", "phase=memory_commit,rank=0,action=raise")
+        with pytest.raises(dckpt.SaveError, match="injected fault at phase memory_commit"):
+            mgr.save(3, tier="memory").result()
+        monkeypatch.delenv("DCKPT_FAULT")
+    mgr, net = _manager(root, memory)
+    with mgr:
+        report = mgr.resume()
+    assert report.step == 3 and "memory tier" in report.origin, report.format()
+    assert all(torch.equal(want[k], v) for k, v in net.state_dict().items())
+    assert not list(memory.rglob(".rank-*")), list(memory.rglob(".rank-*"))  # nothing aside

@@ -31,7 +31,7 @@ SIZE = (40 << 20) + 12345  # three chunks, the last one short
 
 
 def _exchange(
-    rank: int, world: int, base: str, digest: str | None, send: bool | str
+    rank: int, world: int, base: str, digest: str | None, send: bool | str, size: int = SIZE
 ) -> dict[str, Any]:
     import mmap
 
@@ -42,12 +42,12 @@ def _exchange(
     from dckpt.storage.digest import format_digest, new_hasher
     from dckpt.tiers.memory_layout import Slots
 
-    assert SIZE > 2 * CHUNK
+    assert size > 2 * CHUNK
     comm = Comm(60.0)
     node = Path(base) / f"node-{rank}"
     slots = Slots(node)
     data = torch.Generator().manual_seed(7)
-    payload = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=data).numpy().tobytes()
+    payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=data).numpy().tobytes()
     hasher = new_hasher("xxh3_128")
     hasher.update(payload)
     right = format_digest("xxh3_128", hasher)
@@ -56,19 +56,19 @@ def _exchange(
     try:
         if rank == 0:
             src = node / "own" / "f.mem"
-            mm = slots.open(src, SIZE)
+            mm = slots.open(src, size)
             mm[:] = payload
             if send == "trickle":  # each chunk well within the deadline, all of them not
                 import torch.distributed as dist
 
                 buf = torch.frombuffer(mm, dtype=torch.uint8)
-                for i, a in enumerate(range(0, SIZE, CHUNK)):
-                    dist.isend(buf[a : a + CHUNK], 1, group=comm.group, tag=i)
-                    time.sleep(1.5)
-                del buf
-                time.sleep(2)
+                works = []
+                for i, a in enumerate(range(0, size, CHUNK)):
+                    works.append(dist.isend(buf[a : a + CHUNK], 1, group=comm.group, tag=i))
+                    time.sleep(2.8)
+                del works, buf
             elif send:
-                move(comm, [Outgoing(mm, 1, SIZE)], [], slots, timeout_s=60.0)
+                move(comm, [Outgoing(mm, 1, size)], [], slots, timeout_s=60.0)
             else:  # alive, silent: past rank 1's deadline
                 time.sleep(6)
         else:
@@ -76,7 +76,7 @@ def _exchange(
             got = move(
                 comm,
                 [],
-                [Incoming(0, into, SIZE, digest or right)],
+                [Incoming(0, into, size, digest or right)],
                 slots,
                 timeout_s=3.0,
             )
@@ -136,8 +136,10 @@ def test_a_sender_that_never_sends_is_given_up_on_within_the_deadline(tmp_path: 
 
 
 def test_a_sender_that_trickles_is_given_up_on_at_the_exchanges_deadline(tmp_path: Path) -> None:
-    """Three chunks, 1.5 s apart, against a 3 s deadline: each chunk would make it alone."""
-    results = run_world(_exchange, 2, str(tmp_path), None, "trickle", expect_failure=True)
+    """Five chunks, 2.8 s apart: each chunk is in time (3 s each, timeout_s), the whole file
+    is not (3 s plus 1 s per chunk: 8 s, where the fourth chunk lands at 8.4 s)."""
+    size = 5 * (16 << 20)
+    results = run_world(_exchange, 2, str(tmp_path), None, "trickle", size, expect_failure=True)
     received = results[1]
-    assert "within the exchange's 3 s (timeout_s)" in received["transfer_error"], received
-    assert received["seconds"] < 4.4, received  # the third chunk would land at 4.5 s
+    assert "the whole exchange that plus 1 s per 16 MiB chunk" in received["transfer_error"]
+    assert 7.5 < received["seconds"] < 8.4, received

@@ -162,19 +162,22 @@ def cmd_memory_clear(args: argparse.Namespace) -> int:
     ledger: MemoryLedger
     if is_url(args.root):  # the records are in the bucket; the memory is on this host
         from ..tiers.object_ledger import ObjectLedger
+        from ..tiers.object_lock import ObjectLock
         from .remote import open_root
 
-        ledger, root_name = ObjectLedger(open_root(args.root)), args.root
+        objects = open_root(args.root)
+        owner = ObjectLock(objects.store, "dckpt-memory-clear").holder()
+        ledger, root_name = ObjectLedger(objects), args.root
     else:
         root = root_arg(args.root)
         owner = live_lock_owner(args)
-        if owner is not None and not args.force:
-            fail(
-                EXIT_USAGE,
-                f"{root} is held by {owner}, which may be saving to its memory tier. Stop it "
-                "first, or use --force.",
-            )
         ledger, root_name = DirectoryLedger(root), str(root)
+    if owner is not None and not args.force:
+        fail(
+            EXIT_USAGE,
+            f"{root_name} is held by {owner}, which may be saving to its memory tier. Stop it "
+            "first, or use --force.",
+        )
     memory_root = memory_dir_for(root_name, args.memory_dir)
     freed = layout.clear(memory_root) if memory_root.exists() else 0
     records = ledger.keep_newest(0) if args.records else []

@@ -13,10 +13,16 @@ whom, its size and the writer's digest):
 2. each receiver waits for its chunks in order and hashes each as it lands, while the later
    ones are still arriving; a file is renamed to its target only once every byte hashed to
    the digest its writer recorded, and is deleted otherwise;
-3. the whole exchange has one deadline (``timeout_s``, as one collective has), and every
-   wait gets what is left of it: a peer that stops answering, or trickles, fails the exchange
-   with ``TransferError`` instead of hanging it. After that gloo has closed the pair: the
-   group is unusable, as after any failed collective.
+3. every wait has a deadline: ``timeout_s`` for each chunk (a peer that stops answering), and
+   ``timeout_s`` plus one second per chunk for the whole exchange (a peer that trickles,
+   slower than 16 MiB/s); past it the exchange fails with ``TransferError`` instead of
+   hanging. After that gloo has closed the pair: the group is unusable, as after any failed
+   collective.
+
+Both ends always post every chunk of the plan, whatever goes wrong on their side, so no peer
+waits on a chunk that was never sent: a receiver that cannot hold a file takes its bytes into
+one reused chunk and drops them (``Received.refused``); a sender that cannot read its file
+sends zeros (``Outgoing.data`` None), which the receiver's digest refuses.
 
 Chunks (16 MiB) keep hashing beside the transfer and bound what one wait covers; measured
 here, chunked sends into a mapped file ran at the speed of one send of the whole buffer.
@@ -30,7 +36,7 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,7 +84,8 @@ class Outgoing:
     """A file this rank sends: its bytes (a mapping of the file), to ``to`` (a rank)."""
 
     data: Any
-    """An mmap (or any buffer) of exactly the file's bytes."""
+    """An mmap (or any buffer) of at least the file's bytes; None: this rank could not read
+    the file, and sends zeros in its place (the receiver's digest refuses them)."""
     to: int
     size: int
     tag: int = 0
@@ -107,6 +114,8 @@ class Received:
     into: Path
     seconds: float
     error: str | None = None
+    refused: bool = False
+    """The error is this rank's (it could not hold or name the file), not the bytes'."""
 
 
 def _chunks(size: int) -> list[tuple[int, int]]:
@@ -135,83 +144,127 @@ def move(
         return []
     if comm.group is None:
         raise ValueError("moving files between ranks needs a process group")
-    deadline = (time.monotonic() + timeout_s, timeout_s)
-    posted: list[tuple[Incoming, Path, Any, str | None, list[Any]]] = []
-    sends: list[tuple[Outgoing, torch.Tensor, list[Any]]] = []
+    chunks_total = sum(len(_chunks(i.size)) for i in incoming) + sum(
+        len(_chunks(o.size)) for o in outgoing
+    )
+    deadline = _Deadline(timeout_s, time.monotonic() + timeout_s + chunks_total)
+    posted: list[_Posted] = []
+    sends: list[tuple[Outgoing, torch.Tensor | None, list[Any]]] = []
     results: list[Received] = []
+    zeros: torch.Tensor | None = None
     scratch: torch.Tensor | None = None
     t0 = time.perf_counter()
     try:
         for item in incoming:
             part = item.into.with_name(f".{item.into.name}.part{part_suffix}")
-            refused: str | None = None
-            works = []
+            got = _Posted(item, part)
+            posted.append(got)  # before a chunk is posted: a failure below still drops it
             try:
                 claim = item.claim or slots.claim(part, item.size, spare_of=item.spare_of)
-                mm: Any = claim.buffer
-                chunks = _view(mm, item.size)
+                got.mm = claim.buffer
+                chunks = _view(got.mm, item.size)
             except OSError as exc:
-                mm, refused = None, f"this node's memory cannot hold {item.into.name} ({exc})"
+                got.refused = f"this node's memory cannot hold {item.into.name} ({exc})"
             for i, (a, b) in enumerate(_chunks(item.size)):
-                if refused is None:
+                if got.refused is None:
                     try:  # each chunk's pages, while the chunks before it arrive
                         claim.allocate(a, b)
                         target = chunks[a:b]
                     except OSError as exc:
-                        refused = f"this node's memory cannot hold {item.into.name} ({exc})"
-                if refused is not None:
+                        got.refused = f"this node's memory cannot hold {item.into.name} ({exc})"
+                if got.refused is not None:
                     # The sender sends all the same: take its bytes into one reused chunk,
                     # and drop them, so a full memory here never hangs the sender.
                     if scratch is None:
                         scratch = torch.empty(CHUNK, dtype=torch.uint8)
                     target = scratch[: b - a]
-                works.append(_post(dist.irecv, target, item.src, comm, item.tag, i))
-            posted.append((item, part, mm, refused, works))
+                got.works.append(_post(dist.irecv, target, item.src, comm, item.tag, i))
         for out in outgoing:
-            buf = _view(out.data, out.size)
-            works = [
-                _post(dist.isend, buf[a:b], out.to, comm, out.tag, i)
-                for i, (a, b) in enumerate(_chunks(out.size))
-            ]
+            buf = _view(out.data, out.size) if out.data is not None else None
+            works = []
+            for i, (a, b) in enumerate(_chunks(out.size)):
+                if buf is None and zeros is None:
+                    zeros = torch.zeros(CHUNK, dtype=torch.uint8)
+                src = buf[a:b] if buf is not None else zeros[: b - a]  # type: ignore[index]
+                works.append(_post(dist.isend, src, out.to, comm, out.tag, i))
             sends.append((out, buf, works))
         fired = False
-        for item, part, mm, refused, works in posted:
+        for got in posted:
+            item = got.item
             algorithm = item.digest.split(":", 1)[0]
             hasher = new_hasher(algorithm)
-            view = memoryview(mm) if mm is not None and refused is None else None
-            for (a, b), work in zip(_chunks(item.size), works, strict=True):
-                _wait(work, deadline, f"the bytes {a}-{b} of {item.into.name} from rank {item.src}")
+            view = memoryview(got.mm) if got.mm is not None and got.refused is None else None
+            for (a, b), work in zip(_chunks(item.size), got.works, strict=True):
+                deadline.wait(work, f"the bytes {a}-{b} of {item.into.name} from rank {item.src}")
                 if view is not None:
                     hasher.update(view[a:b])
                 if not fired and trace is not None:
                     fired = True
                     trace.at(Phase.REPLICATE)
             del view
-            error = refused
-            if error is None:
-                actual = format_digest(algorithm, hasher)
-                if actual != item.digest:
-                    error = (
-                        f"{item.into.name} from rank {item.src}: {item.size} bytes hashing to "
-                        f"{actual}, the writer recorded {item.digest} (digest mismatch)"
-                    )
-            if error is None:
-                slots.drop(item.into)  # a damaged or older copy at the target goes
-                os.replace(part, item.into)
-            else:
-                slots.drop(part)
-            results.append(Received(item.into, time.perf_counter() - t0, error))
+            results.append(_settle(got, algorithm, hasher, slots, time.perf_counter() - t0))
         if not fired and trace is not None:
             trace.at(Phase.REPLICATE)
         for out, _buf, works in sends:
             for work in works:
-                _wait(work, deadline, f"a file's bytes to rank {out.to}")
+                deadline.wait(work, f"a file's bytes to rank {out.to}")
     except BaseException:
-        for _item, part, _mm, _refused, _works in posted[len(results) :]:
+        for got in posted[len(results) :]:
             with contextlib.suppress(Exception):
-                slots.drop(part)
+                slots.drop(got.part)
         raise
     return results
+
+
+@dataclass
+class _Posted:
+    """One incoming file while it arrives."""
+
+    item: Incoming
+    part: Path
+    mm: Any = None
+    refused: str | None = None
+    works: list[Any] = field(default_factory=list)
+
+
+def _settle(got: _Posted, algorithm: str, hasher: Any, slots: Targets, seconds: float) -> Received:
+    """Every chunk of ``got`` arrived: name it if it hashed to its writer's digest."""
+    item = got.item
+    error, refused = got.refused, got.refused is not None
+    if error is None:
+        actual = format_digest(algorithm, hasher)
+        if actual != item.digest:
+            error = (
+                f"{item.into.name} from rank {item.src}: {item.size} bytes hashing to "
+                f"{actual}, the writer recorded {item.digest} (digest mismatch)"
+            )
+    if error is None:
+        try:
+            slots.drop(item.into)  # a damaged or older copy at the target goes
+            os.replace(got.part, item.into)
+        except OSError as exc:
+            error, refused = f"cannot name {item.into}: {exc}", True
+    if error is not None:
+        slots.drop(got.part)
+    return Received(item.into, seconds, error, refused)
+
+
+@dataclass(frozen=True)
+class _Deadline:
+    """``timeout_s`` for each wait, and the whole exchange's end (a ``time.monotonic()``)."""
+
+    timeout_s: float
+    end: float
+
+    def wait(self, work: Any, what: str) -> None:
+        left = min(self.timeout_s, self.end - time.monotonic())
+        try:
+            work.wait(datetime.timedelta(seconds=max(left, 0.001)))
+        except RuntimeError as exc:
+            raise TransferError(
+                f"waiting for {what} failed (each chunk has {self.timeout_s:.0f} s, timeout_s; "
+                f"the whole exchange that plus 1 s per 16 MiB chunk): {str(exc)[:300]}"
+            ) from exc
 
 
 def _post(op: Any, chunk: torch.Tensor, peer: int, comm: Comm, tag: int, i: int) -> Any:
@@ -221,16 +274,3 @@ def _post(op: Any, chunk: torch.Tensor, peer: int, comm: Comm, tag: int, i: int)
         return op(chunk, global_peer, group=comm.group, tag=tag * _CHUNKS_PER_FILE + i)
     except RuntimeError as exc:  # the pair to that peer closed already
         raise TransferError(f"cannot reach rank {peer}: {str(exc)[:300]}") from exc
-
-
-def _wait(work: Any, deadline: tuple[float, float], what: str) -> None:
-    """Wait for ``work`` until the exchange's deadline ``(time.monotonic() at which it ends,
-    timeout_s)``, not a moment longer."""
-    end, timeout_s = deadline
-    try:
-        work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
-    except RuntimeError as exc:
-        raise TransferError(
-            f"waiting for {what} failed within the exchange's {timeout_s:.0f} s (timeout_s): "
-            f"{str(exc)[:300]}"
-        ) from exc

@@ -71,6 +71,7 @@ from .report import CandidateReport, LoadResult
 __all__ = ["MemoryFetched", "MemoryReader", "MemorySource"]
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_TROUBLE = {"damaged": "did not match the writer's digest", "unreadable": "could not be read"}
 
 
 @dataclass
@@ -102,7 +103,7 @@ class MemorySource:
         *,
         ctl: Comm,
         ledger: MemoryLedger,
-        node_of: tuple[int, ...],
+        topology: layout.Topology,
         memory_dir: Path,
         durable_steps: Callable[[], list[int]],
         timeout_s: float,
@@ -110,7 +111,8 @@ class MemorySource:
     ) -> None:
         self.ctl = ctl
         self.ledger = ledger
-        self.node_of = node_of
+        self.topology = topology
+        self.node_of = node_of = topology.node_of
         self.rank = ctl.rank
         self.node = node_of[self.rank]
         self.memory_dir = Path(memory_dir)
@@ -121,6 +123,8 @@ class MemorySource:
         self.mates = [r for r, n in enumerate(node_of) if n == self.node]
         self.slots = slots
         """This rank's mappings of its node's files (shared with the memory save)."""
+        self.names = topology.names_of(self.rank)
+        """The files whose spares are this rank's to reuse (its own, the replicas it keeps)."""
 
     def __str__(self) -> str:
         return f"the memory tier ({self.memory_dir})"
@@ -151,7 +155,7 @@ class MemorySource:
         records = manifest.file_map()
         duty = [n for i, n in enumerate(needed) if self.mates[i % len(self.mates)] == self.rank]
         fetched = MemoryFetched(manifest, {}, [])
-        bad: dict[str, str] = {}
+        bad: dict[str, tuple[str, str]] = {}  # name -> (missing|damaged|unreadable, why)
         # The files this node lacks will arrive from another: allocate their memory now, while
         # the ranks prove what they hold and as the bytes arrive (fresh pages are what a
         # replaced node waits on: 0.13 s for 256 MiB here, longer than the transfer).
@@ -168,13 +172,15 @@ class MemorySource:
                 fetched.maps[name], identity = _prove(path, records[name])
                 fetched.proofs[name] = (str(path), identity)
             except FileNotFoundError:
-                bad[name] = ""
-            except (OSError, ValueError, IntegrityError) as exc:
-                bad[name] = str(exc)
+                bad[name] = ("missing", "")
+            except IntegrityError as exc:  # evidence: other bytes than the writer's
+                bad[name] = ("damaged", str(exc))
+            except (OSError, ValueError) as exc:  # this node could not read it: no evidence
+                bad[name] = ("unreadable", f"{path}: {exc}")
         listing = layout.held(self.dir, step) if self.mates[0] == self.rank else None
         told = self.ctl.all_gather((listing, fetched.proofs, bad))
         try:
-            self._exchange(step, manifest, told, fetched, ahead)  # 3
+            self._exchange(step, manifest, told, fetched, ahead, room)  # 3
         finally:
             room.join()
             for name, claim in ahead.items():  # claimed, and never received into
@@ -187,7 +193,7 @@ class MemorySource:
         into it); None when this node's memory cannot even make it (said at the receive)."""
         part = self._place(step, name).with_name(f".{name}.part-in")
         try:
-            return self.slots.claim(part, size)
+            return self.slots.claim(part, size, spare_of=name if name in self.names else None)
         except OSError:
             return None
 
@@ -262,28 +268,103 @@ class MemorySource:
         self,
         step: int,
         manifest: Manifest,
-        told: list[tuple[dict[str, str] | None, dict[str, Any], dict[str, str]]],
+        told: list[tuple[dict[str, int] | None, dict[str, Any], dict[str, tuple[str, str]]]],
         fetched: MemoryFetched,
         ahead: dict[str, Claim | None],
+        room: threading.Thread,
     ) -> None:
         records = manifest.file_map()
+        plan = self._plan(step, records, told)
+        outgoing: list[Outgoing] = []
+        incoming: list[Incoming] = []
+        borrowed: list[mmap.mmap] = []  # mappings of files this rank sends but does not keep
+        pairs: dict[tuple[int, int], int] = {}
+        sent_bad: list[str] = []
+        for sender, receiver, holder, name in plan:
+            tag = pairs.setdefault((sender, receiver), 0)
+            pairs[sender, receiver] = tag + 1
+            if sender == self.rank:
+                path = self._place(step, name, holder)
+                data: Any = None
+                try:
+                    if fetched.proofs.get(name, ("", None))[0] == str(path):
+                        data = fetched.maps[name]  # proven by this rank: that mapping
+                    else:
+                        data = _map_sized(path, records[name].bytes)
+                        borrowed.append(data)
+                except (OSError, ValueError) as exc:  # zeros go: the receiver refuses them
+                    sent_bad.append(f"rank {self.rank} could not read {path}: {exc}")
+                outgoing.append(Outgoing(data, receiver, records[name].bytes, tag))
+            if receiver == self.rank:
+                into = self._place(step, name)
+                spare = name if name in self.names else None
+                size, digest = records[name].bytes, records[name].digest
+                incoming.append(Incoming(sender, into, size, digest, tag, spare, ahead.get(name)))
+        t0 = time.perf_counter()
+        try:
+            got = move(self.ctl, outgoing, incoming, self.slots, timeout_s=self.timeout_s)
+        except TransferError as exc:  # the group is gone: nothing more can be agreed
+            raise WorldError(f"moving memory step {step} between the nodes failed: {exc}") from exc
+        finally:
+            _close(borrowed)
+            room.join()  # no allocation runs on a file past this point
+        damaged: list[str] = []
+        refused: list[str] = []
+        arrived: dict[str, tuple[str, tuple[int, int, int]]] = {}
+        for item, result in zip(incoming, got, strict=True):
+            if result.error is not None:
+                (refused if result.refused else damaged).append(f"rank {self.rank}: {result.error}")
+                continue
+            arrived[item.into.name] = (str(item.into), _identity(os.stat(item.into)))
+            fetched.held[item.into.name] = self.slots.view(item.into)  # mapped as it came
+        outcomes = self.ctl.all_gather(
+            (damaged, refused, sent_bad, arrived, time.perf_counter() - t0)
+        )
+        if any(o[2] for o in outcomes) or any(o[1] for o in outcomes):
+            # A sender that could not read its copy, or a receiver that could not hold it:
+            # the step cannot be restored here, and nothing says its bytes are bad.
+            why = [w for o in outcomes for w in (*o[2], *o[1])]
+            raise CheckpointNotFoundError(f"its files could not be moved: {'; '.join(why)}")
+        if any(o[0] for o in outcomes):
+            raise IntegrityError(
+                str(self.memory_dir),
+                "a copy that hashes to the writer's digest",
+                "; ".join(w for o in outcomes for w in o[0]),
+                detail=f"no copy of memory step {step} that a node needs arrived intact",
+            )
+        self._describe(plan, records, told, outcomes, fetched)
+
+    def _plan(
+        self,
+        step: int,
+        records: dict[str, FileRecord],
+        told: list[tuple[dict[str, int] | None, dict[str, Any], dict[str, tuple[str, str]]]],
+    ) -> list[tuple[int, int, int, str]]:
+        """Who sends which file to whom: (sender, receiver, holder node, name), the same on
+        every rank; raises when some file has no copy a node could send (the evidence, when
+        every copy seen was damaged; else that it is missing)."""
         holds = {self.node_of[r]: listing for r, (listing, _, _) in enumerate(told) if listing}
         nodes = sorted(set(self.node_of))
-        plan: list[tuple[int, int, int, str]] = []  # (sender, receiver, holder node, name)
+        plan: list[tuple[int, int, int, str]] = []
         missing: list[str] = []
         damaged: list[str] = []
         for receiver, (_, _, bad) in enumerate(told):
             for name in sorted(bad):
                 mine = self.node_of[receiver]
                 owner = self.node_of[layout.rank_of(name)]
-                holders = [n for n in [owner, *nodes] if n != mine and name in holds.get(n, {})]
+                holders = [
+                    n
+                    for n in dict.fromkeys([owner, *nodes])
+                    if n != mine and holds.get(n, {}).get(name) == records[name].bytes
+                ]
+                kind, why = bad[name]
                 if holders:
                     ranks = [r for r, n in enumerate(self.node_of) if n == holders[0]]
                     plan.append((ranks[len(plan) % len(ranks)], receiver, holders[0], name))
-                elif bad[name]:  # its one copy is damaged, and no other node holds one
-                    damaged.append(f"{name} on node {mine}: {bad[name]}")
+                elif kind == "damaged":  # its one copy is other bytes, and no node holds another
+                    damaged.append(f"{name} on node {mine}: {why}")
                 else:
-                    missing.append(f"{name} (for rank {receiver})")
+                    missing.append(f"{name} (for rank {receiver}{': ' + why if why else ''})")
         if damaged:
             raise IntegrityError(
                 str(self.memory_dir),
@@ -296,45 +377,18 @@ class MemorySource:
                 f"no node holds {', '.join(missing)} in memory (a node lost its memory, and "
                 "the replica of it is gone too)"
             )
-        outgoing: list[Outgoing] = []
-        incoming: list[Incoming] = []
-        pairs: dict[tuple[int, int], int] = {}
-        for sender, receiver, holder, name in plan:
-            tag = pairs.setdefault((sender, receiver), 0)
-            pairs[sender, receiver] = tag + 1
-            if sender == self.rank:
-                path = self._place(step, name, holder)
-                proven = fetched.proofs.get(name, ("", None))[0] == str(path)
-                data = fetched.maps[name] if proven else self.slots.view(path)
-                outgoing.append(Outgoing(data, receiver, records[name].bytes, tag))
-            if receiver == self.rank:
-                into = self._place(step, name)
-                size, digest = records[name].bytes, records[name].digest
-                incoming.append(Incoming(sender, into, size, digest, tag, name, ahead.get(name)))
-        t0 = time.perf_counter()
-        failure: CheckpointError | None = None
-        try:
-            got = move(self.ctl, outgoing, incoming, self.slots, timeout_s=self.timeout_s)
-        except TransferError as exc:  # the group is gone: nothing more can be agreed
-            raise WorldError(f"moving memory step {step} between the nodes failed: {exc}") from exc
-        arrived: dict[str, tuple[str, tuple[int, int, int]]] = {}
-        for item, result in zip(incoming, got, strict=True):
-            if result.error is not None:
-                failure = failure or IntegrityError(
-                    str(self._place(step, item.into.name, self.node_of[item.src])),
-                    item.digest,
-                    f"other bytes from rank {item.src}",
-                    detail=f"no copy of {item.into.name} matched its digest ({result.error})",
-                )
-                continue
-            arrived[item.into.name] = (str(item.into), _identity(os.stat(item.into)))
-            fetched.held[item.into.name] = self.slots.view(item.into)  # mapped as it came
-        elapsed = time.perf_counter() - t0
-        outcomes = self.ctl.all_gather((failure, arrived, elapsed))
-        for error, _, _ in outcomes:
-            if error is not None:
-                raise error
-        for r, (_, got_here, seconds) in enumerate(outcomes):
+        return plan
+
+    def _describe(
+        self,
+        plan: list[tuple[int, int, int, str]],
+        records: dict[str, FileRecord],
+        told: list[tuple[dict[str, int] | None, dict[str, Any], dict[str, tuple[str, str]]]],
+        outcomes: list[tuple[list[str], list[str], list[str], dict[str, Any], float]],
+        fetched: MemoryFetched,
+    ) -> None:
+        """Each rank's part for the report, and this node's proofs for its reads."""
+        for r, (_, _, _, got_here, seconds) in enumerate(outcomes):
             _, proofs, bad = told[r]
             parts = []
             if proofs:
@@ -342,16 +396,18 @@ class MemorySource:
             if got_here:
                 fetched.remote.append(r)
                 size = sum(records[n].bytes for n in got_here)
-                origin = sorted({h for s, rcv, h, n in plan if rcv == r})
+                origin = sorted({h for _s, rcv, h, _n in plan if rcv == r})
                 parts.append(
                     f"from node {', '.join(map(str, origin))} ({human_bytes(size)} in "
                     f"{seconds:.3f} s, hashed as it arrived)"
                 )
                 for name in sorted(got_here):
-                    if bad.get(name):
+                    kind, why = bad.get(name, ("missing", ""))
+                    if kind != "missing":
+                        what = _TROUBLE[kind]
                         fetched.warnings.append(
-                            f"rank {r}: the copy of {name} in its node's memory did not match "
-                            f"the writer's digest, another node's was used: {bad[name]}"
+                            f"rank {r}: the copy of {name} in its node's memory {what}, "
+                            f"another node's was used: {why}"
                         )
             fetched.hows.append(
                 " and ".join(parts) or "local memory (proved by another rank of its node)"
@@ -427,10 +483,12 @@ class MemoryReader:
         )
         self.checks.run(manifest, report, with_config=with_config)
         maps = {**fetched.maps, **fetched.held}
+        own = layout.file_name(self.rank)
+        wanted = fetched.proofs if manifest.mesh.get("shared") else {own: fetched.proofs[own]}
         failure: CheckpointError | None = None
         fill: StateFill | None = None
         try:
-            for name, (path, identity) in fetched.proofs.items():
+            for name, (path, identity) in wanted.items():
                 if name not in maps:  # proven by another rank of this node
                     maps[name] = _map(path, identity)
             fill = self._prepare(step, manifest, maps)
@@ -540,6 +598,19 @@ def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, i
         mm.close()
         raise IntegrityError(str(path), record.digest, actual)
     return mm, _identity(st)
+
+
+def _map_sized(path: Path, size: int) -> mmap.mmap:
+    """A read-only mapping of ``path``, which must be a regular file of ``size`` bytes (a
+    copy a rank sends without having proven it: the receiver hashes it)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise ValueError(f"{st.st_size} bytes where {size} were recorded")
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
 
 def _map(path: str, identity: tuple[int, int, int]) -> mmap.mmap:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dist.comm import Comm
-from ..dist.transfer import Incoming, Outgoing, TransferError, move
+from ..dist.transfer import Incoming, Outgoing, move
 from ..errors import StorageError, describe_os_error
 from ..phases import Phase, Trace
 from ..root.commit import CommitStrategy
@@ -50,46 +50,15 @@ from ..storage.memory_file import MemoryFileError, plan_flat, share_out, signatu
 from ..storage.records import FileRecord
 from ..tiers import memory_layout as layout
 from ..tiers.memory_commit import Lineage
+from ..tiers.memory_layout import Topology
 from ..units import human_bytes
 from .coordinator import RankReport
 from .handle import SaveTicket
 from .route import Finished, SaveJob
 
-__all__ = ["MemoryRoute", "Topology", "sharing_scope"]
+__all__ = ["MemoryRoute", "sharing_scope"]
 
 log = logging.getLogger("dckpt")
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The nodes of this world, as learned at start by an all-gather: each rank's node."""
-
-    node_of: tuple[int, ...]
-
-    @property
-    def nodes(self) -> int:
-        return len(set(self.node_of))
-
-    def ranks_of(self, node: int) -> list[int]:
-        return [r for r, n in enumerate(self.node_of) if n == node]
-
-    def partner(self, node: int) -> int | None:
-        return layout.partner_of(node, self.nodes)
-
-    def replica_holder(self, rank: int) -> int | None:
-        """The rank that keeps ``rank``'s replica: on the partner node, the rank at the same
-        place among its node's ranks (modulo, when the nodes differ in size)."""
-        node = self.node_of[rank]
-        partner = self.partner(node)
-        if partner is None:
-            return None
-        mates, holders = self.ranks_of(node), self.ranks_of(partner)
-        return holders[mates.index(rank) % len(holders)]
-
-    def replicas(self) -> dict[str, int]:
-        """node -> the node that keeps its replica (JSON keys), for the manifest."""
-        pairs = {n: self.partner(n) for n in sorted(set(self.node_of))}
-        return {str(n): p for n, p in pairs.items() if p is not None}
 
 
 @dataclass(frozen=True)
@@ -175,6 +144,7 @@ class MemoryRoute:
     ) -> Staged:  # fmt: skip
         """Copy this rank's state into its memory file (the snapshot). A memory file system
         too small for it raises StorageError, and nothing durable is touched."""
+        self._named = None
         final = layout.own_dir(self.dir) / step_dir_name(step) / self.name
         part = final.with_name(layout.part_name(self.name, save_id))
         sig, sizes = signature(state_dict)
@@ -218,8 +188,8 @@ class MemoryRoute:
             hasher.update(view[: staged.size])
             del view
             trace.at(Phase.MEMORY_HASH)
-            if staged.final.exists():  # this step saved again: the old copy becomes a spare
-                self.slots.retire(staged.final, "replaced")
+            if staged.final.exists():  # this step saved again: the old copy stays, aside,
+                os.replace(staged.final, _aside(staged))  # until the new one commits
             os.rename(staged.part, staged.final)
             self._named = staged.final
             records = (
@@ -289,52 +259,67 @@ class MemoryRoute:
     def finish(
         self, job: SaveJob, reports: list[RankReport], timings: dict[str, float], trace: Trace
     ) -> Finished:
-        """The replicas, the outcomes gathered to rank 0, retirement, and (first save) the
-        spares reserved; never raises past the other ranks' waits."""
+        """The replicas, their outcomes on every rank, retirement, the spares; never raises
+        past the other ranks' waits: every rank takes part in the exchange it was given,
+        whatever failed on its side (it sends zeros for a file it cannot read, and drops what
+        it cannot hold), and a group that fails is said, not raised."""
         step = job.step
         records = {rep.rank: rec for rep in reports for rec in rep.records}
-        keeper = self.topology.replica_holder(self.rank)
-        kept_for = [
-            r
-            for r in range(len(self.topology.node_of))
-            if self.topology.replica_holder(r) == self.rank
+        holder = self.topology.replica_holder(self.rank)
+        kept_for = self.topology.kept_by(self.rank)
+        own = layout.own_dir(self.dir) / step_dir_name(step) / self.name
+        mine: dict[str, Any] = {"received": [], "seconds": 0.0}
+        data: Any = None
+        if holder is not None:
+            try:
+                data = self.slots.view(own)
+            except (OSError, ValueError) as exc:  # zeros go instead: the holder refuses them
+                mine["error"] = f"rank {self.rank} could not read {own}: {exc}"
+        outgoing = [Outgoing(data, holder, records[self.rank].bytes)] if holder is not None else []
+        incoming = [
+            Incoming(
+                src=r,
+                into=self._replica_path(r, step),
+                size=records[r].bytes,
+                digest=records[r].digest,
+                spare_of=layout.file_name(r),
+            )
+            for r in kept_for
         ]
-        outgoing: list[Outgoing] = []
-        mine: dict[str, Any] = {"to": keeper, "received": []}
+        t0 = time.perf_counter()
         try:
-            if keeper is not None:
-                own = layout.own_dir(self.dir) / step_dir_name(step) / self.name
-                outgoing.append(Outgoing(self.slots.view(own), keeper, records[self.rank].bytes))
-            incoming = [
-                Incoming(
-                    src=r,
-                    into=self._replica_path(r, step),
-                    size=records[r].bytes,
-                    digest=records[r].digest,
-                    spare_of=layout.file_name(r),
-                )
-                for r in kept_for
-            ]
-            t0 = time.perf_counter()
             got = move(
                 self.io, outgoing, incoming, self.slots, timeout_s=self.timeout_s, trace=trace
             )
-            mine["received"] = [(r, g.error, g.seconds) for r, g in zip(kept_for, got, strict=True)]
-            mine["seconds"] = time.perf_counter() - t0
-        except TransferError as exc:
+        except Exception as exc:  # a peer that stopped answering: the group is gone
             return self._lost(step, exc)
-        except Exception as exc:  # this rank's own trouble (its memory): said, not raised
-            mine["error"] = f"rank {self.rank}: {describe_os_error(exc, self.dir)}"
+        mine["seconds"] = time.perf_counter() - t0
+        for item, result in zip(incoming, got, strict=True):
+            mine["received"].append((item.src, result.error, result.seconds))
+            if result.error is not None:
+                self.slots.drop(item.into)  # an older copy there is not this step's
         try:
-            told = self.io.gather(mine)
-        except RuntimeError as exc:  # a peer that stopped answering: the group is gone
+            told = self.io.all_gather(mine)
+        except RuntimeError as exc:
             return self._lost(step, exc)
-        self._retire(step, kept_for, ok=not mine.get("error"))
+        if job.snapshot is not None:  # the copy this save replaced, if it saved a step again
+            aside = _aside(job.snapshot)
+            if aside.exists():
+                self.slots.retire(aside, "replaced")
+        self._retire(step, kept_for, ok=self._replicated(told, holder))
         self._reserve(records, kept_for)
-        seconds = mine.get("seconds") if keeper is not None else None
-        if told is None:
-            return Finished(None, replicas_s=seconds)
-        return dataclasses.replace(self._describe(told), replicas_s=seconds)
+        seconds = mine["seconds"] if holder is not None else None
+        line = self._describe(told) if self.rank == 0 else Finished(None)
+        return dataclasses.replace(line, replicas_s=seconds)
+
+    def _replicated(self, told: list[dict[str, Any]], holder: int | None) -> bool:
+        """Whether this rank's file reached its holder verified and every file it keeps
+        arrived verified: only then may the step before this one be retired here."""
+        if any(error for _src, error, _t in told[self.rank]["received"]):
+            return False
+        if holder is None:
+            return True
+        return any(src == self.rank and not error for src, error, _t in told[holder]["received"])
 
     def _lost(self, step: int, exc: BaseException) -> Finished:
         """A peer stopped answering while the replicas moved: the step stays committed (the
@@ -429,28 +414,32 @@ class MemoryRoute:
     # --- after a failed save -------------------------------------------------------------------
 
     def abandon(self, staged: Staged | None, step: int) -> None:
-        """A save every rank agreed failed: this rank's file of it becomes a spare again."""
+        """A save every rank agreed failed: this rank's file of it becomes a spare again, and
+        the committed copy a save of the same step set aside takes its place back."""
         if staged is None:
             return
         named = staged.final if self._named == staged.final else None
         for path in (staged.part, named):
             if path is not None and path.exists():
                 self.slots.retire(path, "failed")
+        aside = _aside(staged)
+        if aside.exists():
+            os.replace(aside, staged.final)
 
     def release(self) -> int:
         """Free this rank's files of this run in its node's memory (own, the replicas it
         keeps, their spares); returns the bytes freed. For a run that ended with its last
         checkpoint in the root."""
         self.slots.close()
-        names = {self.name} | {
-            layout.file_name(r)
-            for r in range(len(self.topology.node_of))
-            if self.topology.replica_holder(r) == self.rank
-        }
-        return layout.remove_node_files(self.dir, names)
+        return layout.remove_node_files(self.dir, self.topology.names_of(self.rank))
 
     def close(self) -> None:
         self.slots.close()
+
+
+def _aside(staged: Staged) -> Path:
+    """Where a save of a step saved before keeps the committed copy until it commits."""
+    return staged.final.with_name(f".{staged.final.name}.part-was{staged.part.name[-32:]}")
 
 
 def _steps_under(parent: Path) -> list[int]:

@@ -50,6 +50,7 @@ __all__ = [
     "RESTORE_FILE",
     "Claim",
     "Slots",
+    "Topology",
     "clean_abandoned",
     "clear",
     "file_name",
@@ -138,10 +139,10 @@ def private_dir(path: Path) -> Path:
     return Path(path)
 
 
-def held(node: Path, step: int) -> dict[str, str]:
-    """The files of memory step ``step`` this node holds, by name: the path relative to the
-    node's directory (``own/...`` or ``replica/node-k/...``). Regular files only."""
-    found: dict[str, str] = {}
+def held(node: Path, step: int) -> dict[str, int]:
+    """The files of memory step ``step`` this node holds, by name: their sizes (its own
+    ranks' under ``own/``, other nodes' under ``replica/``). Regular files only."""
+    found: dict[str, int] = {}
     name = step_dir_name(step)
     places = [own_dir(node) / name]
     with contextlib.suppress(OSError):
@@ -152,7 +153,7 @@ def held(node: Path, step: int) -> dict[str, str]:
         with contextlib.suppress(OSError):
             for entry in os.scandir(place):
                 if FILE_RE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                    found.setdefault(entry.name, str(Path(entry.path).relative_to(node)))
+                    found.setdefault(entry.name, entry.stat(follow_symlinks=False).st_size)
     return found
 
 
@@ -194,6 +195,47 @@ class Claim:
         (ENOSPC) now, never SIGBUS in a writer later."""
         if not self.ready and end > start:
             os.posix_fallocate(self.fd, start, end - start)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The nodes of this world, as learned at start by an all-gather: each rank's node."""
+
+    node_of: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        return len(set(self.node_of))
+
+    def ranks_of(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def partner(self, node: int) -> int | None:
+        return partner_of(node, self.nodes)
+
+    def replica_holder(self, rank: int) -> int | None:
+        """The rank that keeps ``rank``'s replica: on the partner node, the rank at the same
+        place among its node's ranks (modulo, when the nodes differ in size)."""
+        node = self.node_of[rank]
+        partner = self.partner(node)
+        if partner is None:
+            return None
+        mates, holders = self.ranks_of(node), self.ranks_of(partner)
+        return holders[mates.index(rank) % len(holders)]
+
+    def kept_by(self, rank: int) -> list[int]:
+        """The ranks whose replicas ``rank`` keeps."""
+        return [r for r in range(len(self.node_of)) if self.replica_holder(r) == rank]
+
+    def names_of(self, rank: int) -> set[str]:
+        """The files ``rank`` looks after: its own and the replicas it keeps (only these may
+        reuse its spares: the node's ranks share one ``spare/``)."""
+        return {file_name(r) for r in [rank, *self.kept_by(rank)]}
+
+    def replicas(self) -> dict[str, int]:
+        """node -> the node that keeps its replica (JSON keys), for the manifest."""
+        pairs = {n: self.partner(n) for n in sorted(set(self.node_of))}
+        return {str(n): p for n, p in pairs.items() if p is not None}
 
 
 class Slots:
@@ -245,7 +287,7 @@ class Slots:
             key = self._key(path)
         except FileNotFoundError:
             key = None
-        if key is not None and key in self._maps and len(self._maps[key][1]) == size:
+        if key is not None and self._current(key, size):
             fd, mm = self._maps[key]  # every file this keeps mapped is wholly allocated
             return Claim(mm, fd, ready=True)
         if key is not None:
@@ -271,12 +313,23 @@ class Slots:
             key = self._key(path)
         except OSError:
             return False
-        return key in self._maps and len(self._maps[key][1]) == size
+        return self._current(key, size)
+
+    def _current(self, key: tuple[int, int], size: int | None = None) -> bool:
+        """Whether the mapping of ``key`` is there and still spans its whole file (of ``size``
+        bytes): a file another process truncated is mapped again, never read past its end."""
+        got = self._maps.get(key)
+        if got is None:
+            return False
+        length = os.fstat(got[0]).st_size
+        return len(got[1]) == length and (size is None or length == size)
 
     def view(self, path: Path) -> mmap.mmap:
-        """The mapping of an existing file of this rank's (mapped now if it is not yet)."""
+        """The mapping of an existing file of this rank's (mapped now if it is not yet, or
+        again if its size changed)."""
         key = self._key(path)
-        if key not in self._maps:
+        if not self._current(key):
+            self._forget(key)
             fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
             try:
                 mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE)
@@ -295,6 +348,7 @@ class Slots:
             self.drop(extra)
         if not found:
             return False
+        self.drop(into)  # whatever is there goes, and its mapping with it
         try:
             os.rename(found[0], into)
         except OSError:

@@ -25,6 +25,9 @@ What each fault leaves:
 - a full memory (node 1's memory a tmpfs with room for one file, not two): memory step 2's
   replica to node 1 fails and step 3 cannot be held there; both are said in the log, step 3 is
   not committed, training goes on; the restart resumes step 2 from local memory;
+- a full memory at a replaced node (node 1's memory wiped, then a tmpfs with no room for a
+  file): step 3 cannot be brought to node 1, which is no evidence against its bytes: it is
+  passed over, not quarantined, and the restart resumes durable step 1 (step 2 was retired);
 - a partner that never answers (rank 1 sleeps in ``replicate`` past ``timeout_s``): rank 0's
   save of step 3 still returns committed within the bound, the log says the replicas failed
   and the group is lost, and rank 0's next save refuses (restart): the restart resumes step 3.
@@ -179,6 +182,7 @@ CASES: list[tuple[str, str | None, int, str]] = [
     ("node lost mid-replication", "phase=replicate,rank=1,action=sigkill,step=3", 2, "memory"),
     ("rotted replica", None, 1, "durable"),
     ("full memory", None, 2, "memory"),
+    ("full memory at a replaced node", None, 1, "durable"),
     ("partner never answers", f"phase=replicate,rank=1,action=sleep,seconds={3 * TIMEOUT_S}"
      ",step=3", 3, "memory"),
 ]  # fmt: skip
@@ -234,6 +238,14 @@ def test_memory_faults(tmp_path: Path, fault_trials: Trials) -> None:
                 # Did node 1's file of step 3 reach node 0, whole, before the kill?
                 arrived = base / "mem" / "node-0" / "replica" / "node-1" / "step-00000003"
                 expect[name] = 3 if (arrived / "rank-00001.mem").exists() else 2
+            if name == "full memory at a replaced node":
+                node1 = base / "mem" / "node-1"
+                shutil.rmtree(node1)
+                node1.mkdir()
+                cmd = ["mount", "-t", "tmpfs", "-o", "size=16k", f"dckpt-{uuid.uuid4().hex[:6]}"]
+                if subprocess.run([*cmd, str(node1)], check=False).returncode != 0:
+                    pytest.skip("cannot mount a tmpfs here (needs root)")
+                mounted.append(node1)
             if name == "rotted replica":
                 replica = base / "mem" / "node-0" / "replica" / "node-1" / "step-00000003"
                 _flip(replica / "rank-00001.mem")
@@ -274,6 +286,15 @@ def test_memory_faults(tmp_path: Path, fault_trials: Trials) -> None:
                 or from_memory != (tier == "memory")
             ):
                 why[name].append(f"restart on rank {r}: {json.dumps(got)[:1500]}")
+        if name == "full memory at a replaced node":
+            if list((bases[name] / "root" / "memory").glob("quarantine/*")):
+                why[name].append("a step that could not be held was quarantined")
+            if "memory tier: step 3 not used: its files could not be moved" not in resumed[0][
+                i
+            ].get("report", ""):
+                why[name].append(
+                    f"the report does not say why step 3 was passed over: {resumed[0][i]}"
+                )
         if name == "rotted replica":
             if not (bases[name] / "root" / "memory" / "quarantine" / "step-00000003.json").exists():
                 why[name].append("the damaged step's record was not quarantined")
