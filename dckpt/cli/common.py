@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 
 from ..root.layout import is_dckpt_root, list_checkpoints
 from ..units import human_bytes, plural
+
+if TYPE_CHECKING:
+    from ..tiers.object_root import ObjectRoot
 
 __all__ = [
     "EXIT_INTEGRITY",
@@ -26,6 +29,7 @@ __all__ = [
     "err",
     "fail",
     "human",
+    "open_root",
     "out",
     "plural",
     "root_arg",
@@ -89,3 +93,15 @@ def committed_dir(root: Path, step: int | None) -> Path:
             return e.path
     have = ", ".join(str(e.step) for e in entries) or "none"
     fail(EXIT_USAGE, f"no committed checkpoint for step {step} under {root} (committed: {have})")
+
+
+def open_root(url: str) -> ObjectRoot:
+    """The s3:// root ``url`` names (boto3 is imported here, when one is used)."""
+    from ..tiers.object_root import ObjectRoot
+    from ..tiers.s3_store import S3Store
+    from ..tiers.url import parse_url
+
+    try:
+        return ObjectRoot(S3Store(parse_url(url)))
+    except ValueError as exc:
+        fail(EXIT_USAGE, str(exc))

@@ -163,7 +163,7 @@ def cmd_memory_clear(args: argparse.Namespace) -> int:
     if is_url(args.root):  # the records are in the bucket; the memory is on this host
         from ..tiers.object_ledger import ObjectLedger
         from ..tiers.object_lock import ObjectLock
-        from .remote import open_root
+        from .common import open_root
 
         objects = open_root(args.root)
         owner = ObjectLock(objects.store, "dckpt-memory-clear").holder()

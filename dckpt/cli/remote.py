@@ -27,23 +27,14 @@ from ..root.verify import FileProblem, VerifyResult
 from ..tiers.object_ledger import ObjectLedger
 from ..tiers.object_root import ObjectRoot
 from ..tiers.object_source import ObjectSource
-from ..tiers.s3_store import S3Store
-from ..tiers.url import parse_url
-from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, err, fail, out
+from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, err, fail, open_root, out
 from .manage import print_gc
 from .memory_tier import memory_dir_for, memory_records
 from .reading import ls_record, print_ls_with_memory, print_verify, with_manifest
 
-__all__ = ["open_root", "run_remote"]
+__all__ = ["run_remote"]
 
 IN_PLACE = ("ls", "verify", "gc", "pin", "unpin")
-
-
-def open_root(url: str) -> ObjectRoot:
-    try:
-        return ObjectRoot(S3Store(parse_url(url)))
-    except ValueError as exc:
-        fail(EXIT_USAGE, str(exc))
 
 
 @contextlib.contextmanager
