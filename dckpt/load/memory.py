@@ -290,7 +290,7 @@ class MemorySource:
                     if fetched.proofs.get(name, ("", None))[0] == str(path):
                         data = fetched.maps[name]  # proven by this rank: that mapping
                     else:
-                        data = _map_sized(path, records[name].bytes)
+                        data, _ = _map_sized(path, records[name].bytes)  # the receiver hashes it
                         borrowed.append(data)
                 except (OSError, ValueError) as exc:  # zeros go: the receiver refuses them
                     sent_bad.append(f"rank {self.rank} could not read {path}: {exc}")
@@ -572,22 +572,37 @@ def _allocate(claims: list[Claim | None]) -> None:
                 break  # the receive meets it again, and says so
 
 
+class _SizeMismatchError(ValueError):
+    """The file is not a regular file of the recorded size."""
+
+    def __init__(self, st: os.stat_result, size: int) -> None:
+        kind = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        super().__init__(f"{kind} where {size} bytes were recorded")
+        self.actual = kind
+
+
+def _map_sized(path: Path, size: int) -> tuple[mmap.mmap, os.stat_result]:
+    """A read-only mapping of ``path``, which must be a regular file of ``size`` bytes
+    (``_SizeMismatchError`` otherwise, before anything is mapped), and its ``fstat``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise _SizeMismatchError(st, size)
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ), st
+    finally:
+        os.close(fd)
+
+
 def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, int]]:
     """Map ``path`` and hash it where it lies; IntegrityError unless it is exactly the
     writer's bytes. Returns the mapping (kept for the reads) and the file's identity."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
-    fd = os.open(path, flags)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise IntegrityError(str(path), record.digest, "not a regular file", "not a file")
-        if st.st_size != record.bytes:
-            raise IntegrityError(
-                str(path), f"{record.bytes} bytes", f"{st.st_size} bytes", "size mismatch"
-            )
-        mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
+        mm, st = _map_sized(path, record.bytes)
+    except _SizeMismatchError as exc:
+        raise IntegrityError(
+            str(path), f"{record.bytes} bytes", exc.actual, "size mismatch"
+        ) from None
     algorithm = record.digest.split(":", 1)[0]
     hasher = new_hasher(algorithm)
     view = memoryview(mm)
@@ -598,19 +613,6 @@ def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, i
         mm.close()
         raise IntegrityError(str(path), record.digest, actual)
     return mm, _identity(st)
-
-
-def _map_sized(path: Path, size: int) -> mmap.mmap:
-    """A read-only mapping of ``path``, which must be a regular file of ``size`` bytes (a
-    copy a rank sends without having proven it: the receiver hashes it)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise ValueError(f"{st.st_size} bytes where {size} were recorded")
-        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
 
 
 def _map(path: str, identity: tuple[int, int, int]) -> mmap.mmap:

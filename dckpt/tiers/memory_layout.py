@@ -44,7 +44,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..root.layout import STEP_RE, step_dir_name
+from ..root.layout import STEP_RE
 
 __all__ = [
     "RESTORE_FILE",
@@ -142,19 +142,7 @@ def private_dir(path: Path) -> Path:
 def held(node: Path, step: int) -> dict[str, int]:
     """The files of memory step ``step`` this node holds, by name: their sizes (its own
     ranks' under ``own/``, other nodes' under ``replica/``). Regular files only."""
-    found: dict[str, int] = {}
-    name = step_dir_name(step)
-    places = [own_dir(node) / name]
-    with contextlib.suppress(OSError):
-        places += [
-            d / name for d in sorted((node / "replica").iterdir()) if NODE_RE.fullmatch(d.name)
-        ]
-    for place in places:
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(place):
-                if FILE_RE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                    found.setdefault(entry.name, entry.stat(follow_symlinks=False).st_size)
-    return found
+    return {name: size for s, _, name, size in held_steps(node) if s == step}
 
 
 def held_steps(node: Path) -> list[tuple[int, str, str, int]]:
