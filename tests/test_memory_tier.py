@@ -40,11 +40,12 @@ training; it runs beside the first tests).
     and once the run ended well (its last checkpoint durable) the memory is freed;
   - ``test_fresh_root_ignores_stale_memory``: a run killed after its memory saves, its root
     then deleted: the same command starts from scratch (the memory has no record in the root).
-- ``test_no_listener_private_files_and_planted_steps``: a two-"node" memory job beside one
-  without the memory tier: its ranks listen on exactly as many ports as the other job's
-  (torch.distributed's own), none of them answers a request for steps or files, every memory
-  file is 0600 in 0700 directories; then a step planted in a node's memory, without the
-  job's record, is listed by ``dckpt ls`` as unrecorded and never restored.
+- ``test_no_listener_private_files_and_planted_steps``: a two-"node" memory job with every
+  Python ``socket.bind`` in its ranks logged by an audit hook: none happens; at every look its
+  ranks listen only on gloo's loopback ports (one per process group: training's and dckpt's
+  two) and rank 0 on the rendezvous store's; no process is started; every memory file is 0600
+  in 0700 directories; then a step planted in a node's memory, without the job's record, is
+  listed by ``dckpt ls`` as unrecorded and never restored.
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ class Job:
     out: Path
     nodes: tuple[int, ...] = (0, 0)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> Job:
         port = str(_free_port())
@@ -206,6 +208,7 @@ class Job:
                 "GROUP_RANK": str(node),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
+                **self.env,
             }
             with open(self._log(rank), "wb") as out:
                 self.procs.append(
@@ -700,6 +703,27 @@ def _listening(pid: int) -> list[tuple[str, int]]:
     return sorted((c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN)
 
 
+# Loaded into each rank before anything else (``sitecustomize`` on PYTHONPATH): logs every
+# socket a Python frame binds, with the stack that bound it. Any server the memory tier could
+# open from Python (socketserver, asyncio, http.server, a bare socket) binds first.
+_BIND_HOOK = """
+import os, sys, traceback
+_log = os.environ["DCKPT_TEST_BIND_LOG"] + "." + os.environ["RANK"]
+def _hook(event, args):
+    if event == "socket.bind":
+        with open(_log, "a") as f:
+            f.write(repr(args[1]) + "\\n" + "".join(traceback.format_stack(limit=12)) + "\\n")
+sys.addaudithook(_hook)
+open(_log + ".loaded", "w").close()
+"""
+
+# gloo listens on one loopback port per process group (training's, dckpt's control and io
+# groups) while it connects that group's pairs, and closes it after; a job between two
+# collectives may have fewer open. A listener of the memory tier's own would be one more.
+_GLOO_GROUPS = 3
+_LOOKS = 12
+
+
 def _modes(memory: Path) -> list[str]:
     """Every directory and file under ``memory`` that others could enter or read."""
     loose = []
@@ -712,42 +736,43 @@ def _modes(memory: Path) -> list[str]:
 
 
 def test_no_listener_private_files_and_planted_steps(tmp_path: Path) -> None:
-    """A memory job (2 ranks as 2 nodes) beside the same job without the memory tier: the
-    memory tier adds no listening socket (each rank listens on as many ports as the other
-    job's rank, all of them torch.distributed's own: gloo's on 127.0.0.1, the rendezvous
-    store's), starts no other process, and keeps its files 0600 in 0700 directories. Then a
-    real memory step's files, planted in both nodes' memory as step 99 with a re-sealed
-    manifest beside them, but without a record in the root, are never restored."""
+    """A memory job (2 ranks as 2 nodes), every Python ``socket.bind`` of its ranks logged: the
+    memory tier binds no socket, and at every look a rank listens on at most one loopback port
+    per gloo group (torch.distributed's own) and, on rank 0, the rendezvous store's; it starts
+    no other process, and keeps its files 0600 in 0700 directories. Then a real memory step's
+    files, planted in both nodes' memory as step 99 with a re-sealed manifest beside them, but
+    without a record in the root, are never restored."""
     mem, log = tmp_path / "mem", tmp_path / "mem.jsonl"
-    args = ["--steps", "30", "--save-every", "10"]
+    hook_dir, binds = tmp_path / "hook", tmp_path / "binds"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(_BIND_HOOK)
+    path = os.pathsep.join(p for p in (str(hook_dir), os.environ.get("PYTHONPATH")) if p)
+    args = ["--steps", "60", "--save-every", "10", "--memory-every", "1"]
     memory_job = Job(
         tmp_path / "ckpt",
-        [*args, "--memory-every", "1", "--memory-dir", str(mem), "--loss-log", str(log)],
+        [*args, "--memory-dir", str(mem), "--loss-log", str(log)],
         tmp_path / "memory-job",
         nodes=(0, 1),
-    ).start()
-    plain_log = tmp_path / "plain.jsonl"
-    plain = Job(
-        tmp_path / "plain", [*args, "--loss-log", str(plain_log)], tmp_path / "plain-job", (0, 1)
+        env={"PYTHONPATH": path, "DCKPT_TEST_BIND_LOG": str(binds)},
     ).start()
     planted = tmp_path / "planted"
     try:
 
         def training() -> bool:
-            steps = [len(p.read_text().splitlines()) if p.exists() else 0 for p in (log, plain_log)]
-            return min(steps) >= 3 and len(_recorded(memory_job.root)) >= 1
+            steps = len(log.read_text().splitlines()) if log.exists() else 0
+            return steps >= 3 and len(_recorded(memory_job.root)) >= 1
 
-        both = [*memory_job.procs, *plain.procs]
-        _wait_until(training, both, "both jobs training", lambda: memory_job.text() + plain.text())
+        _wait_until(training, memory_job.procs, "the job training", memory_job.text)
         store_port = None
-        for rank in (0, 1):
-            with_memory = _listening(memory_job.procs[rank].pid)
-            without = _listening(plain.procs[rank].pid)
-            assert len(with_memory) == len(without), (rank, with_memory, without)
-            for ip, port in with_memory:  # only the rendezvous store listens beyond loopback
-                if ip not in ("127.0.0.1", "::1"):
-                    assert rank == 0 and store_port in (None, port), (rank, with_memory)
+        for _ in range(_LOOKS):
+            for rank in (0, 1):
+                listening = _listening(memory_job.procs[rank].pid)
+                loopback = [a for a in listening if a[0] in ("127.0.0.1", "::1")]
+                assert len(loopback) <= _GLOO_GROUPS, (rank, listening)
+                for _ip, port in set(listening) - set(loopback):  # only the store, on rank 0
+                    assert rank == 0 and store_port in (None, port), (rank, listening)
                     store_port = port
+            time.sleep(0.1)
         import psutil
 
         for p in memory_job.procs:
@@ -769,10 +794,14 @@ def test_no_listener_private_files_and_planted_steps(tmp_path: Path) -> None:
 
         _wait_until(copied, memory_job.procs, "a memory step copied", memory_job.text)
         memory_job.finish()
-        plain.finish()
     finally:
         memory_job.kill()
-        plain.kill()
+    assert sorted(p.name for p in tmp_path.glob("binds.*.loaded")) == [
+        "binds.0.loaded",
+        "binds.1.loaded",
+    ]
+    bound = {p.name: p.read_text() for p in tmp_path.glob("binds.?")}
+    assert bound == {}, bound
     # The run ended well (its last checkpoint is durable): its memory was freed. Plant step 99.
     import dataclasses
 
@@ -795,13 +824,13 @@ def test_no_listener_private_files_and_planted_steps(tmp_path: Path) -> None:
     assert all("no record in the root: never restored" in r["error"] for r in rows), rows
     again = Job(
         memory_job.root,
-        ["--steps", "31", "--save-every", "10", "--memory-every", "1", "--memory-dir", str(mem)],
+        ["--steps", "61", "--save-every", "10", "--memory-every", "1", "--memory-dir", str(mem)],
         tmp_path / "again",
         nodes=(0, 1),
     ).start()
     text = again.finish()
     line = _resume_line(text)
-    assert line == f"dckpt resume: step 30 from {memory_job.root / step_dir_name(30)}", text
+    assert line == f"dckpt resume: step 60 from {memory_job.root / step_dir_name(60)}", text
     assert "from the memory tier" not in text, text
     note = "warning: memory tier: step 99 in node 0's memory has no record in "
     assert note in text and "never restored" in text, text  # said, for both nodes
