@@ -44,11 +44,19 @@ from ..errors import IntegrityError, StorageError
 from ..storage.digest import format_digest, new_hasher
 from .url import ObjectURL
 
-__all__ = ["ListedObject", "OpenUpload", "S3Store", "UploadStream"]
+__all__ = ["ListedObject", "OpenUpload", "S3Store", "UnsupportedError", "UploadStream"]
 
 MIN_PART = 5 << 20  # S3 refuses smaller parts, except the last
 Progress = Callable[[int], None]
 """Called with the number of bytes just moved (progress bars, fault points)."""
+
+
+class UnsupportedError(StorageError):
+    """The store does not implement a request (501 NotImplemented, or the like): a missing
+    feature, not throttling, so it is never retried; the caller falls back or skips."""
+
+
+_UNSUPPORTED = ("NotImplemented", "MethodNotAllowed", "501")
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,12 @@ class S3Store:
                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and that they "
                     f"may read, write and list s3://{self.url.bucket}/{self.url.under()}."
                 )
+            if code in _UNSUPPORTED or status == 501:
+                return UnsupportedError(
+                    f"{doing} {where}: the store at {self.endpoint} does not implement this "
+                    f"request ({status} {code}): a feature it lacks, not a fault that a retry "
+                    "would cure."
+                )
             if status is not None and (status >= 500 or code in ("SlowDown", "Throttling")):
                 return StorageError(
                     f"{doing} {where}: the store kept answering {status} {code} through "
@@ -252,7 +266,7 @@ class S3Store:
                     Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
                 )
             except Exception as exc:
-                if self._code(exc) not in ("NotImplemented", "MethodNotAllowed", "501"):
+                if self._code(exc) not in _UNSUPPORTED:
                     raise self.fail(exc, batch[0], "deleting") from exc
                 for key in batch:  # a store without multi-object delete (GCS's XML API)
                     self._call(key, "deleting", self.client.delete_object, Key=key)
