@@ -7,7 +7,7 @@ value is rejected in ``__post_init__`` with the reason, never later in the middl
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -15,7 +15,7 @@ import xxhash
 
 from .root.retention import BestMode, RetentionPolicy
 from .storage.digest import ALGORITHMS
-from .tiers.url import default_mirror, is_url, parse_url
+from .tiers.url import default_mirror, is_url, parse_url, refuse_mangled_url
 
 __all__ = ["CheckpointConfig", "IfBusy", "LossWatchAction"]
 
@@ -23,6 +23,18 @@ IfBusy = Literal["wait", "skip"]
 """What ``save()`` does while the previous save is still writing."""
 LossWatchAction = Literal["warn", "raise", "off"]
 """What a loss above the bound does after a resume."""
+
+
+def _lock_from_env() -> bool:
+    """``lock``'s default: ``$DCKPT_LOCK``, so any launcher can turn the run lock off (a store
+    without conditional writes) without a code change; unset or empty means on."""
+    raw = os.environ.get("DCKPT_LOCK", "")
+    value = raw.strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"DCKPT_LOCK={raw!r}: use 0 (no run lock) or 1 (the default)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +91,9 @@ class CheckpointConfig:
             kept forever (as is any ``save(..., milestone=True)``).
         best_k, best_mode: also keep the k best by the metric given to ``save(metric=...)``.
         lock: hold ``ROOT/.dckpt-lock`` so a second job on the same root fails fast.
+            Default: on, unless ``$DCKPT_LOCK`` is ``0``, ``false`` or ``no`` (for a store
+            that ignores conditional writes, where the lock is refused; then make sure only
+            one job writes the root).
         memory: turn on the memory tier: ``save(step, tier="memory")`` keeps the checkpoint
             in host memory (``memory_dir``) and, sent over dckpt's own process group, on a
             partner node; its manifest goes into the root (``ROOT/memory/``), the record a
@@ -113,7 +128,7 @@ class CheckpointConfig:
     milestone_every: int | None = None
     best_k: int = 0
     best_mode: BestMode = "min"
-    lock: bool = True
+    lock: bool = field(default_factory=_lock_from_env)
     lock_lease_s: float = 300.0
     memory: bool = False
     memory_dir: Path | None = None
@@ -147,6 +162,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ValueError(f"root must be a directory path or an s3:// URL, got {self.root!r}")
+        refuse_mangled_url(self.root)
         if is_url(self.root):
             url = parse_url(str(self.root))
             object.__setattr__(self, "remote", str(url))

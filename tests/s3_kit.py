@@ -112,6 +112,9 @@ class FaultProxy:
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.rule: Rule = lambda method, path: None
+        # (method, path?query, status, body) -> the body sent back instead, or (status, body)
+        # (a flipped bit, a listing that repeats its continuation token); None: as they came
+        self.mangle: Callable[[str, str, int, bytes], bytes | tuple[int, bytes]] | None = None
         self.seen: list[tuple[str, str, str]] = []  # (method, path, what was done)
         self._lock = threading.Lock()
         proxy = self
@@ -152,7 +155,12 @@ class FaultProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
-                self.send_response(resp.status)
+                status = resp.status
+                if proxy.mangle is not None:  # the answer changed on its way back
+                    with proxy._lock:
+                        changed = proxy.mangle(self.command, self.path, status, data)
+                    status, data = changed if isinstance(changed, tuple) else (status, changed)
+                self.send_response(status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)

@@ -81,9 +81,14 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_
     checked = dckpt_cli("verify", root, "--json")
     assert checked.returncode == 0, checked.stderr
     assert json.loads(checked.stdout)["ok"] is True
+    listed = json.loads(dckpt_cli("ls", root, "--json").stdout)  # the outcome, kept in the bucket
+    assert [r["verified"] for r in listed] == ["ok", "ok", "ok"], listed
     shown = dckpt_cli("inspect", root, "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["step"] == 6, shown.stderr
+    assert json.loads(shown.stdout)["path"] == f"{root}/step-00000006"  # not the temp copy
     assert "downloaded from s3://" in shown.stderr  # fetched, each object hashed on arrival
+    titled = dckpt_cli("inspect", root, "--step", "4")
+    assert titled.stdout.splitlines()[0] == f"{root}/step-00000004", titled.stdout
     diff = dckpt_cli("diff", root, "4", "6", "--json")
     assert diff.returncode == 0, diff.stderr
     compared = json.loads(diff.stdout)
@@ -99,6 +104,7 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_
     gc = dckpt_cli("gc", root, "--keep-last", "2", "--json")
     assert json.loads(gc.stdout)["deleted"] == ["step-00000002"]
     assert not [k for k in s3.keys(bucket, "runs/lm/step-00000002/")]
+    assert "runs/lm/.dckpt-verified/step-00000002.json" not in s3.keys(bucket)  # gone with it
 
     # One byte changed in the bucket: verify names the object and exits 3.
     key = "runs/lm/step-00000006/__0_0.distcp"
@@ -108,6 +114,8 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_
     bad = dckpt_cli("verify", root, "--step", "6")
     assert bad.returncode == 3
     assert "FAILED  step-00000006: __0_0.distcp: digest mismatch" in bad.stdout
+    listed = json.loads(dckpt_cli("ls", root, "--json").stdout)
+    assert [(r["step"], r["verified"]) for r in listed] == [(4, "ok"), (6, "failed")], listed
     fault_trials.record("s3: a byte changed in the bucket", "dckpt verify", survived=True)
     export = dckpt_cli("export", root, "--step", "4", "--out", str(tmp_path / "m.safetensors"))
     assert export.returncode == 0, export.stderr

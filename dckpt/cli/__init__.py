@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from ..tiers.url import is_url
-from .common import CliError, err
+from ..tiers.url import is_url, refuse_mangled_url
+from .common import EXIT_USAGE, CliError, err
 
 __all__ = ["main"]
 
@@ -163,6 +163,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # exits 2 on bad usage
     try:
+        root = getattr(args, "root", None)
+        if isinstance(root, str):
+            try:
+                refuse_mangled_url(root)
+            except ValueError as exc:
+                raise CliError(EXIT_USAGE, str(exc)) from None
         if is_url(getattr(args, "root", None)) and args.command != "memory":
             from .remote import run_remote
 

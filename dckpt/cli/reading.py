@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -304,12 +305,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         manifest = read_manifest(step_dir)
     except (ManifestError, IntegrityError) as exc:
         fail(EXIT_INTEGRITY, str(exc))
+    # A step fetched from an s3:// root is shown by its URL, not the temporary copy's path.
+    shown = getattr(args, "shown_root", None)
+    where = f"{shown}/{step_dir.name}" if shown else str(step_dir)
     obj = manifest.to_json_obj()
-    obj["path"] = str(step_dir)
+    obj["path"] = where
     if args.json:
         print(json.dumps(obj, indent=1, sort_keys=True))
         return EXIT_OK
-    out.print(f"[bold]{step_dir}[/bold]")
+    out.print(f"[bold]{escape(where)}[/bold]")
     rows = [
         ("step", manifest.step),
         ("epoch", manifest.epoch),

@@ -1,9 +1,11 @@
 """The ``dckpt`` commands on an s3:// root.
 
 ``ls``, ``verify``, ``gc``, ``pin`` and ``unpin`` work in the bucket itself (``verify``
-streams every object through its digest, downloading nothing to disk). ``inspect``, ``diff``,
-``export`` and ``plan`` first fetch the steps they read into a temporary directory, each
-object hashed as it arrives (dckpt.tiers.object_source), then run as on a directory root.
+streams every object through its digest, downloading nothing to disk, and records its
+outcome in the bucket for ``ls``'s ``verified`` column, as on a directory root).
+``inspect``, ``diff``, ``export`` and ``plan`` first fetch the steps they read into a
+temporary directory, each object hashed as it arrives (dckpt.tiers.object_source), then run
+as on a directory root, their output titled with the s3:// root, not the directory.
 The output contract is the directory root's (``ls --json`` and ``verify --json`` have the
 same keys; ``path`` is the object's URL).
 """
@@ -76,14 +78,23 @@ def _committed(objects: ObjectRoot) -> list[int]:
 def _ls(args: argparse.Namespace, objects: ObjectRoot) -> int:
     now = time.time()
     pins = objects.pinned_steps()
+    checks = objects.verifications()
     records: list[dict[str, Any]] = []
     for entry in objects.entries():
         record = ls_record(entry.step, entry.status, objects.where(entry.name), entry.bytes, pins)
         if entry.status == "committed":
             try:
-                with_manifest(record, objects.read_manifest(entry.step), now)
+                manifest = objects.read_manifest(entry.step)
             except (ManifestError, IntegrityError) as exc:
                 record["error"] = str(exc)
+                records.append(record)
+                continue
+            with_manifest(record, manifest, now)
+            check = checks.get(entry.step)
+            if check is not None and check.get("files_digest") == manifest.files_digest:
+                record.update(
+                    verified="ok" if check["ok"] else "failed", verified_at=check.get("time")
+                )
         records.append(record)
     memory_root = memory_dir_for(str(objects), args.memory_dir)
     memory = memory_records(ObjectLedger(objects), memory_root)
@@ -112,6 +123,7 @@ def _verify(args: argparse.Namespace, objects: ObjectRoot) -> int:
     with _bar("verifying", total, args.json) as advance:
         for step, manifest in manifests.items():
             _, problems = objects.verify(step, advance)
+            objects.record_verification(step, not problems, manifest.files_digest)
             ok_bytes = sum(f.bytes for f in manifest.files)
             results.append(_result(objects, step, problems, len(manifest.files), ok_bytes))
     return print_verify(args, sorted(results, key=lambda r: r.step or 0))
@@ -187,6 +199,6 @@ def _fetched_then(args: argparse.Namespace, objects: ObjectRoot) -> int:
             for step in steps:
                 report = source.fetch(step, advance)
                 err.print(f"dckpt {args.command}: step {step}: {report.line()}")
-        args.root = tmp
+        args.root, args.shown_root = tmp, str(objects)
         code: int = args.func(args)
         return code

@@ -9,6 +9,7 @@ The layout is the directory layout, object for object::
       step-00001200/__0_0.distcp   shard objects, one per rank (per writer thread)
       quarantine/step-00001100/... failed verification; with step-00001100.reason.txt
       pins/step-00001000           an empty object: that step is pinned
+      .dckpt-verified/step-N.json  the last `dckpt verify` of step N (for `dckpt ls`)
       .dckpt-lock                  the run lock (dckpt.tiers.object_lock)
 
 Invariants (an object store has no rename, so the manifest is the commit):
@@ -24,12 +25,16 @@ Knows keys and manifests, never tensors.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from ..errors import IntegrityError, ManifestError
+from ..errors import IntegrityError, ManifestError, StorageError
 from ..root.layout import (
     LATEST_FILE,
     PINS_DIR,
@@ -42,8 +47,8 @@ from ..root.layout import (
 from ..root.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from ..root.retention import Decision, RetentionPolicy
 from ..root.upkeep import decide_for, log_retention
-from ..root.verify import FileProblem
-from .s3_store import ListedObject, S3Store
+from ..root.verify import MAX_RECORD_BYTES, VERIFIED_DIR, FileProblem
+from .s3_store import ListedObject, S3Store, UnsupportedError
 
 __all__ = ["ObjectEntry", "ObjectRoot"]
 
@@ -173,9 +178,8 @@ class ObjectRoot:
                     )
                 )
                 continue
-            algorithm = record.digest.split(":", 1)[0]
-            try:
-                actual = self.store.digest(key, record.bytes, algorithm, progress)
+            try:  # a mismatch is read again: one flipped bit on the wire is not damage
+                actual = self.store.check(key, record.bytes, record.digest, progress)
             except IntegrityError as exc:
                 problems.append(FileProblem(path=record.path, error=exc.detail or str(exc)))
                 continue
@@ -189,6 +193,33 @@ class ObjectRoot:
                     )
                 )
         return manifest, problems
+
+    def record_verification(self, step: int, ok: bool, files_digest: str) -> None:
+        """Remember a ``dckpt verify`` outcome in the bucket, as a directory root does beside
+        its steps (``.dckpt-verified/step-N.json``); ``ls`` shows it while the step's files
+        digest is unchanged (a re-save makes it stale). Best effort: a store that refuses
+        the write loses the record, not the verification."""
+        record = {"ok": ok, "time": time.time(), "files_digest": files_digest}
+        key = self.key(VERIFIED_DIR, f"{step_dir_name(step)}.json")
+        with contextlib.suppress(StorageError):
+            self.store.put_small(key, json.dumps(record).encode())
+
+    def verifications(self) -> dict[int, dict[str, Any]]:
+        """Every step's last recorded verification (one listing, one small GET each)."""
+        prefix = self.key(VERIFIED_DIR) + "/"
+        found: dict[int, dict[str, Any]] = {}
+        for obj in self.store.list(prefix):
+            m = STEP_RE.fullmatch(obj.key[len(prefix) :].removesuffix(".json"))
+            got = self.store.get_small(obj.key, MAX_RECORD_BYTES) if m else None
+            if m is None or got is None or len(got[0]) > MAX_RECORD_BYTES:
+                continue
+            try:
+                record = json.loads(got[0])
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict) and isinstance(record.get("ok"), bool):
+                found[int(m.group(1))] = record
+        return found
 
     # --- changing ---------------------------------------------------------------------------
 
@@ -218,6 +249,7 @@ class ObjectRoot:
             self.publish_latest()
         for name in names:
             self.store.delete(self._keys(name))
+        self.store.delete([self.key(VERIFIED_DIR, f"{name}.json") for name in names])
         return names
 
     def quarantine(self, step: int, reason: str) -> str:
@@ -242,9 +274,26 @@ class ObjectRoot:
 
     def recover(self) -> list[str]:
         """At a job's start, under the run lock: remove step prefixes without a manifest (a
-        save cut short) and abort multipart uploads left open. Returns one line per action."""
+        save cut short) and abort multipart uploads left open. Returns one line per action.
+
+        A store that cannot list open uploads (501 to ListMultipartUploads: s3rver, some
+        gateways) skips that part with one warning: the parts of an upload a crash left open
+        are invisible and never committed, so they cost storage, not correctness, and the
+        store's lifecycle rule can reap them instead."""
         actions: list[str] = []
-        for upload in self.store.open_uploads(self.url.under()):
+        try:
+            uploads = self.store.open_uploads(self.url.under())
+        except UnsupportedError as exc:
+            uploads = []
+            log.warning(
+                "dckpt recover: the store cannot list open multipart uploads, so those a crash "
+                "left under %s are not aborted (%s). Their parts are never part of a "
+                "checkpoint but take space: set a lifecycle rule on the bucket that aborts "
+                "them (S3: AbortIncompleteMultipartUpload, DaysAfterInitiation 1).",
+                self.url,
+                exc,
+            )
+        for upload in uploads:
             self.store.abort(upload)
             actions.append(f"aborted the unfinished upload of {upload.key}")
         for entry in self.entries():

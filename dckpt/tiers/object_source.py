@@ -53,13 +53,20 @@ class FetchReport:
     downloaded_bytes: int
     reused: int
     seconds: float
+    reread: tuple[str, ...] = ()  # files whose first download mismatched and a second matched
 
     def line(self) -> str:
         speed = self.downloaded_bytes / max(self.seconds, 1e-9)
+        again = (
+            f"; re-read {', '.join(self.reread)}: the first download differed from the "
+            "writer's digest, a fresh read matched (damaged on the way, not in the store)"
+            if self.reread
+            else ""
+        )
         return (
             f"{plural(self.downloaded, 'file')} ({human_bytes(self.downloaded_bytes)}) "
             f"downloaded from {self.source} at {human_bytes(speed)}/s, each hashed as it "
-            f"arrived; {self.reused} cached in the mirror, re-verified"
+            f"arrived; {self.reused} cached in the mirror, re-verified{again}"
         )
 
 
@@ -139,6 +146,7 @@ class ObjectSource:
         if write_manifest and _read_or_none(target / MANIFEST_FILE) != raw:
             _write_replacing(target / MANIFEST_FILE, raw)
         downloaded = reused = nbytes = 0
+        reread: list[str] = []
         for i, record in enumerate(sorted(manifest.files, key=lambda r: r.path)):
             if not mine(i):
                 continue
@@ -150,19 +158,16 @@ class ObjectSource:
                 reused += 1
                 continue
             key = self.objects.key(name, record.path)
-            algorithm = record.digest.split(":", 1)[0]
-            digest = self.objects.store.download_file(key, path, record.bytes, algorithm, progress)
-            if digest != record.digest:
-                path.unlink(missing_ok=True)
-                raise IntegrityError(
-                    self.objects.where(name, record.path),
-                    record.digest,
-                    digest,
-                    detail="the object's bytes differ from the digest its writer computed",
-                )
+            reads = self.objects.store.download_verified(
+                key, path, record.bytes, record.digest, progress
+            )
+            if reads > 1:
+                reread.append(record.path)
             downloaded += 1
             nbytes += record.bytes
-        return FetchReport(str(self), downloaded, nbytes, reused, time.perf_counter() - t0)
+        return FetchReport(
+            str(self), downloaded, nbytes, reused, time.perf_counter() - t0, tuple(reread)
+        )
 
     def confirm_damage(self, step: int, exc: CheckpointError) -> None:
         """Before a quarantine: a digest, size or missing-file failure found in the mirror

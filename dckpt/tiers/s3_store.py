@@ -15,8 +15,15 @@ Invariants:
 - a multipart upload that fails is aborted (best effort; ``ObjectRoot.recover`` aborts any
   left open by a crash);
 - throttling (503 SlowDown), server errors and dropped connections are retried by botocore's
-  standard mode with backoff; a body that breaks off mid-read is re-requested by range here;
-  both are bounded (``attempts``);
+  standard mode with backoff; a body that breaks off mid-read or fails botocore's checksum is
+  re-requested by range here; both are bounded (``attempts``), and an error says how many
+  requests were made;
+- a GET reads at most one byte past the span it asked for; a listing refuses a repeated
+  continuation marker and stops at ``MAX_PAGES`` pages;
+- a download whose digest differs from the writer's is read once more, fresh, before it is
+  called damage (``download_verified``, ``check``): one flipped bit on the wire never
+  quarantines an intact checkpoint;
+- a request the store does not implement (501) is ``UnsupportedError``, never retried;
 - every failure is a ``StorageError`` naming the object's URL and what the user can do; a
   missing bucket and refused credentials say so in words.
 
@@ -42,11 +49,13 @@ from typing import Any
 
 from ..errors import IntegrityError, StorageError
 from ..storage.digest import format_digest, new_hasher
+from ..units import plural
 from .url import ObjectURL
 
 __all__ = ["ListedObject", "OpenUpload", "S3Store", "UnsupportedError", "UploadStream"]
 
 MIN_PART = 5 << 20  # S3 refuses smaller parts, except the last
+MAX_PAGES = 100_000  # of a listing (1000 keys each): far beyond any root, short of forever
 Progress = Callable[[int], None]
 """Called with the number of bytes just moved (progress bars, fault points)."""
 
@@ -116,12 +125,14 @@ class S3Store:
         self.attempts = attempts or _env_int("DCKPT_S3_ATTEMPTS", 8, 1)
         self._client: Any = None
         self._lock = threading.Lock()
+        self._damaged: dict[str, int] = {}  # ranges re-read per key: botocore's checksum failed
         boto3, config, exceptions = _boto()
         self._errors = exceptions
         self._make = lambda: boto3.session.Session().client(
             "s3",
             config=config.Config(
-                retries={"max_attempts": self.attempts, "mode": "standard"},
+                # total_max_attempts counts the first request (max_attempts would not)
+                retries={"total_max_attempts": self.attempts, "mode": "standard"},
                 # several files (io_threads) may upload at once, each `concurrency` parts
                 max_pool_connections=max(16, 4 * self.concurrency),
                 connect_timeout=10,
@@ -148,8 +159,23 @@ class S3Store:
     def _where(self, key: str) -> str:
         return f"s3://{self.url.bucket}/{key}"
 
-    def fail(self, exc: BaseException, key: str, doing: str) -> StorageError:
-        """The StorageError for ``exc``, met while ``doing`` the object ``key``."""
+    def _tries(self, exc: BaseException, tries: int | None) -> str:
+        """How many requests were made, in words: botocore records its retries on a
+        ClientError; a dropped connection is retried by botocore up to ``attempts``; a read
+        re-requested here counts its own (``tries``)."""
+        if tries is not None:
+            return plural(tries, "attempt")
+        if isinstance(exc, self._errors.ClientError):
+            retries = exc.response.get("ResponseMetadata", {}).get("RetryAttempts")
+            if isinstance(retries, int):
+                return plural(retries + 1, "attempt")
+        return f"up to {plural(self.attempts, 'attempt')}"
+
+    def fail(
+        self, exc: BaseException, key: str, doing: str, *, tries: int | None = None
+    ) -> StorageError:
+        """The StorageError for ``exc``, met while ``doing`` the object ``key`` (``tries``:
+        the requests made, when the caller counted them)."""
         where = self._where(key)
         errors = self._errors
         if isinstance(exc, (errors.NoCredentialsError, errors.PartialCredentialsError)):
@@ -188,14 +214,21 @@ class S3Store:
             if status is not None and (status >= 500 or code in ("SlowDown", "Throttling")):
                 return StorageError(
                     f"{doing} {where}: the store kept answering {status} {code} through "
-                    f"{self.attempts} attempts with backoff. Nothing was committed by this "
+                    f"{self._tries(exc, tries)} with backoff. Nothing was committed by this "
                     "call; retry later, or raise DCKPT_S3_ATTEMPTS."
                 )
             return StorageError(f"{doing} {where}: {code} ({error.get('Message', '')})")
         if isinstance(exc, (errors.BotoCoreError, OSError)):
+            if isinstance(exc, errors.FlexibleChecksumError):
+                return StorageError(
+                    f"{doing} {where}: every read failed the store's own checksum "
+                    f"({self._tries(exc, tries)}; {exc}): the bytes were damaged on the way. "
+                    "Check the network path to the store (a proxy, a NIC); nothing was "
+                    "committed by this call."
+                )
             return StorageError(
                 f"{doing} {where}: cannot reach the store at {self.endpoint} after "
-                f"{self.attempts} attempts ({type(exc).__name__}: {exc}). Check the endpoint "
+                f"{self._tries(exc, tries)} ({type(exc).__name__}: {exc}). Check the endpoint "
                 "and the network; nothing was committed by this call."
             )
         return StorageError(f"{doing} {where}: {type(exc).__name__}: {exc}")
@@ -286,10 +319,29 @@ class S3Store:
         except Exception as exc:
             raise self.fail(exc, src, "copying") from exc
 
+    def _next_page(self, prefix: str, doing: str, seen: set[Any], marker: Any) -> None:
+        """Refuse a listing that would not end: a page marker the store gave before (it
+        would send the same pages again, forever), or more than ``MAX_PAGES`` pages."""
+        if marker in seen:
+            raise StorageError(
+                f"{doing} {self._where(prefix)}: the store returned a continuation marker it "
+                f"had already returned ({str(marker)[:80]!r}), after {len(seen)} page(s): the "
+                "listing would never end. This is a bug in the store (or a proxy in front of "
+                "it); nothing was changed."
+            )
+        if len(seen) >= MAX_PAGES:
+            raise StorageError(
+                f"{doing} {self._where(prefix)}: over {MAX_PAGES} pages (about "
+                f"{MAX_PAGES * 1000} objects) under one prefix; dckpt stops there rather than "
+                "list without end. Give the run a prefix of its own."
+            )
+        seen.add(marker)
+
     def list(self, prefix: str) -> builtins.list[ListedObject]:
-        """Every object whose key starts with ``prefix``."""
+        """Every object whose key starts with ``prefix`` (bounded: see ``_next_page``)."""
         found: builtins.list[ListedObject] = []
         token: str | None = None
+        seen: set[Any] = set()
         while True:
             kwargs: dict[str, Any] = {"Prefix": prefix}
             if token:
@@ -302,11 +354,13 @@ class S3Store:
             token = resp.get("NextContinuationToken")
             if not resp.get("IsTruncated") or not token:  # no token: nothing more to ask for
                 return found
+            self._next_page(prefix, "listing", seen, token)
 
     def open_uploads(self, prefix: str) -> builtins.list[OpenUpload]:
         """Multipart uploads begun under ``prefix`` and neither completed nor aborted."""
         found: builtins.list[OpenUpload] = []
         marker: dict[str, Any] = {}
+        seen: set[Any] = set()
         while True:
             resp = self._call(
                 prefix,
@@ -329,6 +383,7 @@ class S3Store:
             }
             if not resp.get("IsTruncated") or not marker:
                 return found
+            self._next_page(prefix, "listing uploads", seen, tuple(sorted(marker.items())))
 
     def abort(self, upload: OpenUpload) -> None:
         try:
@@ -418,7 +473,9 @@ class S3Store:
         return data
 
     def _get_range(self, key: str, span: tuple[int, int], size: int) -> bytes:
-        """One ranged GET, re-requested when the body breaks off (bounded, with backoff)."""
+        """One ranged GET, re-requested when the body breaks off or fails the store's own
+        checksum (bounded, with backoff). Reads at most one byte past the span, so a store
+        that ignores ``Range`` costs one span of memory, not its whole answer."""
         errors = self._errors
         broken = (
             errors.IncompleteReadError,
@@ -426,23 +483,42 @@ class S3Store:
             errors.ReadTimeoutError,
             errors.ConnectionClosedError,
             errors.EndpointConnectionError,
+            errors.FlexibleChecksumError,  # botocore's CRC of a whole-object GET: bytes damaged
             ConnectionError,
         )
         where = self._where(key)
         byte_range = f"bytes={span[0]}-{span[0] + span[1] - 1}"
+        reason: BaseException = ConnectionError("no attempt made")
+        checksum_failures = 0
         for attempt in range(self.attempts):
             try:
                 resp = self.client.get_object(Bucket=self.url.bucket, Key=key, Range=byte_range)
                 total = _total_size(resp)
                 if total is not None and total != size:
+                    resp["Body"].close()
                     raise IntegrityError(where, f"{size} bytes", f"{total} bytes", "size mismatch")
-                data: bytes = resp["Body"].read()
+                data: bytes = resp["Body"].read(span[1] + 1)
+                if len(data) > span[1]:
+                    resp["Body"].close()  # drop the connection rather than drain the rest
+                    raise StorageError(
+                        f"downloading {where}: asked for {byte_range} ({span[1]} bytes), the "
+                        f"store at {self.endpoint} sent more (it ignores the Range header). "
+                        "dckpt reads objects in ranges; use a store that supports them."
+                    )
                 if len(data) == span[1]:
+                    # At the end of the body a read of nothing is what makes botocore compare
+                    # its checksum (a bounded read stops short of it otherwise).
+                    if resp["Body"].read(1):
+                        raise StorageError(f"downloading {where}: more bytes than {byte_range}")
                     return data
-                reason: BaseException = ConnectionError(f"{len(data)} of {span[1]} bytes arrived")
+                reason = ConnectionError(f"{len(data)} of {span[1]} bytes arrived")
             except broken as exc:
                 reason = exc
-            except IntegrityError:
+                if isinstance(exc, errors.FlexibleChecksumError):
+                    checksum_failures += 1
+                    with self._lock:
+                        self._damaged[key] = self._damaged.get(key, 0) + 1
+            except (IntegrityError, StorageError):
                 raise
             except Exception as exc:
                 code = self._code(exc)
@@ -455,7 +531,15 @@ class S3Store:
                 raise self.fail(exc, key, "downloading") from exc
             if attempt + 1 < self.attempts:
                 time.sleep(min(20.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
-        raise self.fail(reason, key, "downloading")
+        if isinstance(reason, errors.FlexibleChecksumError) and checksum_failures == self.attempts:
+            raise IntegrityError(  # the same object failed on every read: it is the store's
+                where,
+                "the checksum the store keeps",
+                "other bytes",
+                detail=f"the object's bytes failed the store's own checksum on each of "
+                f"{plural(self.attempts, 'read')}",
+            )
+        raise self.fail(reason, key, "downloading", tries=self.attempts)
 
     def download_file(
         self,
@@ -483,6 +567,38 @@ class S3Store:
         finally:
             part.unlink(missing_ok=True)
         return format_digest(algorithm, hasher)
+
+    def download_verified(
+        self, key: str, dest: Path, size: int, want: str, progress: Progress | None = None
+    ) -> int:
+        """Download ``key`` to ``dest`` and compare its digest with ``want``, the writer's. A
+        mismatch is read again, fresh from the store: a bit flipped on the wire (no checksum
+        covers a ranged GET) is a transient fault, not damage. Returns the number of reads
+        (1; more when a read was damaged, here or by botocore's checksum); IntegrityError,
+        ``dest`` removed, when the fresh read mismatches too: the object itself differs from
+        what its writer wrote."""
+        algorithm = want.split(":", 1)[0]
+        with self._lock:
+            before = self._damaged.get(key, 0)
+        for reads in (1, 2):
+            got = self.download_file(key, dest, size, algorithm, progress)
+            if got == want:
+                with self._lock:  # ranges botocore's checksum sent back count as reads too
+                    return reads + self._damaged.get(key, 0) - before
+            dest.unlink(missing_ok=True)
+        raise IntegrityError(
+            self._where(key),
+            want,
+            got,
+            detail="the object's bytes differ from the digest its writer computed (read twice)",
+        )
+
+    def check(self, key: str, size: int, want: str, progress: Progress | None = None) -> str:
+        """The digest of ``key``, streamed; a mismatch with ``want`` is read again fresh from
+        the store (see ``download_verified``) and the second reading is what is returned."""
+        algorithm = want.split(":", 1)[0]
+        got = self.digest(key, size, algorithm, progress)
+        return got if got == want else self.digest(key, size, algorithm, progress)
 
     def digest(self, key: str, size: int, algorithm: str, progress: Progress | None = None) -> str:
         """The digest of ``key``'s bytes, streamed (nothing written)."""

@@ -5,7 +5,9 @@ Ceph, GCS's XML API, R2) are reached through ``s3://`` with ``AWS_ENDPOINT_URL``
 schemes are refused with that advice rather than guessed at.
 
 Invariants: a parsed prefix never starts or ends with ``/`` and has no empty, ``.`` or ``..``
-part, so ``prefix + "/" + name`` is the only key a name maps to.
+part, so ``prefix + "/" + name`` is the only key a name maps to; a root written like a URL
+that cannot be parsed as one (``s3:/bucket``, what ``pathlib.Path("s3://bucket")`` turns it
+into) is refused, never taken for a local directory named ``s3:``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ObjectURL", "default_mirror", "is_url", "parse_url"]
+__all__ = ["ObjectURL", "default_mirror", "is_url", "parse_url", "refuse_mangled_url"]
 
 _SCHEME_RE = re.compile(r"([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
+# A scheme of two letters or more and one slash or none: a URL that lost a slash on the way
+# (pathlib collapses "//"), or was mistyped. One letter is a drive ("C:/..."), not a scheme.
+_MANGLED_RE = re.compile(r"([a-z][a-z0-9+.-]+):(/?)(?!/)", re.IGNORECASE)
+# Schemes of object stores and remote filesystems: "s3:bucket" is a typo, not a directory.
+_REMOTE_SCHEMES = frozenset(
+    {"s3", "s3a", "s3n", "gs", "gcs", "az", "abfs", "abfss", "wasb", "r2", "oss", "cos", "hdfs"}
+)
 # S3's rules for new buckets (3-63 chars of lowercase, digits, dots and hyphens).
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
@@ -45,6 +54,30 @@ class ObjectURL:
 def is_url(root: object) -> bool:
     """Whether ``root`` is written as a URL (``scheme://...``), not a path."""
     return isinstance(root, str) and _SCHEME_RE.match(root) is not None
+
+
+def refuse_mangled_url(root: str | os.PathLike[str]) -> None:
+    """ValueError if ``root`` reads like a URL but is not one: ``s3:/bucket/prefix`` (a
+    ``pathlib.Path`` made of ``s3://bucket/prefix``) or ``s3:bucket``. Such a root would
+    otherwise become a local directory, and the checkpoints would never reach the store."""
+    text = os.fspath(root)
+    if is_url(text):
+        return
+    m = _MANGLED_RE.match(text)
+    if m is None or (not m.group(2) and m.group(1).lower() not in _REMOTE_SCHEMES):
+        return
+    scheme = m.group(1).lower()
+    fixed = f"{scheme}://{text[m.end() :].lstrip('/')}"
+    hint = (
+        " pathlib.Path() collapses '//', so pass the URL as a str, not a Path."
+        if isinstance(root, os.PathLike)
+        else ""
+    )
+    raise ValueError(
+        f"root {text!r} reads as a {scheme}:// URL without its '//', not a directory: write "
+        f"{fixed!r}.{hint} Nothing was written. (For a local directory with a ':' in its "
+        f"name, write './{text}'.)"
+    )
 
 
 def parse_url(root: str) -> ObjectURL:
