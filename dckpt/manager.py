@@ -111,7 +111,7 @@ class CheckpointManager:
     """Saves and loads one run's checkpoints under a root; see the module docstring.
 
     Args:
-        config: a CheckpointConfig, or just the root directory.
+        config: a CheckpointConfig, or just the root: a directory, or an ``s3://`` URL as a str.
         state: the TrainState to save and to load into.
         run_config: the training configuration (JSON-able), stored in every manifest and
             compared on resume.
@@ -143,8 +143,8 @@ class CheckpointManager:
         allow_config_changes: tuple[str, ...] | list[str] = (),
         strict_keys: Iterable[str] | Literal["all"] | None = None,
     ) -> None:
-        if not isinstance(config, CheckpointConfig):
-            config = CheckpointConfig(root=Path(config))
+        if not isinstance(config, CheckpointConfig):  # a str stays a str: it may be a URL
+            config = CheckpointConfig(root=config if isinstance(config, str) else Path(config))
         self.config = config
         self.root = config.directory
         self.state = state
@@ -279,7 +279,11 @@ class CheckpointManager:
                     raise CheckpointError(f"{self.root} exists and is not a directory")
                 self.root.mkdir(parents=True, exist_ok=True)
                 if self.config.lock:
-                    locks.append(RunLock(self.root, self.run_id, self.config.lock_lease_s))
+                    # A second job on one s3:// root meets the mirror's lock first, on one
+                    # host: its refusal names the root the user gave, not only the mirror.
+                    name = self.config.remote and f"{where} (its local mirror {self.root})"
+                    lease_s = self.config.lock_lease_s
+                    locks.append(RunLock(self.root, self.run_id, lease_s, name=name))
                     locks[-1].acquire()
                     if self._objects is not None:
                         store = self._objects.store
@@ -296,6 +300,8 @@ class CheckpointManager:
             except (OSError, CheckpointError) as exc:
                 failure = CheckpointError(f"cannot use checkpoint root {where}: {exc}")
             if failure is not None:
+                # Each lock removes only a record it wrote: one whose acquire was refused (a
+                # bucket that does not exist, a live owner) is left alone, without a word.
                 for lock in reversed(locks):
                     lock.release()
         elif self._objects is not None:  # every node has its own mirror, unless shared

@@ -13,6 +13,12 @@ the manager before it exits, so the last save is committed. Rank 0 appends one J
 optimizer step to ``--loss-log``: ``{"step", "loss", "lr", "time"}``. ``--crash-at-step N``
 kills every rank with SIGKILL right after step N's optimizer update: no graceful save.
 
+A start dckpt refuses (the run lock held by another job, or refused by a store that ignores
+conditional writes; a bucket that does not exist) and a refused resume print one block on rank
+0 and exit 2 on every rank, with no traceback. ``--no-lock`` (or ``DCKPT_LOCK=0``, read by
+``CheckpointConfig`` itself) runs without the run lock: for such a store, when nothing else
+writes the root.
+
 Preemption: SIGTERM or SIGUSR1 to any rank (a scheduler's warning) only sets a flag; after the
 step in progress the ranks agree on that step, save it synchronously within
 ``--preempt-deadline`` seconds and exit 0, so a requeued job resumes exactly there.
@@ -27,12 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
 import time
 import warnings
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -163,6 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--preempt-deadline", type=float, default=120.0, help="seconds for the final save"
     )
+    p.add_argument(
+        "--lock",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hold the root's run lock, so a second job on it fails fast; --no-lock for a "
+        "store that ignores conditional writes (default: on, unless DCKPT_LOCK=0)",
+    )
     p.add_argument("--keep-last", type=int, default=None, help="keep the N newest checkpoints")
     p.add_argument("--milestone-every", type=int, default=None, help="keep every M-th step forever")
     p.add_argument("--d-model", type=int, default=64)
@@ -195,6 +210,7 @@ NOT_CONFIG = (
     "crash_at_step",
     "async_save",
     "keep_last",
+    "lock",
     "milestone_every",
     "memory_every",
     "memory_dir",
@@ -203,6 +219,20 @@ NOT_CONFIG = (
     "preempt_deadline",
     "allow_config_change",
 )
+
+
+def refused(rank: int, exc: dckpt.CheckpointError, *, said: bool = False) -> NoReturn:
+    """Exit 2 on every rank, without a traceback per rank, after a start or a resume dckpt
+    refused. Rank 0 prints a refused start as one block, in the shape dckpt gives a refused
+    resume (``said``: dckpt logged it already), naming this script's ``--no-lock`` where dckpt
+    names the config field."""
+    if rank == 0 and not said:
+        text = str(exc).replace("CheckpointConfig(lock=False)", "--no-lock")
+        lines = [f"dckpt start: REFUSED ({type(exc).__name__})"]
+        lines += [f"  {line}" for line in text.splitlines()]
+        logging.getLogger("dckpt").error("%s", "\n".join(lines))
+    dist.destroy_process_group()
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,23 +286,26 @@ def main(argv: list[str] | None = None) -> None:
         memory=args.memory_every is not None,
         memory_dir=args.memory_dir,
         memory_keep=args.memory_keep,
+        **({} if args.lock is None else {"lock": args.lock}),  # None: DCKPT_LOCK decides
     )
     run_config = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
-    manager = dckpt.CheckpointManager(
-        config,
-        state,
-        run_config=run_config,
-        precision=policy,
-        allow_config_changes=args.allow_config_change,
-    )
+    try:  # a refused start (the run lock, a missing bucket) has released dckpt's groups
+        manager = dckpt.CheckpointManager(
+            config,
+            state,
+            run_config=run_config,
+            precision=policy,
+            allow_config_changes=args.allow_config_change,
+        )
+    except dckpt.CheckpointError as exc:
+        refused(rank, exc)
     if args.preemption:  # SIGTERM/SIGUSR1: agree on a step, save it, exit 0
         manager.watch_preemption(deadline_s=args.preempt_deadline)
     try:
         report = manager.resume()  # logs the report; a fresh start when there is nothing to resume
-    except dckpt.CheckpointError:
+    except dckpt.CheckpointError as exc:
         manager.close()  # dckpt logged why, once, on rank 0: every rank exits without a traceback
-        dist.destroy_process_group()
-        raise SystemExit(2) from None
+        refused(rank, exc, said=True)
     if rank == 0:
         say_what_the_schedule_does(report, args, sched)
     if rank == 0:

@@ -2,7 +2,9 @@
 tests, and a proxy in front of it that answers 503 or drops connections on purpose.
 
 moto speaks the S3 HTTP API (multipart uploads, conditional writes, ranged GETs); dckpt talks
-to it through boto3 exactly as to AWS, with ``AWS_ENDPOINT_URL`` pointing here.
+to it through boto3 exactly as to AWS, with ``AWS_ENDPOINT_URL`` pointing here. ministack
+(``MinistackServer``) is a second implementation of the same API, for the tests that must not
+pass only because of what moto lets through.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 CREDENTIALS = {
@@ -101,9 +104,58 @@ class MotoServer:
             self.proc.kill()
 
 
+class MinistackServer(MotoServer):
+    """ministack (PyPI), a second S3 implementation beside moto, on a free port in its own
+    process, without Docker: ``python -m ministack`` serves every service on one port
+    (``GATEWAY_PORT``), S3 in memory. Its side listeners on fixed ports (IoT's MQTT on 8883,
+    SFTP) are turned off, so two servers never collide; its pid file goes to ``workdir``.
+    The client helpers are moto's: both speak the S3 HTTP API.
+
+    What moto is lenient about, ministack may refuse: the tests that run on both keep dckpt
+    honest about the API rather than about one emulator."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = workdir / "ministack.log"
+        env = {
+            **os.environ,
+            "GATEWAY_PORT": str(self.port),
+            "BIND_HOST": "127.0.0.1",
+            "IOT_MTLS_ENABLED": "0",
+            "SFTP_ENABLED": "0",
+            "S3_PERSIST": "0",
+            "PERSIST_STATE": "0",
+            "LOG_LEVEL": "WARNING",
+            "TMPDIR": str(workdir),
+        }
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ministack"], stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/_ministack/ready")
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return
+                conn.close()
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"ministack exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}"
+                )
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"ministack did not start within 60 s: {self.log.read_text()[-2000:]}")
+
+
 Rule = Callable[[str, str], str | None]
-"""(method, path?query) -> None (forward), "503" (answer SlowDown), "drop" (close the
-connection without an answer) or "strip-conditions" (forward without If-None-Match/If-Match)."""
+"""(method, path?query) -> None (forward), "503" (answer SlowDown), "501" (answer
+NotImplemented, as a store that lacks the request does), "drop" (close the connection without
+an answer) or "strip-conditions" (forward without If-None-Match/If-Match)."""
 
 
 class FaultProxy:
@@ -136,12 +188,16 @@ class FaultProxy:
                     with contextlib.suppress(OSError):
                         self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if action == "503":
+                if action in ("503", "501"):
                     payload = (
                         b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
                         b"<Message>Please reduce your request rate.</Message></Error>"
+                        if action == "503"
+                        else b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>"
+                        b"NotImplemented</Code><Message>A header you provided implies "
+                        b"functionality that is not implemented.</Message></Error>"
                     )
-                    self.send_response(503)
+                    self.send_response(int(action))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
@@ -187,6 +243,15 @@ class FaultProxy:
 @contextlib.contextmanager
 def moto_server(**kwargs: Any) -> Iterator[MotoServer]:
     server = MotoServer(**kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def ministack_server(workdir: Path) -> Iterator[MinistackServer]:
+    server = MinistackServer(workdir)
     try:
         yield server
     finally:

@@ -8,29 +8,94 @@ expired. A restart of the same run (same run id) takes the lock over too.
 
 Acquire writes a fresh file with O_EXCL, or, to take over, writes a tmp file and renames it
 over the old one, then reads it back to confirm it won a race with another taker.
+
+A lock record is checked field by field (``LockOwner.parse``) before any rule reads it: one
+that is not dckpt's record (not JSON, a list, a pid that is a string, a lease that is not a
+number) is a LockError naming the file, the field and what to do, never a takeover, since a
+live job's record that some tool rewrote still means a live job. Only what a crash leaves
+behind is taken over without a record: an empty or zero-filled file (a write the disk never
+got, after a power cut), and a FIFO, symlink or directory in the lock's place (planted).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import stat
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from ..errors import LockError
 from .layout import LOCK_FILE, read_small_file
 
-__all__ = ["LockOwner", "RunLock", "stale_reason"]
+__all__ = ["MAX_RECORD_BYTES", "LockOwner", "RunLock", "stale_reason"]
 
 log = logging.getLogger("dckpt")
+
+MAX_RECORD_BYTES = 1 << 16
+"""A lock record is ~200 bytes; anything past this is not one."""
+_PID_MAX = 1 << 22  # Linux's highest pid_max
+_EPOCH_MAX = 1e11  # seconds: the year 5138
+
+
+def _kind(value: object) -> str:
+    """``value`` as the lock record holds it, for an error message."""
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", int: "the whole number", float: "the number", str: "the string"}
+    name = names.get(type(value), "a list" if isinstance(value, list) else "an object")
+    try:
+        shown = json.dumps(value)
+    except (ValueError, RecursionError):
+        shown = "..."
+    return f"{name} {shown[:40]}{'...' if len(shown) > 40 else ''}"
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{_kind(value)}, not a non-empty string")
+    return value
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{_kind(value)}, not a time in seconds since the epoch")
+    try:
+        seconds = float(value)
+    except OverflowError:  # a whole number past any float
+        seconds = math.inf
+    if not 0 <= seconds < _EPOCH_MAX:  # NaN too; time.localtime must be able to show it
+        raise ValueError(f"{_kind(value)}, not a time in seconds since the epoch")
+    return seconds
+
+
+def _pid(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{_kind(value)}, not a process id (a whole number)")
+    if not 0 < value <= _PID_MAX:
+        raise ValueError(f"{_kind(value)}, not a process id (1 to {_PID_MAX})")
+    return value
+
+
+_FIELDS: dict[str, Callable[[object], object]] = {
+    "host": _text,
+    "pid": _pid,
+    "started": _seconds,
+    "run_id": _text,
+    "token": _text,
+    "lease_until": _seconds,
+}
+"""Each field of a lock record, and its reader (ValueError saying what the value is not)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +121,39 @@ class LockOwner:
             token=token,
             lease_until=time.time() + lease_s,
         )
+
+    @classmethod
+    def parse(cls, raw: bytes, where: str, remove: str) -> LockOwner:
+        """The owner the lock record ``raw`` names, every field checked (type and range).
+
+        Raises LockError naming ``where`` (the lock's path or URL), what is wrong, and what
+        to do: ``remove`` says how to delete the lock. Fields it does not know are ignored (a
+        newer dckpt's record still names its owner)."""
+
+        def refuse(problem: str) -> LockError:
+            return LockError(
+                f"the run lock {where} is not a lock record dckpt can read: {problem}. A job "
+                "may still hold the root, so dckpt does not take the lock over. If no job "
+                f"runs on this root, remove the lock ({remove}) and start again."
+            )
+
+        if len(raw) > MAX_RECORD_BYTES:
+            raise refuse(f"it is over {MAX_RECORD_BYTES} bytes")
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise refuse(f"it is not JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise refuse(f"it is {_kind(record)}, not a JSON object")
+        values: dict[str, Any] = {}
+        for name, read in _FIELDS.items():
+            if name not in record:
+                raise refuse(f"it has no field {name!r}")
+            try:
+                values[name] = read(record[name])
+            except ValueError as exc:
+                raise refuse(f"field {name!r} is {exc}") from None
+        return cls(**values)
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -88,8 +186,13 @@ def _proc_started(pid: int) -> float | None:
 class RunLock:
     """Holds ``ROOT/.dckpt-lock`` for one job; renews its lease on a daemon thread."""
 
-    def __init__(self, root: Path, run_id: str, lease_s: float = 300.0) -> None:
+    def __init__(
+        self, root: Path, run_id: str, lease_s: float = 300.0, *, name: str | None = None
+    ) -> None:
         self.path = root / LOCK_FILE
+        self.name = name or str(root)
+        """The root as the user named it, in a refusal: an s3:// root's mirror is locked too,
+        and a user who started two jobs on one bucket should read the bucket's name."""
         self.run_id = run_id
         self.lease_s = lease_s
         self._token = uuid.uuid4().hex
@@ -100,7 +203,10 @@ class RunLock:
     def _me(self) -> LockOwner:
         return LockOwner.me(self.run_id, self._token, self.lease_s)
 
-    def _read(self) -> LockOwner | None:
+    def _read(self) -> LockOwner | str | None:
+        """The owner the lock file names; a string saying why the file is nobody's record (a
+        crash's or a planter's leftover, to take over); None if there is no lock. A record
+        that is neither is a LockError (``LockOwner.parse``)."""
         # No symlink followed, no FIFO waited on: anyone who can write the root can plant one.
         # Such a lock is stale; a regular lock file that cannot be read (EACCES, EIO, ESTALE)
         # may be a live owner's, so that is an error, never a takeover.
@@ -111,16 +217,17 @@ class RunLock:
         except OSError as exc:
             raise LockError(f"cannot read the run lock {self.path}: {exc}") from None
         if not stat.S_ISREG(mode):
-            return LockOwner("?", -1, 0.0, "?", "?", 0.0)  # a link, FIFO, directory: stale
-        raw = read_small_file(self.path, 1 << 16)
+            return "it is not a regular file (a link, FIFO or directory put in its place)"
+        raw = read_small_file(self.path, MAX_RECORD_BYTES + 1)
         if raw is None:
             if not os.path.lexists(self.path):
                 return None  # released between the two looks
             raise LockError(f"cannot read the run lock {self.path}; check its permissions")
-        try:
-            return LockOwner(**json.loads(raw.decode("utf-8")))
-        except (ValueError, TypeError):
-            return LockOwner("?", -1, 0.0, "?", "?", 0.0)  # unreadable: treat as stale
+        if not raw.strip(b"\0"):
+            # What a power cut leaves of a record the disk never got (or of one being written
+            # by O_EXCL right now: then the writer finds our record on its read-back, and loses)
+            return "it is empty or zero-filled (a write cut short by a crash)"
+        return LockOwner.parse(raw, str(self.path), f"rm {self.path}")
 
     def _write_over(self) -> None:
         tmp = self.path.with_name(f"{LOCK_FILE}.tmp-{self._token}")
@@ -128,37 +235,49 @@ class RunLock:
         os.replace(tmp, self.path)
 
     def acquire(self) -> None:
-        """Take the lock, or raise LockError naming the live owner."""
+        """Take the lock, or raise LockError naming the live owner (or what is wrong with
+        the lock record found)."""
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            owner = self._read()
-            reason = None if owner is None else stale_reason(owner, self.run_id)
-            if owner is not None and reason is None:
-                raise LockError(
-                    f"{self.path.parent} is in use by {owner.describe()}. Two jobs writing one "
-                    "checkpoint root would corrupt each other's history: stop that job, or "
-                    "point this one at another --ckpt-dir."
-                ) from None
+            current = self._read()
+            if isinstance(current, LockOwner):
+                reason = stale_reason(current, self.run_id)
+                if reason is None:
+                    raise LockError(
+                        f"{self.name} is in use by {current.describe()}. Two jobs writing one "
+                        "checkpoint root would corrupt each other's history: stop that job, or "
+                        "point this one at another --ckpt-dir."
+                    ) from None
+                self.took_over = f"took over the lock of {current.describe()}: {reason}"
+            elif current is not None:
+                self.took_over = f"took over the run lock {self.path}: {current}"
             self._write_over()
-            if owner is not None:
-                self.took_over = f"took over the lock of {owner.describe()}: {reason}"
+            if self.took_over is not None:
                 log.warning("dckpt: %s", self.took_over)
         else:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(asdict(self._me())))
         mine = self._read()
-        if mine is None or mine.token != self._token:
-            other = mine.describe() if mine else "another job"
-            raise LockError(f"{self.path.parent}: lost the race for the lock to {other}")
+        if not isinstance(mine, LockOwner) or mine.token != self._token:
+            other = mine.describe() if isinstance(mine, LockOwner) else "another job"
+            raise LockError(f"{self.name}: lost the race for the lock to {other}")
         self._thread = threading.Thread(target=self._renew, name="dckpt-lock", daemon=True)
         self._thread.start()
+
+    def _mine(self) -> bool:
+        """Whether the lock file holds this job's record now (a record that is not one, or
+        unreadable, is not this job's)."""
+        try:
+            owner = self._read()
+        except LockError:
+            return False
+        return isinstance(owner, LockOwner) and owner.token == self._token
 
     def _renew(self) -> None:
         # A daemon on purpose: if the process dies, the lease must stop being renewed.
         while not self._stop.wait(self.lease_s / 3):
-            owner = self._read()
-            if owner is None or owner.token != self._token:
+            if not self._mine():
                 log.error("dckpt: the run lock %s was taken by someone else", self.path)
                 return
             self._write_over()
@@ -172,6 +291,5 @@ class RunLock:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        owner = self._read()
-        if owner is not None and owner.token == self._token:
+        if self._mine():  # never taken (a refused start), or taken by another: left alone
             self.path.unlink(missing_ok=True)

@@ -8,7 +8,11 @@ How, with no O_EXCL and no rename: acquire is ``PUT If-None-Match: *`` (exactly 
 racing jobs gets it); a takeover and every lease renewal is ``PUT If-Match: <the ETag read>``,
 so a taker that read a stale record loses to anyone who wrote since. Stores without
 conditional writes (S3 before Aug. 2024, some S3-compatible servers) are refused with that
-reason rather than locked unsafely; ``lock=False`` opts out.
+reason rather than locked unsafely; ``lock=False`` (or ``DCKPT_LOCK=0``) opts out.
+
+A record that is not dckpt's (``LockOwner.parse``: not JSON, a field of the wrong type) is a
+LockError naming the object, never a takeover: a PUT is atomic, so no crash leaves one torn,
+and a live job's record that a tool rewrote still means a live job.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import asdict
 
 from ..errors import LockError, StorageError
 from ..root.layout import LOCK_FILE
-from ..root.lock import LockOwner, stale_reason
+from ..root.lock import MAX_RECORD_BYTES, LockOwner, stale_reason
 from .s3_store import S3Store
 
 __all__ = ["ObjectLock"]
@@ -35,6 +39,7 @@ class ObjectLock:
     def __init__(self, store: S3Store, run_id: str, lease_s: float = 300.0) -> None:
         self.store = store
         self.key = store.url.key(LOCK_FILE)
+        self.url = f"{store.url}/{LOCK_FILE}"
         self.run_id = run_id
         self.lease_s = lease_s
         self._token = uuid.uuid4().hex
@@ -49,14 +54,14 @@ class ObjectLock:
         return json.dumps(asdict(LockOwner.me(self.run_id, self._token, self.lease_s))).encode()
 
     def _read(self) -> tuple[LockOwner, str] | None:
-        got = self.store.get_small(self.key, 1 << 16)
+        """The owner the lock names and the object's ETag; None if there is no lock; a
+        LockError if the object is not a lock record (``LockOwner.parse``)."""
+        got = self.store.get_small(self.key, MAX_RECORD_BYTES)
         if got is None:
             return None
         raw, etag = got
-        try:
-            return LockOwner(**json.loads(raw.decode("utf-8"))), etag
-        except (ValueError, TypeError):
-            return LockOwner("?", -1, 0.0, "?", "?", 0.0), etag  # unreadable: stale
+        remove = f"aws s3 rm {self.url}, with --endpoint-url for a store other than AWS"
+        return LockOwner.parse(raw, self.url, remove), etag
 
     def acquire(self) -> None:
         """Take the lock, or raise LockError naming the live owner."""
@@ -65,9 +70,7 @@ class ObjectLock:
             if etag is None:
                 etag = self._take_over()
         except StorageError as exc:
-            raise LockError(
-                f"cannot take the run lock {self.store.url}/{LOCK_FILE}: {exc}"
-            ) from None
+            raise LockError(f"cannot take the run lock {self.url}: {exc}") from None
         self._etag = etag
         # A store that ignores If-None-Match would let two jobs both "take" the lock: ask
         # again for the key that now exists, which a store that honours it must refuse.
@@ -76,8 +79,9 @@ class ObjectLock:
             raise LockError(
                 f"{self.store.url}: the store does not honour conditional writes "
                 "(If-None-Match), so a run lock there would not keep a second job out. Use "
-                "a store that does (AWS S3, recent MinIO), or CheckpointConfig(lock=False) "
-                "and make sure only one job writes this root."
+                "a store that does (AWS S3, recent MinIO), or turn the lock off "
+                "(CheckpointConfig(lock=False), or DCKPT_LOCK=0 in the environment) and make "
+                "sure only one job writes this root."
             )
         self._thread = threading.Thread(target=self._renew, name="dckpt-lock", daemon=True)
         self._thread.start()
@@ -105,8 +109,12 @@ class ObjectLock:
         return etag
 
     def holder(self) -> str | None:
-        """Who holds the lock now, unless it is stale (for ``dckpt gc``); None if free."""
-        current = self._read()
+        """Who holds the lock now, unless it is stale (for ``dckpt gc``); None if free. A
+        lock that is not a record dckpt can read may be a live job's: it is described."""
+        try:
+            current = self._read()
+        except LockError as exc:
+            return f"a lock dckpt cannot read ({exc})"
         if current is None or stale_reason(current[0], self.run_id) is not None:
             return None
         return current[0].describe()
@@ -120,11 +128,21 @@ class ObjectLock:
                 log.warning("dckpt: could not renew the run lock (will retry): %s", exc)
                 continue
             if etag is None:  # the ETag changed: a lost reply to our own retried PUT?
-                current = self._read()
+                try:
+                    current = self._read()
+                except LockError:
+                    self.lost = (
+                        f"the run lock {self.url} was overwritten with a record dckpt cannot read"
+                    )
+                    log.error("dckpt: %s; this job will not commit again", self.lost)
+                    return
+                except StorageError as exc:
+                    log.warning("dckpt: could not read the run lock back (will retry): %s", exc)
+                    continue
                 if current is not None and current[0].token == self._token:
                     self._etag = current[1]
                     continue
-                self.lost = f"the run lock {self.store.url}/{LOCK_FILE} was taken by " + (
+                self.lost = f"the run lock {self.url} was taken by " + (
                     current[0].describe() if current is not None else "no one (it was deleted)"
                 )
                 log.error("dckpt: %s; this job will not commit again", self.lost)
@@ -135,10 +153,14 @@ class ObjectLock:
         """Raise LockError unless this job still holds the lock (read from the store now):
         the commit runs this right before its manifest PUT."""
         if self.lost is None:
-            current = self._read()
-            if current is None or current[0].token != self._token:
-                who = current[0].describe() if current is not None else "no one"
-                self.lost = f"the run lock {self.store.url}/{LOCK_FILE} is held by {who}"
+            try:
+                current = self._read()
+            except LockError:  # overwritten with something that is not a record
+                self.lost = f"the run lock {self.url} holds a record dckpt cannot read"
+            else:
+                if current is None or current[0].token != self._token:
+                    who = current[0].describe() if current is not None else "no one"
+                    self.lost = f"the run lock {self.url} is held by {who}"
         if self.lost is not None:
             raise LockError(f"{self.lost}: another job may own this root now")
 
@@ -150,9 +172,13 @@ class ObjectLock:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._etag is None:  # never taken (a refused start: a missing bucket, a live owner)
+            return
         try:
             current = self._read()
             if current is not None and current[0].token == self._token:
                 self.store.delete([self.key])
+        except LockError:
+            pass  # overwritten with something that is not a record: not ours to delete
         except StorageError as exc:
             log.warning("dckpt: could not release the run lock (its lease runs out): %s", exc)
