@@ -10,6 +10,8 @@ example trainer under torchrun), for a directory root and an s3:// root on a rea
 - a second job on one s3:// root, refused by its local mirror's lock, names the s3:// root;
 - a store that cannot list open multipart uploads (501) starts with one warning naming the
   lifecycle rule to set instead;
+- ``dckpt gc`` on a directory root refuses while its lock record is unreadable, and runs
+  once the record names a job that is gone;
 - ``DCKPT_LOCK`` is ``CheckpointConfig.lock``'s default; launch/train.py has ``--no-lock``,
   and prints a refused lock as one block on rank 0 and exits 2, with no traceback per rank.
 """
@@ -100,6 +102,17 @@ def test_a_malformed_directory_lock_is_refused_naming_the_file_the_field_and_the
         assert says in text, (case, text)
         assert f"If no job runs on this root, remove the lock (rm {root / LOCK})" in text, case
         assert (root / LOCK).read_bytes() == raw, case  # not taken over, not removed
+    # `dckpt gc` reads the lock by the same rules: it refuses while the lock is unreadable,
+    # and goes ahead once the record names a job that is gone.
+    from conftest import dckpt_cli
+
+    root = tmp_path / "root-0"
+    gc = dckpt_cli("gc", str(root), "--keep-last", "2")
+    assert gc.returncode == 2 and "is held by a lock dckpt cannot read" in gc.stderr, gc.stderr
+    gone = _record(host=socket.gethostname(), pid=4_000_000)  # no such process here
+    (root / LOCK).write_text(json.dumps(gone))
+    gc = dckpt_cli("gc", str(root), "--keep-last", "2")
+    assert gc.returncode == 0, gc.stderr
 
 
 @pytest.mark.parametrize("torn", [b"", b"\0" * 180])

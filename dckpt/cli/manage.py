@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 
 from rich.table import Table
 
+from ..errors import LockError
 from ..root.layout import LOCK_FILE, read_small_file
+from ..root.lock import MAX_RECORD_BYTES, LockOwner, stale_reason
 from ..root.retention import Decision, RetentionPolicy
 from ..root.upkeep import apply_retention, pin, plan_retention, unpin
 from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
@@ -22,20 +23,19 @@ __all__ = ["cmd_gc", "cmd_pin", "cmd_unpin", "print_gc"]
 
 
 def live_lock_owner(args: argparse.Namespace) -> str | None:
+    """Who holds the root's run lock now, unless it is stale (the same rules as a job's
+    takeover, dckpt.root.lock); None if free. A record dckpt cannot read may be a live job's,
+    so it is described, and gc refuses, as on an s3:// root."""
+    path = root_arg(args.root) / LOCK_FILE
     # Never follows a symlink or waits on a FIFO put in the lock's place.
-    raw = read_small_file(root_arg(args.root) / LOCK_FILE, 64 << 10)
+    raw = read_small_file(path, MAX_RECORD_BYTES + 1)
+    if raw is None or not raw.strip(b"\0"):  # none, or what a power cut left of one
+        return None
     try:
-        owner = json.loads(raw) if raw is not None else None
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(owner, dict):
-        return None
-    import psutil
-
-    pid, host = owner.get("pid"), owner.get("host")
-    if host == socket.gethostname() and isinstance(pid, int) and not psutil.pid_exists(pid):
-        return None
-    return f"run {owner.get('run_id')} (pid {pid} on {host})"
+        owner = LockOwner.parse(raw, str(path), f"rm {path}")
+    except LockError as exc:
+        return f"a lock dckpt cannot read ({exc})"
+    return None if stale_reason(owner, run_id="") is not None else owner.describe()
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
