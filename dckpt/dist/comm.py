@@ -3,22 +3,55 @@
 dckpt never runs collectives on the training process group: it creates a dedicated gloo group
 (CPU, works beside NCCL) at construction, on the main thread, and every collective it issues
 goes there. With no process group initialised, the same calls work for a single process.
+
+``first_failure`` is how ranks agree on whether a step failed anywhere, and on which error
+they all raise: one all-reduce of an int when nothing failed (the common case costs every
+rank the same at 2 ranks or 4096), and only on failure the lowest failing rank's error,
+sent from that rank alone. So no rank waits at a later collective for a rank that gave up,
+and no rank's message depends on which ranks it happened to hear from.
 """
 
 from __future__ import annotations
 
 import datetime
+import pickle
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm"]
+from ..errors import CheckpointError
+
+__all__ = ["Comm", "Failed"]
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What every rank learns from ``Comm.first_failure`` when some rank failed."""
+
+    rank: int
+    """The lowest rank that failed."""
+    error: BaseException
+    """That rank's error (on the other ranks, its unpickled copy)."""
+    count: int
+    """How many ranks failed."""
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling both ways, else a CheckpointError carrying its text.
+    An exception the sender can pickle but the receivers cannot rebuild (an ``__init__``
+    with other arguments than its ``args``) would fail on the receivers only."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return CheckpointError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 class Comm:
@@ -69,6 +102,27 @@ class Comm:
         box = torch.tensor([int(flag)], dtype=torch.int32)
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
         return bool(box.item())
+
+    def first_failure(self, error: BaseException | None) -> Failed | None:
+        """Every rank's ``error`` (None: this rank succeeded) agreed on: None on every rank
+        when no rank failed, else the same ``Failed`` on every rank.
+
+        The cost of a rank does not grow with the world: one int all-reduced when nothing
+        failed; on failure one more (which rank is lowest) and one broadcast of that rank's
+        error. Every rank must call it, whatever happened on its side."""
+        if not self.distributed:
+            return None if error is None else Failed(0, error, 1)
+        count = torch.tensor([int(error is not None)], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.group)
+        if not count.item():
+            return None
+        lowest = torch.tensor([self.rank if error is not None else self.world_size])
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self.group)
+        first = int(lowest.item())
+        mine = _portable(error) if error is not None and self.rank == first else None
+        told = self.broadcast(mine, src=first)
+        assert told is not None  # sent by a rank that failed
+        return Failed(first, told, int(count.item()))
 
     def barrier(self) -> None:
         if self.distributed:

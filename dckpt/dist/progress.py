@@ -6,11 +6,19 @@ When a wait fails (a timeout, or a peer that closed its connection), ``lagging``
 ranks had not completed which phase, so the error names them on every rank without another
 collective (after a gloo timeout the group is unusable anyway). Store errors are swallowed:
 markers only improve messages, they never decide anything.
+
+``StopFlag`` is a save's one shared word in the store: set by a rank whose upload failed for
+good (the save can no longer commit), read now and then by the ranks still sending bytes, so
+they stop sending instead of finishing a shard nobody will commit and only then learning of
+the failure at the save's next collective. It is only ever set by a failure that fails the
+save anyway, so it never changes an outcome, only how soon every rank knows it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -19,7 +27,7 @@ from ..faults import fault_point
 from ..phases import Phase
 from .comm import Comm
 
-__all__ = ["MARKED", "Progress", "SaveTrace"]
+__all__ = ["MARKED", "Progress", "SaveTrace", "StopFlag"]
 
 MARKED = (Phase.PREPARE, Phase.MAKE_TMP, Phase.WRITE_SHARDS, Phase.DCP_FINISH)
 """The phases every rank marks in a save, in order. ``DCP_FINISH`` is marked once this rank's
@@ -89,6 +97,48 @@ class Progress:
 
     def trace(self, save_id: str, step: int) -> SaveTrace:
         return SaveTrace(self, self._rank, save_id, step)
+
+    def stop_flag(self, name: str) -> StopFlag:
+        """The stop flag of the save whose tmp location is ``name`` (the same on every
+        rank, and new for every save). Each rank looks every second, up to 1000 ranks;
+        beyond, less often (at most every 5 s), so the store serves about 1000 looks a
+        second whatever the world's size."""
+        every_s = min(5.0, max(1.0, self._world / 1000))
+        return StopFlag(self._store, f"dckpt/stop/{name}", every_s)
+
+
+class StopFlag:
+    """A flag every rank of a save can set and read, through the job's store; see the module
+    docstring. ``is_set`` asks the store at most every ``every_s`` seconds (the ranks still
+    sending call it for every piece they send; a rank whose upload ends sooner never asks),
+    and once it saw the flag set it stays set. Without a store (one process) it is a plain
+    flag."""
+
+    def __init__(self, store: Any, key: str, every_s: float = 1.0) -> None:
+        self._store = store
+        self._key = key
+        self._every_s = every_s
+        self._seen = False
+        self._asked = time.monotonic()  # the first write of a save does not wait on the store
+        self._lock = threading.Lock()
+
+    def set(self) -> None:
+        self._seen = True
+        if self._store is not None:
+            with contextlib.suppress(Exception):  # then the others learn it at the agreement
+                self._store.set(self._key, "1")
+
+    def is_set(self) -> bool:
+        if self._seen or self._store is None:
+            return self._seen
+        now = time.monotonic()
+        with self._lock:  # several writer threads: one of them asks
+            if now - self._asked < self._every_s:
+                return False
+            self._asked = now
+        with contextlib.suppress(Exception):
+            self._seen = bool(self._store.check([self._key]))
+        return self._seen
 
 
 class SaveTrace:

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..dist.comm import Comm
+from ..dist.comm import Comm, Failed
 from ..errors import (
     CheckpointError,
     ConfigMismatchError,
@@ -97,8 +97,17 @@ def fetch_candidate(
     comm: Comm, source: CheckpointSource, step: int, report: CandidateReport
 ) -> None:
     """Every rank brings its share of ``step`` to where it is read (an object store's
-    mirror; nothing for a directory root); any rank's failure is raised on every rank (a
-    damaged object is evidence of damage: the resume falls back past the step)."""
+    mirror; nothing for a directory root); any rank's failure is raised on every rank.
+
+    Each part (this rank's share, then what its mirror still lacks) ends in an agreement
+    (``Comm.first_failure``) that every rank reaches whatever happened on its side: a
+    download refused for good, retries spent, even an error nobody foresaw, so no rank
+    waits at the next collective for one that gave up. Every rank then raises the same
+    error, naming the rank that failed and (in the store's own message) the object. A
+    damaged object is evidence of damage: raised as it is, so the resume falls back past
+    the step; anything else (a ``StorageError``: the checkpoint is not known to be bad)
+    refuses the resume on every rank.
+    """
     done: list[Fetched] = []
     for step_part in (source.fetch, source.complete):  # this rank's share, then any gaps
         failure: CheckpointError | None = None
@@ -109,14 +118,42 @@ def fetch_candidate(
         except CheckpointError as exc:
             failure = exc
         except OSError as exc:  # the local mirror: a full disk, no permission
-            failure = StorageError(f"fetching step {step} into {source.local} failed: {exc}")
-        raise_first(comm, failure)
+            failure = StorageError(f"writing into the mirror {source.local}: {exc}")
+        except Exception as exc:  # unforeseen: still every rank's error, not this rank's hang
+            failure = CheckpointError(f"{type(exc).__name__}: {exc}")
+        failed = comm.first_failure(failure)
+        if failed is not None:
+            raise _failed_fetch(failed, step, comm.rank)
     mine = "; then what this rank's mirror lacked: ".join(
         line for d in done if (line := d.line()) is not None
     )
-    lines = comm.all_gather(mine or None)
-    if any(line is not None for line in lines):
-        report.check("fetch", True, f"rank 0: {lines[0]}" if len(lines) > 1 else str(lines[0]))
+    # Only rank 0's line is reported: two small collectives, whatever the world's size.
+    first = comm.broadcast(mine or None)
+    if comm.any(bool(mine)):
+        report.check("fetch", True, f"rank 0: {first}" if comm.world_size > 1 else str(first))
+
+
+def _failed_fetch(failed: Failed, step: int, rank: int) -> BaseException:
+    """The one error every rank raises for a failed fetch. Damage (an object whose bytes
+    are not its writer's) is raised as it is: its message names the object, and the resume
+    quarantines the step by it, whichever rank read it. Any other error is made again with
+    the failing rank in its text, of the same kind (a StorageError stays one)."""
+    exc = failed.error
+    if isinstance(exc, (IntegrityError, ManifestError)) or not isinstance(exc, CheckpointError):
+        if rank != failed.rank:
+            add_note(exc, f"(raised on rank {failed.rank})")
+        return exc
+    where = (
+        f"rank {failed.rank}"
+        if failed.count == 1
+        else f"{failed.count} ranks, first on rank {failed.rank}"
+    )
+    text = f"fetching step {step} failed on {where} (every rank stopped): {exc}"
+    try:
+        made = type(exc)(text)
+    except Exception:  # a kind whose constructor wants other arguments
+        made = CheckpointError(text)
+    return made
 
 
 def read_candidate(

@@ -4,7 +4,8 @@ Used by the save pipeline in this order (the pipeline's docstring states the who
 
 - ``agree``: all ranks learn whether any rank failed to prepare; all raise together if so;
 - ``gather``: all ranks all-gather their ``RankReport`` (files with digests, or the error that
-  stopped them);
+  stopped them: a rank stopped by another rank's failure reports that one, under that
+  rank, so the save's error names the rank and the object that failed, once);
 - on rank 0, ``refusal``: the reports' errors, if any (the tmp location is removed, nothing is
   committed); else the pipeline builds the manifest from the reports and ``commit`` writes it
   into the tmp location and runs the commit strategy;
@@ -42,6 +43,11 @@ class RankReport:
     rank: int
     records: tuple[FileRecord, ...] = ()
     error: str | None = None
+    error_rank: int | None = None
+    """Set when ``error`` is not this rank's own but that of the rank it names: DCP fails
+    every rank with the failures of the ranks that raised, and a rank that failed only
+    because another did (or stopped sending because of it) reports that one. None: the
+    error, if any, is this rank's own."""
     timings: dict[str, float] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=dict)
     """This rank's recent losses (``LossWatch.summary``): rank 0 records its own, and says
@@ -63,8 +69,24 @@ class SaveOutcome:
     files: int = 0
 
 
+_LISTED = 3
+"""Failures named in a save's error; beyond them only how many more ranks failed (a bucket
+gone fails every rank alike, and the message must stay readable at thousands of ranks)."""
+
+
 def _describe(failed: list[RankReport]) -> str:
-    return "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+    """Each failure once, under the rank it happened on. A rank that failed only because
+    another did (``error_rank``) adds nothing when that rank reported its own error (its
+    copy may be worse: DCP's); it is shown, under the other rank, only when no rank did."""
+    own = [r for r in failed if r.error_rank is None]
+    seen: dict[tuple[int, str], None] = {}
+    for r in own or failed:
+        origin = r.rank if r.error_rank is None else r.error_rank
+        seen.setdefault((origin, str(r.error)), None)
+    told = sorted(seen)
+    listed = "; ".join(f"rank {rank}: {error}" for rank, error in told[:_LISTED])
+    more = len({rank for rank, _ in told[_LISTED:]} - {rank for rank, _ in told[:_LISTED]})
+    return listed + (f"; and {more} more rank(s) failed" if more else "")
 
 
 class Coordinator:

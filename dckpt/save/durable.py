@@ -11,7 +11,12 @@ root (a directory, or an s3:// root through its mirror) does in it:
   drains device buffers to pinned host memory (and takes deferred copies), then sets the
   ticket's ``staged``; the ``HashingWriter`` writes each shard file with its digest computed
   as the bytes go out (for an object store, the commit strategy's ``tee`` also sends them to
-  the store, and ``publish`` checks each arrived whole);
+  the store, and ``publish`` checks each arrived whole). An upload that fails for good sets
+  the save's ``StopFlag`` (dckpt.dist.progress), and the other ranks' uploads stop at their
+  next look at it, so every rank reaches DCP's gather soon after the failure rather than
+  after sending a whole shard that cannot commit; each rank then reports its own error, or
+  the failing rank's under that rank (``RankReport.error_rank``), so the save's one error
+  names the rank and the object that failed;
 - steps 6-10 need nothing of it beyond the commit strategy (rename, or manifest-last).
 """
 
@@ -20,20 +25,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from ..config import CheckpointConfig
 from ..dist.comm import Comm
-from ..errors import describe_os_error, unwrap_dcp_error
+from ..dist.progress import Progress, StopFlag
+from ..errors import CheckpointError, StorageError, describe_os_error
 from ..phases import Phase, Trace
 from ..root.commit import CommitStrategy
 from ..storage.hashing_writer import HashingWriter
+from ..storage.sink import Sink, Tee
 from ..train.state import TrainState
 from ..units import describe_staging, human_bytes
 from .coordinator import RankReport
@@ -74,6 +83,8 @@ class DurableRoute:
         self.state = state
         self.stager = stager
         self.rank, self.world_size = io.rank, io.world_size
+        self.progress = Progress(io)
+        """The job's store, for a save's ``StopFlag``."""
         self.last_bytes = 0
         """The previous committed save's size: the next one's estimate."""
 
@@ -126,6 +137,7 @@ class DurableRoute:
     ) -> RankReport:
         """Step 5 on this rank: DCP's save through the hashing writer; its report."""
         t_staging = time.perf_counter()
+        uploads = _Uploads(self.progress.stop_flag(tmp.name))
         writer = HashingWriter(
             tmp,
             algorithm=self.config.digest,
@@ -133,12 +145,13 @@ class DurableRoute:
             thread_count=self.config.io_threads,
             direct=self.config.direct_io,
             trace=trace,
-            tee=self.strategy.tee(tmp, ticket.step, trace),
+            tee=uploads.tee(self.strategy.tee(tmp, ticket.step, trace)),
         )
         planner = StagingSavePlanner(
             self.stager, snapshot, ticket.staged, cancelled=ticket.cancelled, trace=trace
         )
         error: str | None = None
+        error_rank: int | None = None
         try:
             with self.io.quiet():
                 dcp_save(
@@ -152,7 +165,8 @@ class DurableRoute:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            error = f"writing shards failed: {describe_os_error(unwrap_dcp_error(exc), self.root)}"
+            error_rank, failed = self._whose(exc, uploads)
+            error = f"writing shards failed: {self._describe(failed)}"
         finally:
             ticket.staged.set()
         publish_s = 0.0
@@ -163,11 +177,12 @@ class DurableRoute:
                 )
                 trace.passed(Phase.DCP_FINISH)
             except Exception as exc:
-                error = f"uploading shards failed: {describe_os_error(exc, self.root)}"
+                error = f"uploading shards failed: {self._describe(exc)}"
         return dataclasses.replace(
             report,
             records=tuple(writer.records()),
             error=error,
+            error_rank=error_rank,
             timings={
                 "prepare_s": t_staging - ticket.started,
                 "write_s": time.perf_counter() - t_staging - publish_s,
@@ -175,6 +190,36 @@ class DurableRoute:
                 **planner.stats.as_timings(),
             },
         )
+
+    def _whose(self, exc: BaseException, uploads: _Uploads) -> tuple[int | None, BaseException]:
+        """What this rank reports of a failed ``dcp.save``: its own error (rank None), or
+        the rank and error of the failure that stopped it.
+
+        DCP gathers every rank's failure and raises them all, as one CheckpointException,
+        on every rank: a rank whose upload was refused fails the ranks whose bytes all went
+        up too, and the ranks it stopped (``StopFlag``) fail with a stop. Each rank reports
+        its own error if it had one (an upload's, kept by ``uploads``, first: DCP's may be
+        torch.save's), and a rank that had none reports the other's, under that rank, so
+        the save's error names the rank that failed and not every rank it stopped."""
+        failures = (
+            {r: f[0] for r, f in exc.failures.items()}
+            if isinstance(exc, CheckpointException)
+            else {}
+        )
+        own = uploads.failure
+        if own is None and not isinstance(exc, CheckpointException):
+            own = exc
+        if own is None and not uploads.stopped and self.rank in failures:
+            own = failures[self.rank]
+        if own is not None:
+            return None, own
+        others = {r: f for r, f in failures.items() if r != self.rank}
+        return _other_failure(others) if others else (None, exc)
+
+    def _describe(self, exc: BaseException) -> str:
+        """A dckpt error's own words (it names the object and what to check); any other
+        error as ``describe_os_error`` words it (a full disk says so)."""
+        return str(exc) if isinstance(exc, CheckpointError) else describe_os_error(exc, self.root)
 
     def settle(self, reports: list[RankReport]) -> str | None:
         return None  # DCP's own plan already agreed who wrote what
@@ -191,6 +236,90 @@ class DurableRoute:
 
     def abandon(self, snapshot: Snapshot | None, step: int) -> None:
         pass  # the tmp location, removed by rank 0, held all of it
+
+
+_PIECE = 8 << 20
+"""The most bytes sent to an upload between two looks at the save's stop flag."""
+
+
+class StoppedError(StorageError):
+    """Raised in a rank's upload once another rank's upload failed for good: the save cannot
+    commit, so the bytes still to send would be sent for nothing (and the error every rank
+    raises is the failing rank's, not this)."""
+
+
+class _Uploads:
+    """This rank's uploads of one save: the save's ``StopFlag``, and the first error one of
+    them raised here.
+
+    That error must be kept here because torch.save's writer does not pass on an exception
+    its file raised: it fails later with a RuntimeError of its own ("unexpected pos ..."),
+    which names no object, and that is what DCP reports. A rank reports the error kept here
+    instead."""
+
+    def __init__(self, stop: StopFlag) -> None:
+        self.stop = stop
+        self.failure: BaseException | None = None
+        self.stopped = False
+        """Set when an upload of this rank stopped because another upload failed (this
+        rank's own failure, if any, is still what it reports)."""
+        self._lock = threading.Lock()
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.failure is None:
+                self.failure = exc
+        self.stop.set()
+
+    def tee(self, tee: Tee | None) -> Tee | None:
+        """``tee``, each of its uploads stopping once another rank's failed."""
+        if tee is None:
+            return None
+        return lambda relative: _StoppingSink(tee(relative), self)
+
+
+class _StoppingSink:
+    """A file's upload that stops when the save's ``StopFlag`` is set, and sets it (keeping
+    its error) when the upload itself fails."""
+
+    def __init__(self, sink: Sink, uploads: _Uploads) -> None:
+        self.sink, self.uploads = sink, uploads
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> None:
+        view = memoryview(data).cast("B")
+        # One write may be a whole tensor (gigabytes): the flag is looked at between pieces.
+        for at in range(0, len(view), _PIECE) or [0]:
+            if self.uploads.stop.is_set():  # another rank's upload failed, or another of ours
+                self.uploads.stopped = True
+                raise StoppedError(
+                    "stopped sending: another upload of this save failed, so nothing can commit"
+                )
+            try:
+                self.sink.write(view[at : at + _PIECE])
+            except BaseException as exc:
+                self.uploads.failed(exc)
+                raise
+
+    def close(self) -> None:
+        try:
+            self.sink.close()
+        except BaseException as exc:
+            self.uploads.failed(exc)
+            raise
+
+    def abort(self) -> None:
+        self.sink.abort()
+
+
+def _other_failure(failures: dict[int, BaseException]) -> tuple[int, BaseException]:
+    """The failure of another rank to report: the first by rank of a dckpt error, then of an
+    OS error, then of anything, each before a mere stop (which only echoes another)."""
+    ranked = sorted(failures.items(), key=lambda f: f[0])
+    for kind in (CheckpointError, OSError, BaseException):
+        for rank, failed in ranked:
+            if isinstance(failed, kind) and not isinstance(failed, StoppedError):
+                return rank, failed
+    return ranked[0]
 
 
 def _tensor_bytes(obj: Any, world_size: int) -> int:
