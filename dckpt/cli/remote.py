@@ -197,7 +197,7 @@ def _fetched_then(args: argparse.Namespace, objects: ObjectRoot) -> int:
         total = sum(objects.read_manifest(s).total_bytes for s in steps)
         with _bar("fetching", total, bool(getattr(args, "json", False))) as advance:
             for step in steps:
-                report = source.fetch(step, advance)
+                report = source.fetch(step, progress=advance)
                 err.print(f"dckpt {args.command}: step {step}: {report.line()}")
         args.root, args.shown_root = tmp, str(objects)
         code: int = args.func(args)

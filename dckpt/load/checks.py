@@ -14,6 +14,7 @@ are a different run or model (refused, the checkpoint is fine).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,11 @@ class CandidateChecks:
 
 
 def fetch_candidate(
-    comm: Comm, source: CheckpointSource, step: int, report: CandidateReport
+    comm: Comm,
+    source: CheckpointSource,
+    step: int,
+    report: CandidateReport | None,
+    files: frozenset[str] | None = None,
 ) -> None:
     """Every rank brings its share of ``step`` to where it is read (an object store's
     mirror; nothing for a directory root); any rank's failure is raised on every rank.
@@ -107,12 +112,15 @@ def fetch_candidate(
     damaged object is evidence of damage: raised as it is, so the resume falls back past
     the step; anything else (a ``StorageError``: the checkpoint is not known to be bad)
     refuses the resume on every rank.
+
+    ``files``: only those (a ``partial`` source: the files this rank's load reads).
+    ``report`` None: nothing is reported (a first fetch of ``.metadata`` alone).
     """
     done: list[Fetched] = []
     for step_part in (source.fetch, source.complete):  # this rank's share, then any gaps
         failure: CheckpointError | None = None
         try:
-            got = step_part(step)
+            got = step_part(step, files)
             if got is not None:
                 done.append(got)
         except CheckpointError as exc:
@@ -127,10 +135,24 @@ def fetch_candidate(
     mine = "; then what this rank's mirror lacked: ".join(
         line for d in done if (line := d.line()) is not None
     )
+    if report is None:
+        return
     # Only rank 0's line is reported: two small collectives, whatever the world's size.
     first = comm.broadcast(mine or None)
     if comm.any(bool(mine)):
         report.check("fetch", True, f"rank 0: {first}" if comm.world_size > 1 else str(first))
+    # A read damaged on the way is rare and worth a word whichever rank met it: only then
+    # are the names gathered (to rank 0, whose report is printed).
+    reread = sorted({name for d in done for name in d.reread})
+    if comm.any(bool(reread)):
+        told = comm.gather(reread)
+        for rank, names in enumerate(told or []):
+            if names:
+                report.warn(
+                    f"rank {rank} re-read {', '.join(names)}: the first download differed "
+                    "from the writer's digest, a fresh read matched (damaged on the way, not "
+                    "in the store; nothing quarantined)"
+                )
 
 
 def _failed_fetch(failed: Failed, step: int, rank: int) -> BaseException:
@@ -157,18 +179,22 @@ def _failed_fetch(failed: Failed, step: int, rank: int) -> BaseException:
 
 
 def read_candidate(
-    comm: Comm, path: Path, step: int, report: CandidateReport
+    comm: Comm,
+    path: Path,
+    step: int,
+    report: CandidateReport,
+    files: frozenset[str] | None = None,
 ) -> tuple[Manifest, VerifyingReader]:
     """The manifest (schema, safe paths, self-digest), the layout (regular files of the
-    recorded sizes) and the verified ``.metadata``, on every rank; any rank's failure is
-    raised on every rank."""
+    recorded sizes; of ``files`` only, when the rest is not on this node yet) and the
+    verified ``.metadata``, on every rank; any rank's failure is raised on every rank."""
     manifest: Manifest | None = None
     reader: VerifyingReader | None = None
     failure: CheckpointError | None = None
     laid_out = 0
     try:
         manifest = read_manifest(path)
-        laid_out = check_layout(path, manifest)
+        laid_out = check_layout(path, manifest, only=files)
         reader = VerifyingReader(path, manifest.file_map())
         reader.load_metadata()
         if manifest.step != step:
@@ -180,12 +206,13 @@ def read_candidate(
     raise_first(comm, failure, path / "manifest.json")
     assert manifest is not None and reader is not None
     report.world_size_saved = manifest.world_size
-    report.check(
-        "manifest",
-        laid_out == len(manifest.files),
-        f"schema {manifest.schema_version}, self-digest ok, {laid_out} of "
-        f"{plural(len(manifest.files), 'file')} laid out at their recorded sizes",
-    )
+    if files is None:
+        laid = f"{laid_out} of {plural(len(manifest.files), 'file')} laid out at their sizes"
+        ok = laid_out == len(manifest.files)
+    else:  # the others come to the node that reads them, each checked as it arrives
+        laid = f"{plural(laid_out, 'file')} here before the load plan, at their sizes"
+        ok = laid_out == len(files & set(manifest.file_map()))
+    report.check("manifest", ok, f"schema {manifest.schema_version}, self-digest ok, {laid}")
     return manifest, reader
 
 
@@ -334,9 +361,14 @@ def check_shapes(state_dict: dict[str, Any], reader: VerifyingReader, name: str)
 
 
 def verify_rest(
-    comm: Comm, path: Path, manifest: Manifest, reader: VerifyingReader
+    comm: Comm,
+    path: Path,
+    manifest: Manifest,
+    reader: VerifyingReader,
+    elsewhere: Callable[[str], str] | None = None,
 ) -> tuple[int, int]:
-    """Hash the files no rank read, split over the ranks; then every rank checks every
+    """Hash the files no rank read, split over the ranks (``elsewhere``: hashed where they
+    live, for a source whose nodes hold only what they read); then every rank checks every
     rank's digests (what each one's bytes hashed to) against the manifest. Returns the
     files hashed and matched, and the ranks whose digests were checked."""
     records = manifest.file_map()
@@ -346,6 +378,9 @@ def verify_rest(
     failure: CheckpointError | None = None
     for name in unread[comm.rank :: comm.world_size]:
         try:  # hashes the whole file, keeps none of it; no symlink or FIFO is followed
+            if elsewhere is not None:
+                hashed[name] = elsewhere(name)
+                continue
             with open_verified(str(path / name), records[name]) as f:
                 hashed[name] = f.digest
         except CheckpointError as exc:

@@ -2,20 +2,24 @@
 ``DurableReader``, steps 2-5 of the resume protocol (dckpt.load.resumer) for one step.
 
 1. the source brings the step to where it is read (``checks.fetch_candidate``: nothing for a
-   directory; every object hashed as it arrives into the mirror for an object store);
+   directory; for an object store, ``.metadata`` first, then, once the load plan is made
+   (step 4), the files this rank reads, each object hashed as it arrives into the mirror:
+   a node holds what its ranks read, not the whole step);
 2. the manifest, the layout and the verified ``.metadata`` on every rank, then the ranks
    compare the manifest's digest of digests;
 3. the config, precision, state kinds and GradScaler (``CandidateChecks``), then every
    tensor's shape and dtype against the metadata, before any tensor is read;
 4. DCP loads through the ``VerifyingReader`` (each file hashed whole and matched before a
-   tensor is filled from it); the files no rank read are hashed too, and every rank checks
-   every rank's digests against the manifest;
+   tensor is filled from it); the files no rank read are hashed too (an object store's
+   where they live, streamed), and every rank checks every rank's digests against the
+   manifest;
 5. the RNG last: restored per rank, or reseeded from (seed, step, rank) when the world size
    changed.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -26,7 +30,7 @@ from ..dist.comm import Comm
 from ..errors import CheckpointError, unwrap_dcp_error
 from ..root.manifest import Manifest
 from ..root.source import CheckpointSource
-from ..storage.verifying_reader import SafeLoadPlanner
+from ..storage.verifying_reader import METADATA_FILE, SafeLoadPlanner
 from ..train import rng
 from ..train.state import TrainState
 from ..units import plural
@@ -59,8 +63,11 @@ class DurableReader:
     def load(self, step: int, report: CandidateReport, *, with_config: bool) -> LoadResult:
         t0 = time.perf_counter()
         path, name, state = report.path, report.path.name, self.state
-        checks.fetch_candidate(self.ctl, self.source, step, report)
-        manifest, reader = checks.read_candidate(self.ctl, path, step, report)
+        # A source that can bring only what a rank reads (an object store) brings the
+        # metadata first: the load plan made from it names the rest (step 4).
+        first = frozenset({METADATA_FILE}) if self.source.partial else None
+        checks.fetch_candidate(self.ctl, self.source, step, None if first else report, first)
+        manifest, reader = checks.read_candidate(self.ctl, path, step, report, first)
         checks.agree_on_manifest(self.ctl, manifest, path, report)
         self.checks.run(manifest, report, with_config=with_config)
         state_dict = state.state_dict()
@@ -71,6 +78,9 @@ class DurableReader:
         same_world = manifest.world_size == self.world_size and "rng" in saved
         if same_world:
             state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
+        if first is not None:  # this rank's files, as DCP's own plan for its state names them
+            reads = frozenset(reader.files_for(state_dict))  # .metadata: here, verified
+            checks.fetch_candidate(self.ctl, self.source, step, report, reads)
         try:
             with self.ctl.quiet():
                 dcp_load(
@@ -85,7 +95,10 @@ class DurableReader:
             if inner is not exc:
                 raise inner from None
             raise CheckpointError(f"loading {path} failed: {exc}") from None
-        files_verified, ranks_checked = checks.verify_rest(self.ctl, path, manifest, reader)
+        elsewhere = None if first is None else functools.partial(self.source.digest_remote, step)
+        files_verified, ranks_checked = checks.verify_rest(
+            self.ctl, path, manifest, reader, elsewhere
+        )
         report.check(
             "digests",
             files_verified == len(manifest.files),

@@ -90,6 +90,7 @@ class MemoryFetched:
     """The mappings this rank made to prove its files, kept for its reads (closed after)."""
     held: dict[str, mmap.mmap] = field(default_factory=dict)
     """The files this rank received, mapped by its ``Slots`` (which keep them mapped)."""
+    reread: tuple[str, ...] = ()  # a damaged memory copy is replaced from another, not re-read
 
     def line(self) -> str:
         return "; ".join(f"rank {r}: {h}" for r, h in enumerate(self.hows))
@@ -135,8 +136,13 @@ class MemorySource:
     def origin(self, step: int) -> str:
         return f"the memory tier ({self.memory_dir}, {step_dir_name(step)})"
 
-    def complete(self, step: int) -> None:
+    partial = False  # a node proves what it holds and receives what it lacks, whole
+
+    def complete(self, step: int, files: frozenset[str] | None = None) -> None:
         return None
+
+    def digest_remote(self, step: int, name: str) -> str:
+        raise NotImplementedError("every memory file is proven on the node that reads it")
 
     def confirm_damage(self, step: int, exc: CheckpointError) -> None:
         pass  # every copy was tried before a memory step is called damaged
@@ -149,7 +155,7 @@ class MemorySource:
 
     # --- step 1: the record ---------------------------------------------------------------------
 
-    def fetch(self, step: int) -> MemoryFetched:
+    def fetch(self, step: int, files: frozenset[str] | None = None) -> MemoryFetched:
         manifest = self._record(step)
         needed = self._needed(manifest)
         records = manifest.file_map()

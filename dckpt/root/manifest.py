@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -185,12 +186,16 @@ def parse_manifest(raw: bytes, source: str) -> Manifest:
     return manifest
 
 
-def check_layout(directory: str | os.PathLike[str], manifest: Manifest) -> int:
-    """Every listed file is a regular file of the recorded size; raises on the first that is
-    not. Returns the number of files checked."""
+def check_layout(
+    directory: str | os.PathLike[str], manifest: Manifest, only: Collection[str] | None = None
+) -> int:
+    """Every listed file (of ``only``, when given) is a regular file of the recorded size;
+    raises on the first that is not. Returns the number of files checked."""
     base = Path(directory)
     checked = 0
     for rec in manifest.files:
+        if only is not None and rec.path not in only:
+            continue
         path = base / rec.path
         try:
             st = os.lstat(path)

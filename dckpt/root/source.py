@@ -2,7 +2,9 @@
 
 A load reads a step from a local directory (``source.local``). For a directory root that is
 the root itself; for an object store (dckpt.tiers.object_source) it is the root's local
-mirror, filled and verified by ``fetch`` before anything reads it. The resume protocol
+mirror, filled and verified by ``fetch`` before anything reads it: for a resume, with only
+the files each rank's load plan reads (``partial``), so a node downloads what its ranks
+read, not the whole step. The resume protocol
 (dckpt.load.resumer) talks to this protocol only, so every check after ``fetch`` is the same
 for both.
 """
@@ -22,6 +24,11 @@ __all__ = ["CheckpointSource", "Fetched", "LocalSource"]
 class Fetched(Protocol):
     """What ``fetch`` did on this rank (for the resume report)."""
 
+    @property
+    def reread(self) -> tuple[str, ...]:
+        """Files whose first read was damaged on the way and a fresh read matched."""
+        ...
+
     def line(self) -> str | None: ...
 
 
@@ -39,12 +46,24 @@ class CheckpointSource(Protocol):
         """Where ``step`` lives, for the resume report ("" when it is read in place)."""
         ...
 
-    def fetch(self, step: int) -> Fetched | None:
-        """Every rank: make ``local/step-N`` hold this rank's share of ``step``, verified."""
+    partial: bool
+    """Whether ``fetch`` can bring only the files a rank reads (``files``), the others left
+    where they live and hashed there (``digest_remote``): an object store's mirror. False
+    for a directory root, read in place."""
+
+    def fetch(self, step: int, files: frozenset[str] | None = None) -> Fetched | None:
+        """Every rank: make ``local/step-N`` hold this rank's share of ``step`` (with
+        ``files``: those files, for this rank), verified."""
         ...
 
-    def complete(self, step: int) -> Fetched | None:
-        """Every rank, after every rank's ``fetch``: whatever ``local/step-N`` still lacks."""
+    def complete(self, step: int, files: frozenset[str] | None = None) -> Fetched | None:
+        """Every rank, after every rank's ``fetch``: whatever ``local/step-N`` still lacks
+        (of ``files``, when given)."""
+        ...
+
+    def digest_remote(self, step: int, name: str) -> str:
+        """The digest of ``step``'s file ``name`` where it lives, nothing written locally (a
+        ``partial`` source: for the files no rank brought)."""
         ...
 
     def confirm_damage(self, step: int, exc: CheckpointError) -> None:
@@ -62,6 +81,8 @@ class CheckpointSource(Protocol):
 class LocalSource:
     """A directory root: its step directories are read in place."""
 
+    partial = False
+
     def __init__(self, root: Path) -> None:
         self.local = Path(root)
 
@@ -74,11 +95,14 @@ class LocalSource:
     def origin(self, step: int) -> str:
         return ""
 
-    def fetch(self, step: int) -> Fetched | None:
+    def fetch(self, step: int, files: frozenset[str] | None = None) -> Fetched | None:
         return None
 
-    def complete(self, step: int) -> Fetched | None:
+    def complete(self, step: int, files: frozenset[str] | None = None) -> Fetched | None:
         return None
+
+    def digest_remote(self, step: int, name: str) -> str:
+        raise NotImplementedError("a directory root is read in place")
 
     def confirm_damage(self, step: int, exc: CheckpointError) -> None:
         pass  # read in place: what failed is the checkpoint itself

@@ -186,6 +186,16 @@ class VerifyingReader(FileSystemReader):
             self.listed(info.relative_path)
         return metadata
 
+    def files_for(self, state_dict: dict[str, Any]) -> set[str]:
+        """The files a load of ``state_dict`` will read: DCP's own local plan for it (what
+        ``read_data`` will be asked for), made from the verified metadata without reading a
+        byte of any shard. A fetch from an object store brings only these to a node."""
+        metadata = self.load_metadata()
+        planner = SafeLoadPlanner()
+        planner.set_up_planner(state_dict, metadata, False)
+        plan = planner.create_local_plan()
+        return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
+
     def _checked_metadata(self) -> Metadata:
         if self._metadata is None:
             data = self._read(METADATA_FILE)

@@ -24,11 +24,13 @@ rank fetches every file it lacks (correct, if slower, on any node layout).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,40 +109,73 @@ class ObjectSource:
     def origin(self, step: int) -> str:
         return f"{self.objects.where(step_dir_name(step))} (via the mirror {self.local})"
 
-    def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> FetchReport:
-        """This rank's share of ``step``: each file kept if verified, else downloaded."""
+    partial = True
+
+    def fetch(
+        self,
+        step: int,
+        files: frozenset[str] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> FetchReport:
+        """This rank's share of ``step`` (with ``files``: exactly those, the files this
+        rank's load reads): each file kept if verified, else downloaded."""
+        if files is not None:
+            return self._bring(step, lambda i, name: name in files, progress, fresh=True)
         index, count = self.share
         return self._bring(
-            step, lambda i: i % count == index, progress, write_manifest=index == 0, fresh=True
+            step,
+            lambda i, name: i % count == index,
+            progress,
+            write_manifest=index == 0,
+            fresh=True,
         )
 
     def complete(
-        self, step: int, progress: Callable[[int], None] | None = None
+        self,
+        step: int,
+        files: frozenset[str] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> FetchReport | None:
         """After every rank fetched its share: whatever this rank's mirror still lacks (a
-        mirror not shared by the node's ranks), so every rank can read every file; None
-        when nothing was missing."""
-        report = self._bring(step, lambda i: True, progress, write_manifest=True, missing=True)
+        mirror not shared by the node's ranks; of ``files`` when given), so every rank can
+        read what it reads; None when nothing was missing."""
+        report = self._bring(
+            step, lambda i, name: files is None or name in files, progress, missing=True
+        )
         if self.keep_one:
             keep_only(self.local, step)
         return report if report.downloaded else None
 
+    def digest_remote(self, step: int, name: str) -> str:
+        """The digest of ``step``'s object ``name``, streamed from the store (nothing is
+        written: a file no rank of any node reads is still hashed, by some rank)."""
+        manifest = self._manifest(step)
+        record = manifest.file_map()[name]
+        key = self.objects.key(step_dir_name(step), name)
+        return self.objects.store.check(key, record.bytes, record.digest)
+
+    def _manifest(self, step: int, *, fresh: bool = False) -> Manifest:
+        if fresh or self._read is None or self._read[0] != step:  # complete reuses fetch's
+            raw = self.objects.manifest_raw(step)
+            where = self.objects.where(step_dir_name(step), MANIFEST_FILE)
+            self._read = (step, raw, parse_manifest(raw, where))
+        return self._read[2]
+
     def _bring(
         self,
         step: int,
-        mine: Callable[[int], bool],
+        mine: Callable[[int, str], bool],
         progress: Callable[[int], None] | None,
         *,
-        write_manifest: bool,
+        write_manifest: bool = True,
         missing: bool = False,
         fresh: bool = False,
     ) -> FetchReport:
         t0 = time.perf_counter()
         name = step_dir_name(step)
-        if fresh or self._read is None or self._read[0] != step:  # complete reuses fetch's
-            raw = self.objects.manifest_raw(step)
-            self._read = (step, raw, parse_manifest(raw, self.objects.where(name, MANIFEST_FILE)))
-        _, raw, manifest = self._read
+        manifest = self._manifest(step, fresh=fresh)
+        assert self._read is not None
+        raw = self._read[1]
         target = self.local / name
         target.mkdir(parents=True, exist_ok=True)
         if write_manifest and _read_or_none(target / MANIFEST_FILE) != raw:
@@ -148,19 +183,22 @@ class ObjectSource:
         downloaded = reused = nbytes = 0
         reread: list[str] = []
         for i, record in enumerate(sorted(manifest.files, key=lambda r: r.path)):
-            if not mine(i):
+            if not mine(i, record.path):
                 continue
             path = target / record.path
-            if missing:  # another rank of this node verified what it fetched: look at the size
-                if _size_or_none(path) == record.bytes:
+            # Ranks of a node that share the mirror and read the same file take turns: the
+            # first downloads it, the others find it there and re-verify it.
+            with _turn(target, record.path):
+                if missing:  # another rank of this node verified what it fetched: its size
+                    if _size_or_none(path) == record.bytes:
+                        continue
+                elif _verified_copy(path, record):
+                    reused += 1
                     continue
-            elif _verified_copy(path, record):
-                reused += 1
-                continue
-            key = self.objects.key(name, record.path)
-            reads = self.objects.store.download_verified(
-                key, path, record.bytes, record.digest, progress
-            )
+                key = self.objects.key(name, record.path)
+                reads = self.objects.store.download_verified(
+                    key, path, record.bytes, record.digest, progress
+                )
             if reads > 1:
                 reread.append(record.path)
             downloaded += 1
@@ -194,6 +232,19 @@ class ObjectSource:
 
     def quarantined_count(self) -> int:
         return sum(1 for e in self.objects.entries() if e.status == "quarantined")
+
+
+@contextlib.contextmanager
+def _turn(target: Path, name: str) -> Iterator[None]:
+    """This process's turn at the mirror's file ``name`` (an advisory lock on a file beside
+    it, which stays: removing it would let a third process lock a new one while a second
+    still waits on the old)."""
+    fd = os.open(target / f".{name}.turn", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _verified_copy(path: Path, record: FileRecord) -> bool:
