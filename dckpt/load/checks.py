@@ -207,7 +207,9 @@ def read_candidate(
     assert manifest is not None and reader is not None
     report.world_size_saved = manifest.world_size
     if files is None:
-        laid = f"{laid_out} of {plural(len(manifest.files), 'file')} laid out at their sizes"
+        laid = (
+            f"{laid_out} of {plural(len(manifest.files), 'file')} laid out at their recorded sizes"
+        )
         ok = laid_out == len(manifest.files)
     else:  # the others come to the node that reads them, each checked as it arrives
         laid = f"{plural(laid_out, 'file')} here before the load plan, at their sizes"
