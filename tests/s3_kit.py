@@ -158,7 +158,24 @@ NotImplemented, as a store that lacks the request does), "drop" (close the conne
 an answer) or "strip-conditions" (forward without If-None-Match/If-Match)."""
 
 
-class FaultProxy:
+class LoopbackServer:
+    """An HTTP server on 127.0.0.1 (a free port), its handler on daemon threads: what the
+    test proxies in front of the S3 server are built on."""
+
+    def serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FaultProxy(LoopbackServer):
     """An HTTP proxy in front of the S3 server that breaks chosen requests on purpose."""
 
     def __init__(self, upstream_port: int) -> None:
@@ -228,16 +245,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward  # noqa: N815
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = int(self.server.server_address[1])
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
 
 @contextlib.contextmanager

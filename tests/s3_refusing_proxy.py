@@ -22,9 +22,11 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+from s3_kit import LoopbackServer
 
 __all__ = ["ANSWERS", "RefusingProxy", "refusing_proxy", "shard_pattern"]
 
@@ -45,7 +47,7 @@ def shard_pattern(rank: int, step_dir: str | None = None) -> re.Pattern[str]:
     return re.compile(rf"/{step}/__{rank}_\d+\.distcp$")
 
 
-class RefusingProxy:
+class RefusingProxy(LoopbackServer):
     """Forwards every request to the S3 server on ``upstream_port`` except those whose
     decoded path matches ``refuse``, which are answered ``status`` (403 AccessDenied)."""
 
@@ -108,21 +110,12 @@ class RefusingProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward  # noqa: N815
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = int(self.server.server_address[1])
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
+        self.serve(Handler)
 
     def first_refusal(self) -> float | None:
         """When the first request was refused (time.time()), or None."""
         with self._lock:
             return self.refused[0][0] if self.refused else None
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @contextlib.contextmanager
