@@ -58,6 +58,17 @@ def test_multipart_upload_and_ranged_download_hash_the_bytes_that_move(
     assert dest.read_bytes() == src.read_bytes()
     assert not list(tmp_path.glob(".back.part-*"))  # written beside, renamed into place
 
+    # One part in flight: each part buffer is filled again once its upload completed; what
+    # arrives is still every byte, in order (a buffer reused too soon would mix two parts).
+    serial = _store(bucket, part_bytes=5 << 20, concurrency=1)
+    many = tmp_path / "many"
+    many.write_bytes(os.urandom((15 << 20) + 77))  # parts in buffers A, B, A again, a tail
+    many_want, _ = hash_file(many, "xxh3_128")
+    assert serial.upload_file(many, "run/many", "xxh3_128") == (many_want, many.stat().st_size)
+    assert s3.client().get_object(Bucket=bucket, Key="run/many")["Body"].read() == (
+        many.read_bytes()
+    )
+
     # The stream the hashing writer tees into: odd-sized writes, parts sent as they fill.
     stream = store.open_upload("run/streamed")
     data = src.read_bytes()

@@ -182,7 +182,11 @@ class ObjectSource:
             _write_replacing(target / MANIFEST_FILE, raw)
         downloaded = reused = nbytes = 0
         reread: list[str] = []
-        for i, record in enumerate(sorted(manifest.files, key=lambda r: r.path)):
+        ordered = sorted(manifest.files, key=lambda r: r.path)
+        # Ranks of a node start their walk at their own place in it: two that read the same
+        # files then download different ones at once, and each finds the other's done.
+        start = self.share[0] % max(len(ordered), 1)
+        for i, record in [*enumerate(ordered)][start:] + [*enumerate(ordered)][:start]:
             if not mine(i, record.path):
                 continue
             path = target / record.path
