@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import stat
@@ -191,18 +192,19 @@ class ObjectSource:
                 continue
             path = target / record.path
             # Ranks of a node that share the mirror and read the same file take turns: the
-            # first downloads it, the others find it there and re-verify it.
-            with _turn(target, record.path):
+            # first downloads it, the others find it there, stamped as verified.
+            with _turn(target, record.path) as turn:
                 if missing:  # another rank of this node verified what it fetched: its size
                     if _size_or_none(path) == record.bytes:
                         continue
-                elif _verified_copy(path, record):
+                elif turn.vouches(path, record) or _verified_copy(path, record):
                     reused += 1
                     continue
                 key = self.objects.key(name, record.path)
                 reads = self.objects.store.download_verified(
                     key, path, record.bytes, record.digest, progress
                 )
+                turn.stamp(path, record)
             if reads > 1:
                 reread.append(record.path)
             downloaded += 1
@@ -238,15 +240,52 @@ class ObjectSource:
         return sum(1 for e in self.objects.entries() if e.status == "quarantined")
 
 
+class _Turn:
+    """A rank's turn at one file of the mirror: an advisory lock on ``.NAME.turn`` beside it,
+    which also holds the stamp of the last download verified into it (the file's digest,
+    inode, size and mtime). The file stays: removing it would let a third process lock a
+    new one while a second still waits on the old."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @staticmethod
+    def _identity(path: Path, record: FileRecord) -> dict[str, object] | None:
+        try:
+            st = path.lstat()
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return {"digest": record.digest, "ino": st.st_ino, "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns}  # fmt: skip
+
+    def vouches(self, path: Path, record: FileRecord) -> bool:
+        """Whether ``path`` is the very file a download verified against ``record`` (not
+        replaced or written since): a node's second rank need not hash it again, and the
+        load's reader hashes every file it reads before a tensor is filled from it."""
+        try:
+            raw = os.pread(self.fd, 4096, 0)
+            stamp = json.loads(raw) if raw else None
+        except (OSError, ValueError):
+            return False
+        now = self._identity(path, record)
+        return now is not None and stamp == now and now["size"] == record.bytes
+
+    def stamp(self, path: Path, record: FileRecord) -> None:
+        now = self._identity(path, record)
+        with contextlib.suppress(OSError):  # without a stamp the next rank re-verifies
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, json.dumps(now).encode(), 0)
+
+
 @contextlib.contextmanager
-def _turn(target: Path, name: str) -> Iterator[None]:
-    """This process's turn at the mirror's file ``name`` (an advisory lock on a file beside
-    it, which stays: removing it would let a third process lock a new one while a second
-    still waits on the old)."""
+def _turn(target: Path, name: str) -> Iterator[_Turn]:
+    """This process's turn at the mirror's file ``name`` (see ``_Turn``)."""
     fd = os.open(target / f".{name}.turn", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield _Turn(fd)
     finally:
         os.close(fd)  # closing releases the lock
 
