@@ -30,7 +30,7 @@ from ..dist.comm import Comm
 from ..errors import CheckpointError, unwrap_dcp_error
 from ..root.manifest import Manifest
 from ..root.source import CheckpointSource
-from ..storage.verifying_reader import METADATA_FILE, SafeLoadPlanner
+from ..storage.verifying_reader import METADATA_FILE, SafeLoadPlanner, VerifyingReader
 from ..train import rng
 from ..train.state import TrainState
 from ..units import plural
@@ -79,7 +79,7 @@ class DurableReader:
         if same_world:
             state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
         if first is not None:  # this rank's files, as DCP's own plan for its state names them
-            reads = frozenset(reader.files_for(state_dict))  # .metadata: here, verified
+            reads = self._planned(reader, state_dict, name)  # .metadata: here, verified
             checks.fetch_candidate(self.ctl, self.source, step, report, reads)
         try:
             with self.ctl.quiet():
@@ -122,6 +122,24 @@ class DurableReader:
             seconds=time.perf_counter() - t0,
             manifest=manifest,
         )
+
+    def _planned(
+        self, reader: VerifyingReader, state_dict: dict[str, Any], name: str
+    ) -> frozenset[str]:
+        """The files this rank's load reads; a rank whose planning fails fails every rank
+        (the others would wait for it at the fetch's agreement)."""
+        failure: BaseException | None = None
+        reads: frozenset[str] = frozenset()
+        try:
+            reads = frozenset(reader.files_for(state_dict))
+        except CheckpointError as exc:
+            failure = exc
+        except Exception as exc:  # DCP's planner refusing the state: still every rank's error
+            failure = CheckpointError(f"planning the load of {name}: {type(exc).__name__}: {exc}")
+        failed = self.ctl.first_failure(failure)
+        if failed is not None:
+            raise failed.error
+        return reads
 
     def _restore_rng(
         self,
