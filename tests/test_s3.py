@@ -380,6 +380,12 @@ def test_damage_found_only_in_the_mirror_is_not_blamed_on_the_bucket(
     body[5] ^= 1
     s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
     source.confirm_damage(3, local_damage)  # the bucket's copy is bad too: no objection
+    # An object no rank read is hashed in the store: its damage is named by its URL (not a
+    # disagreement between ranks), so the step is quarantined and the resume falls back.
+    with pytest.raises(IntegrityError, match="differ from the digest") as caught:
+        source.digest_remote(3, "__1_0.distcp")
+    assert caught.value.path == f"{root}/step-00000003/__1_0.distcp"
+    assert source.digest_remote(3, "__0_0.distcp").startswith("xxh3_128:")
 
 
 def _save_while_an_object_vanishes(rank: int, world: int, root: str, mirror: str) -> str:

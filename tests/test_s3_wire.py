@@ -6,7 +6,8 @@
   local directory;
 - one bit flipped in one answer is read again, not called damage: for a ranged download (no
   checksum covers it, the digest finds it) and for a whole-object GET (botocore's own
-  checksum finds it); a flip on every read is damage, named;
+  checksum finds it); the same flip on every read is damage, named; reads damaged each
+  differently, or failing botocore's checksum every time, are the way's fault (StorageError);
 - a body longer than the range asked for is refused after one span of reading; a listing
   that repeats its continuation token stops at the second page;
 - a 2-rank resume whose shard is flipped in its first GET (one GET per shard, and 5 MiB
@@ -145,9 +146,25 @@ def test_a_flipped_read_is_read_again_and_only_a_flip_on_every_read_is_damage(
     proxy.mangle = _flip_first(lambda m, p, b: m == "GET" and "run/small" in p)
     assert store.download_verified("run/small", dest, 4096, small_want) == 2
     assert dest.read_bytes() == small.read_bytes()
+    # Every read failing botocore's checksum cannot tell the store from the way: a
+    # StorageError (check the network), not damage that would quarantine the step.
     proxy.mangle = _flip_first(lambda m, p, b: m == "GET" and "run/small" in p, times=10**6)
-    with pytest.raises(IntegrityError, match="failed the store's own checksum on each of 2 reads"):
+    with pytest.raises(StorageError, match="every read failed the store's own checksum"):
         store.download_verified("run/small", dest, 4096, small_want)
+
+    # Two reads damaged differently (no checksum on a range): the way, not the store.
+    flips = iter(range(1, 10**6))
+
+    def elsewhere_each_time(method: str, path: str, status: int, body: bytes) -> bytes:
+        if method != "GET" or "run/shard" not in path or len(body) != PART:
+            return body
+        damaged = bytearray(body)
+        damaged[next(flips) * 4099 % len(damaged)] ^= 0x01
+        return bytes(damaged)
+
+    proxy.mangle = elsewhere_each_time
+    with pytest.raises(StorageError, match="two reads gave two different digests"):
+        store.download_verified("run/shard", dest, size, want)
 
 
 def test_an_overlong_body_and_an_endless_listing_are_refused(

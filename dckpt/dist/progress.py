@@ -137,7 +137,8 @@ class StopFlag:
                 return False
             self._asked = now
         with contextlib.suppress(Exception):
-            self._seen = bool(self._store.check([self._key]))
+            if self._store.check([self._key]):  # never unset a set() of another thread
+                self._seen = True
         return self._seen
 
 

@@ -25,12 +25,14 @@ rank fetches every file it lacks (correct, if slower, on any node layout).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
 import stat
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +101,7 @@ class ObjectSource:
         self.local = Path(mirror)
         self.share = share or local_share()
         self.keep_one = keep_one  # the mirror keeps only the step fetched last
+        self.session = _session()  # a stamp vouches for a file within one attempt of a job
         self._read: tuple[int, bytes, Manifest] | None = None  # the last manifest read
 
     def __str__(self) -> str:
@@ -153,7 +156,15 @@ class ObjectSource:
         manifest = self._manifest(step)
         record = manifest.file_map()[name]
         key = self.objects.key(step_dir_name(step), name)
-        return self.objects.store.check(key, record.bytes, record.digest)
+        got = self.objects.store.check(key, record.bytes, record.digest)
+        if got != record.digest:  # read twice, twice the same: the object is not its writer's
+            raise IntegrityError(
+                self.objects.where(step_dir_name(step), name),
+                record.digest,
+                got,
+                detail="the object's bytes differ from the digest its writer computed",
+            )
+        return got
 
     def _manifest(self, step: int, *, fresh: bool = False) -> Manifest:
         if fresh or self._read is None or self._read[0] != step:  # complete reuses fetch's
@@ -193,7 +204,7 @@ class ObjectSource:
             path = target / record.path
             # Ranks of a node that share the mirror and read the same file take turns: the
             # first downloads it, the others find it there, stamped as verified.
-            with _turn(target, record.path) as turn:
+            with _turn(target, record.path, self.session) as turn:
                 if missing:  # another rank of this node verified what it fetched: its size
                     if _size_or_none(path) == record.bytes:
                         continue
@@ -246,11 +257,11 @@ class _Turn:
     inode, size and mtime). The file stays: removing it would let a third process lock a
     new one while a second still waits on the old."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, fd: int | None, session: str) -> None:
+        self.fd = fd  # None: no lock here (a file system without flock): every rank verifies
+        self.session = session
 
-    @staticmethod
-    def _identity(path: Path, record: FileRecord) -> dict[str, object] | None:
+    def _identity(self, path: Path, record: FileRecord) -> dict[str, object] | None:
         try:
             st = path.lstat()
         except OSError:
@@ -258,12 +269,14 @@ class _Turn:
         if not stat.S_ISREG(st.st_mode):
             return None
         return {"digest": record.digest, "ino": st.st_ino, "size": st.st_size,
-                "mtime_ns": st.st_mtime_ns}  # fmt: skip
+                "mtime_ns": st.st_mtime_ns, "session": self.session}  # fmt: skip
 
     def vouches(self, path: Path, record: FileRecord) -> bool:
         """Whether ``path`` is the very file a download verified against ``record`` (not
         replaced or written since): a node's second rank need not hash it again, and the
         load's reader hashes every file it reads before a tensor is filled from it."""
+        if self.fd is None or not self.session:  # outside torchrun: no job to tie it to
+            return False
         try:
             raw = os.pread(self.fd, 4096, 0)
             stamp = json.loads(raw) if raw else None
@@ -273,19 +286,35 @@ class _Turn:
         return now is not None and stamp == now and now["size"] == record.bytes
 
     def stamp(self, path: Path, record: FileRecord) -> None:
+        if self.fd is None:
+            return
         now = self._identity(path, record)
         with contextlib.suppress(OSError):  # without a stamp the next rank re-verifies
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, json.dumps(now).encode(), 0)
 
 
+def _session() -> str:
+    """One attempt of one torchrun job, the same on all its ranks ("" outside torchrun): a
+    stamp from another attempt (a file cached by an earlier job) is re-verified, not trusted."""
+    keys = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
+    parts = [os.environ.get(k, "") for k in keys]
+    return ":".join(parts) if parts[0] or parts[3] else ""
+
+
 @contextlib.contextmanager
-def _turn(target: Path, name: str) -> Iterator[_Turn]:
+def _turn(target: Path, name: str, session: str) -> Iterator[_Turn]:
     """This process's turn at the mirror's file ``name`` (see ``_Turn``)."""
     fd = os.open(target / f".{name}.turn", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield _Turn(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # Lustre without flock, some FUSE mounts: no turns, no stamps
+            if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOLCK):
+                raise
+            yield _Turn(None, session)
+            return
+        yield _Turn(fd, session)
     finally:
         os.close(fd)  # closing releases the lock
 
@@ -316,6 +345,6 @@ def _size_or_none(path: Path) -> int | None:
 
 
 def _write_replacing(path: Path, data: bytes) -> None:
-    part = path.with_name(f".{path.name}.part-{os.getpid()}")
+    part = path.with_name(f".{path.name}.part-{uuid.uuid4().hex}")  # pids repeat across nodes
     part.write_bytes(data)
     os.replace(part, path)

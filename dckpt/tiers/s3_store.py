@@ -489,7 +489,6 @@ class S3Store:
         where = self._where(key)
         byte_range = f"bytes={span[0]}-{span[0] + span[1] - 1}"
         reason: BaseException = ConnectionError("no attempt made")
-        checksum_failures = 0
         for attempt in range(self.attempts):
             try:
                 resp = self.client.get_object(Bucket=self.url.bucket, Key=key, Range=byte_range)
@@ -515,7 +514,6 @@ class S3Store:
             except broken as exc:
                 reason = exc
                 if isinstance(exc, errors.FlexibleChecksumError):
-                    checksum_failures += 1
                     with self._lock:
                         self._damaged[key] = self._damaged.get(key, 0) + 1
             except (IntegrityError, StorageError):
@@ -531,14 +529,8 @@ class S3Store:
                 raise self.fail(exc, key, "downloading") from exc
             if attempt + 1 < self.attempts:
                 time.sleep(min(20.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
-        if isinstance(reason, errors.FlexibleChecksumError) and checksum_failures == self.attempts:
-            raise IntegrityError(  # the same object failed on every read: it is the store's
-                where,
-                "the checksum the store keeps",
-                "other bytes",
-                detail=f"the object's bytes failed the store's own checksum on each of "
-                f"{plural(self.attempts, 'read')}",
-            )
+        # Every read failing botocore's checksum cannot tell the store's bytes from the way's:
+        # a StorageError (check the network), never a quarantine on that alone.
         raise self.fail(reason, key, "downloading", tries=self.attempts)
 
     def download_file(
@@ -580,12 +572,21 @@ class S3Store:
         algorithm = want.split(":", 1)[0]
         with self._lock:
             before = self._damaged.get(key, 0)
+        seen: builtins.list[str] = []
         for reads in (1, 2):
             got = self.download_file(key, dest, size, algorithm, progress)
             if got == want:
                 with self._lock:  # ranges botocore's checksum sent back count as reads too
                     return reads + self._damaged.get(key, 0) - before
             dest.unlink(missing_ok=True)
+            seen.append(got)
+        if seen[0] != seen[1]:  # two reads, two different wrong answers: the way is bad
+            raise StorageError(
+                f"downloading {self._where(key)}: two reads gave two different digests, "
+                f"neither the writer's ({seen[0]}, {seen[1]}; want {want}): the bytes are "
+                "damaged on the way, not known to be damaged in the store. Check the network "
+                "path to the store (a proxy, a NIC); nothing was quarantined."
+            )
         raise IntegrityError(
             self._where(key),
             want,
