@@ -13,8 +13,8 @@ and no rank's message depends on which ranks it happened to hear from.
 
 from __future__ import annotations
 
+import copy
 import datetime
-import pickle
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,8 +47,8 @@ def _portable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling both ways, else a CheckpointError carrying its text.
     An exception the sender can pickle but the receivers cannot rebuild (an ``__init__``
     with other arguments than its ``args``) would fail on the receivers only."""
-    try:
-        pickle.loads(pickle.dumps(exc))
+    try:  # a deep copy rebuilds it as unpickling would (``__reduce_ex__``), locally
+        copy.deepcopy(exc)
     except Exception:
         return CheckpointError(f"{type(exc).__name__}: {exc}")
     return exc
