@@ -28,6 +28,7 @@ import os
 import platform
 import queue
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -615,3 +616,23 @@ def write_result(name: str, suffix: str, text: str) -> Path:
 
 def write_json(name: str, doc: dict[str, Any]) -> Path:
     return write_result(name, "json", json.dumps(doc, indent=2) + "\n")
+
+
+def start_moto(pin: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """moto's standalone S3 server on a free port of 127.0.0.1 (``pin``: on CPU 1 alone, so
+    it does not share a core with the ranks); the process and its endpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    if pin:
+        cmd = ["taskset", "-c", "1", *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto's server did not start")

@@ -37,10 +37,7 @@ import functools
 import io
 import logging
 import os
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -51,25 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
 
 METHODS = ("raw_put", "dckpt_save", "raw_get", "dckpt_load", "raw_put_one", "raw_get_dcp_load")
-
-
-def _moto() -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto's server did not start")
 
 
 def _save_now(mgr: Any) -> None:
@@ -267,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     server = None
     if args.endpoint is None:
-        server, endpoint = _moto()
+        server, endpoint = h.start_moto()
         os.environ.update(
             AWS_ENDPOINT_URL=endpoint,
             AWS_ACCESS_KEY_ID="bench",

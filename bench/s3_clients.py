@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from s3 import _moto
+import _harness as h
 
 
 def _best(fn: Callable[[], object], mb: int, repeats: int) -> float:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     endpoint = args.endpoint
     if endpoint is None:
-        server, endpoint = _moto()
+        server, endpoint = h.start_moto()
         os.environ.update(
             AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1"
         )

@@ -48,7 +48,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -258,27 +257,6 @@ def summarize_profile(path: Path, is_server: bool) -> dict[str, Any]:
         "top": leaves.most_common(15),
         "threads": threads.most_common(8),
     }
-
-
-# --- the S3 server ------------------------------------------------------------------------------
-
-
-def start_moto(pin: bool) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    if pin:
-        cmd = ["taskset", "-c", "1", *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto's server did not start")
 
 
 # --- the ranks ----------------------------------------------------------------------------------
@@ -735,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         plan += [(x, True) for x in phases]
 
-    server, endpoint = start_moto(args.pin)
+    server, endpoint = h.start_moto(args.pin)
     os.environ.update(
         AWS_ENDPOINT_URL=endpoint,
         AWS_ACCESS_KEY_ID="bench",
