@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import _harness as h  # noqa: E402
 
-MODES = ("none", "sync", "async", "auto")
+MODES = ("none", "sync", "async", "auto", "nocheck")
 SAVED = re.compile(
     r"dckpt: saved step (\d+) \| .*?\| stall ([\d.]+) s, (training slowed ([\d.]+) s)?"
 )
@@ -54,6 +54,8 @@ TARGETS: tuple[tuple[str, str, float | tuple[float, float]], ...] = (
     ("async cost / dcp.save", "async_per_dcp", 0.5),
     ("async cost / sync cost", "async_per_sync", 1.0),
     ("reported / measured (async)", "reported_per_measured", (0.7, 1.3)),
+    ("value checks / background time", "checks_per_background", 0.10),
+    ("value checks / loop's cost (async)", "checks_per_cost", 0.10),
 )
 
 
@@ -68,8 +70,10 @@ def trainer_cmd(args: argparse.Namespace, mode: str, root: Path, log: Path) -> l
     ]  # fmt: skip
     if mode == "sync":
         cmd.append("--no-async")
-    elif mode == "async":
+    elif mode in ("async", "nocheck"):
         cmd.append("--async")
+    if mode == "nocheck":  # the same background save without replica digests or NaN scan
+        cmd.append("--no-value-checks")
     return cmd
 
 
@@ -98,8 +102,18 @@ def run_trainer(args: argparse.Namespace, mode: str, base: Path) -> dict[str, An
     }
     decision = [m.group(1) for m in DECIDED.finditer(output)]
     nbytes = h.dir_bytes(max(root.glob("step-*"), default=root))[0] if mode != "none" else 0
+    timings = {}
+    for manifest in root.glob("step-*/manifest.json"):
+        doc = json.loads(manifest.read_text())
+        timings[int(doc["step"])] = doc["timings"]
     shutil.rmtree(root, ignore_errors=True)
-    return {"times": times, "printed": printed, "decision": decision, "bytes": nbytes}
+    return {
+        "times": times,
+        "printed": printed,
+        "decision": decision,
+        "bytes": nbytes,
+        "timings": timings,
+    }
 
 
 def window(args: argparse.Namespace) -> tuple[int, int, list[int]]:
@@ -229,7 +243,7 @@ def summarize(
     for got in rounds:
         base = window_s(got["none"]["times"], first, last)
         row: dict[str, Any] = {"window_s_none": base}
-        for mode in ("sync", "async", "auto"):
+        for mode in ("sync", "async", "auto", "nocheck"):
             extra = window_s(got[mode]["times"], first, last) - base
             row[f"{mode}_cost_s"] = extra / len(saves)
             printed = [got[mode]["printed"].get(s) for s in saves]
@@ -237,6 +251,14 @@ def summarize(
             row[f"{mode}_reported_s"] = statistics.mean(slowed) if slowed else None
             row[f"{mode}_stall_s"] = statistics.mean(p[0] for p in printed if p is not None)
         row["auto_decision"] = got["auto"]["decision"]
+        # the value checks' own background seconds (the slowest rank's), and the save's
+        # background time (commit - stall), over the async run's saves in the window
+        kept = [got["async"]["timings"].get(s) for s in saves]
+        kept = [t for t in kept if t is not None and "check_s" in t]
+        row["check_s"] = statistics.median(t["check_s"] for t in kept) if kept else None
+        row["background_s"] = (
+            statistics.median(t["to_commit_s"] - t["stall_s"] for t in kept) if kept else None
+        )
         row["dcp_save_s"] = h.median(got["dcp"]["seconds"])
         row["disk_s"] = h.median(got["dcp"]["disk_s"])
         row["bytes_dcp"] = got["dcp"]["bytes"]
@@ -252,7 +274,7 @@ def summarize(
         for key in (
             "sync_cost_s", "async_cost_s", "auto_cost_s", "sync_reported_s", "async_reported_s",
             "auto_reported_s", "sync_stall_s", "async_stall_s", "auto_stall_s", "dcp_save_s",
-            "disk_s",
+            "disk_s", "nocheck_cost_s", "nocheck_stall_s", "check_s", "background_s",
         )
     }  # fmt: skip
     figures["async_per_dcp"] = figures["async_cost_s"] / figures["dcp_save_s"]
@@ -262,6 +284,11 @@ def summarize(
     figures["reported_per_measured"] = figures["async_reported_s"] / figures["async_cost_s"]
     figures["dcp_disk_fraction"] = figures["disk_s"] / figures["dcp_save_s"]
     figures["step_s_none"] = med("window_s_none") / (last - first)
+    figures["checks_per_background"] = figures["check_s"] / figures["background_s"]
+    # what the checks cost the loop: the background save with them, less the same without
+    figures["checks_cost_s"] = figures["async_cost_s"] - figures["nocheck_cost_s"]
+    figures["checks_per_cost"] = figures["checks_cost_s"] / figures["async_cost_s"]
+    figures["checks_stall_s"] = figures["async_stall_s"] - figures["nocheck_stall_s"]
     targets = []
     for label, key, limit in TARGETS:
         value = figures[key]
@@ -309,6 +336,16 @@ def render(doc: dict[str, Any]) -> str:
         f"{f['async_stall_s']:.3f} / {f['async_reported_s']:.3f} s |",
         f"| dckpt, auto (default) | {f['auto_cost_s']:.3f} s | {f['auto_per_dcp']:.2f} | "
         f"{f['auto_stall_s']:.3f} / {f['auto_reported_s']:.3f} s |",
+        f"| dckpt, background, value checks off | {f['nocheck_cost_s']:.3f} s | "
+        f"{f['nocheck_cost_s'] / f['dcp_save_s']:.2f} | {f['nocheck_stall_s']:.3f} s stall |",
+        "",
+        f"Value checks (replica digests on every rank, NaN/Inf scan of what each rank "
+        f"writes): {f['check_s']:.3f} s of the background save's {f['background_s']:.3f} s "
+        f"({100 * f['checks_per_background']:.1f}%, the slowest rank's); the loop lost "
+        f"{f['checks_cost_s']:+.3f} s per save more with them than without "
+        f"({100 * f['checks_per_cost']:+.1f}% of the background save's cost; the difference of "
+        f"two noisy runs), and the stall moved by {f['checks_stall_s']:+.3f} s (the digests "
+        "of tensors other ranks write are taken inside save()).",
         "",
         f"Disk: the same bytes written raw (each rank its share + fdatasync) took "
         f"{f['disk_s']:.3f} s, {100 * f['dcp_disk_fraction']:.0f}% of dcp.save's time. "

@@ -17,12 +17,14 @@ from .root.retention import BestMode, RetentionPolicy
 from .storage.digest import ALGORITHMS
 from .tiers.url import default_mirror, is_url, parse_url, refuse_mangled_url
 
-__all__ = ["CheckpointConfig", "IfBusy", "LossWatchAction"]
+__all__ = ["CheckpointConfig", "IfBusy", "LossWatchAction", "ReplicaCheck"]
 
 IfBusy = Literal["wait", "skip"]
 """What ``save()`` does while the previous save is still writing."""
 LossWatchAction = Literal["warn", "raise", "off"]
 """What a loss above the bound does after a resume."""
+ReplicaCheck = Literal["error", "warn", "off"]
+"""What a save does when the ranks' copies of a replicated value differ."""
 
 
 def _lock_from_env() -> bool:
@@ -106,6 +108,18 @@ class CheckpointConfig:
         memory_keep: memory checkpoints each node keeps of its own ranks and of its
             partner's (the footprint is ``memory_keep + 1`` copies of each, reserved by the
             first memory save).
+        replica_check: DCP keeps one copy of a value that several ranks hold under one name
+            (a plain tensor under DDP, a non-tensor value); every holder hashes its own copy
+            and rank 0 compares the digests before it commits. ``error`` (default): copies
+            that differ fail the save on every rank, naming the value and which ranks hold
+            which digest; ``warn``: commit, log it loudly and mark the step; ``off``: no
+            digests.
+        allow_nonfinite: every floating-point tensor written is checked for NaN and Inf
+            (on its GPU where it lives there). False (default): such a save fails, naming
+            the tensors, so a diverged step never becomes the newest; True: it is saved,
+            marked, and retention keeps the newest finite step beside it.
+        value_checks: False turns both checks above off (no digests, no NaN scan): what
+            ``bench/true_cost.py`` compares against to measure their cost.
     """
 
     root: Path | str
@@ -133,6 +147,9 @@ class CheckpointConfig:
     memory: bool = False
     memory_dir: Path | None = None
     memory_keep: int = 1
+    replica_check: ReplicaCheck = "error"
+    allow_nonfinite: bool = False
+    value_checks: bool = True
 
     @property
     def directory(self) -> Path:
@@ -208,6 +225,10 @@ class CheckpointConfig:
             raise ValueError(
                 f"device_staging_bytes must be >= 0 (0 turns device staging off), got "
                 f"{self.device_staging_bytes}"
+            )
+        if self.replica_check not in ("error", "warn", "off"):
+            raise ValueError(
+                f"replica_check must be 'error', 'warn' or 'off', got {self.replica_check!r}"
             )
         if self.memory_keep < 1:
             raise ValueError(f"memory_keep must be >= 1, got {self.memory_keep}")

@@ -245,6 +245,7 @@ class CheckpointManager:
             tiers=tiers,
             loss_watch=self._loss_watch,
             lineage=lineage,
+            run_id=self.run_id,
         )
         self._stop = PreemptionStop(self._ctl, self._saver)
         self._hook: Any = None
@@ -374,6 +375,8 @@ class CheckpointManager:
             digest=self.config.digest,
             timeout_s=self.config.timeout_s,
             slots=slots,
+            replica_check=self.config.value_checks and self.config.replica_check != "off",
+            finite_check=self.config.value_checks,
         )
         source = MemorySource(
             ctl=self._ctl,

@@ -178,6 +178,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="hold the root's run lock, so a second job on it fails fast; --no-lock for a "
         "store that ignores conditional writes (default: on, unless DCKPT_LOCK=0)",
     )
+    p.add_argument(
+        "--value-checks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare replicas across ranks and refuse NaN/Inf at each save (the default); "
+        "--no-value-checks measures what they cost (bench/true_cost.py)",
+    )
     p.add_argument("--keep-last", type=int, default=None, help="keep the N newest checkpoints")
     p.add_argument("--milestone-every", type=int, default=None, help="keep every M-th step forever")
     p.add_argument("--d-model", type=int, default=64)
@@ -206,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Flags that do not change the math: they may differ between a run and its resume.
 NOT_CONFIG = (
     "ckpt_dir",
+    "value_checks",
     "loss_log",
     "crash_at_step",
     "async_save",
@@ -286,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         memory=args.memory_every is not None,
         memory_dir=args.memory_dir,
         memory_keep=args.memory_keep,
+        value_checks=args.value_checks,
         **({} if args.lock is None else {"lock": args.lock}),  # None: DCKPT_LOCK decides
     )
     run_config = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}

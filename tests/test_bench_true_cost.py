@@ -24,24 +24,45 @@ def bench() -> ModuleType:
     return module
 
 
-def _trainer(extra: float, printed: float | None, save_every: int = 2) -> dict[str, Any]:
-    """Step records of a loop at 1 s per step whose saves each add ``extra`` seconds."""
+def _trainer(
+    extra: float, printed: float | None, save_every: int = 2, check_s: float = 0.0
+) -> dict[str, Any]:
+    """Step records of a loop at 1 s per step whose saves each add ``extra`` seconds, and
+    manifests whose background save took 2 s, ``check_s`` of it in value checks."""
     times, t = {}, 100.0
     for step in range(1, 21):
         times[step] = t
         t += 1.0 + (extra if step % save_every == 0 else 0.0)
     saves = {s: (0.05, printed) for s in range(save_every, 21, save_every)}
-    return {"times": times, "printed": saves, "decision": ["kept"], "bytes": 1000}
+    timings = {
+        s: {"check_s": check_s, "to_commit_s": 2.05, "stall_s": 0.05}
+        for s in range(save_every, 21, save_every)
+    }
+    return {
+        "times": times,
+        "printed": saves,
+        "decision": ["kept"],
+        "bytes": 1000,
+        "timings": timings,
+    }
 
 
-def _doc(bench: ModuleType, *, async_extra: float, async_printed: float) -> dict[str, Any]:
+def _doc(
+    bench: ModuleType,
+    *,
+    async_extra: float,
+    async_printed: float,
+    unchecked_extra: float,
+    check_s: float,
+) -> dict[str, Any]:
     args = bench.parse_args(["--steps", "20", "--save-every", "2"])
     first, last, saves = bench.window(args)
     rounds = [
         {
             "none": _trainer(0.0, None),
             "sync": _trainer(0.6, 0.6),
-            "async": _trainer(async_extra, async_printed),
+            "async": _trainer(async_extra, async_printed, check_s=check_s),
+            "nocheck": _trainer(unchecked_extra, async_printed),
             "auto": _trainer(async_extra, async_printed),
             "dcp": {"seconds": [1.0, 1.2, 0.8], "disk_s": [0.5, 0.5, 0.5], "bytes": 1000},
         }
@@ -53,7 +74,7 @@ def _doc(bench: ModuleType, *, async_extra: float, async_printed: float) -> dict
 def test_cost_per_save_is_read_from_the_step_records(bench: ModuleType) -> None:
     args = bench.parse_args(["--steps", "20", "--save-every", "2"])
     assert bench.window(args) == (6, 20, [6, 8, 10, 12, 14, 16, 18])
-    doc = _doc(bench, async_extra=0.3, async_printed=0.3)
+    doc = _doc(bench, async_extra=0.3, async_printed=0.3, unchecked_extra=0.29, check_s=0.1)
     f = doc["figures"]
     assert f["sync_cost_s"] == pytest.approx(0.6)
     assert f["async_cost_s"] == pytest.approx(0.3)
@@ -61,17 +82,23 @@ def test_cost_per_save_is_read_from_the_step_records(bench: ModuleType) -> None:
     assert f["async_per_dcp"] == pytest.approx(0.3) and f["async_per_sync"] == pytest.approx(0.5)
     assert f["reported_per_measured"] == pytest.approx(1.0)
     assert f["step_s_none"] == pytest.approx(1.0)
-    assert [t["pass"] for t in doc["targets"]] == [True, True, True]
+    assert f["checks_per_background"] == pytest.approx(0.05)
+    assert f["checks_cost_s"] == pytest.approx(0.01)
+    assert f["checks_per_cost"] == pytest.approx(0.01 / 0.3)
+    assert [t["pass"] for t in doc["targets"]] == [True] * 5
     text = bench.render(doc)
     assert "| dckpt, background | 0.300 s | 0.30 |" in text and "PASS" in text
+    assert "0.100 s of the background save's 2.000 s (5.0%" in text
 
 
 def test_a_cost_over_the_limits_and_a_wrong_printed_figure_fail(bench: ModuleType) -> None:
-    doc = _doc(bench, async_extra=0.7, async_printed=0.2)
+    doc = _doc(bench, async_extra=0.7, async_printed=0.2, unchecked_extra=0.5, check_s=0.3)
     verdicts = {t["target"]: t["pass"] for t in doc["targets"]}
     assert verdicts == {
         "async cost / dcp.save": False,
         "async cost / sync cost": False,
         "reported / measured (async)": False,
+        "value checks / background time": False,
+        "value checks / loop's cost (async)": False,
     }
     assert "FAIL" in bench.render(doc)

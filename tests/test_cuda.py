@@ -144,3 +144,25 @@ def test_crashed_and_resumed_gpu_run_equals_uninterrupted_run(
     tmp_path: Path, parallel: str
 ) -> None:
     crash_and_resume_matches(tmp_path, ["--parallel", parallel], nproc=1)
+
+
+def test_value_checks_on_the_gpu_see_save_time_values(tmp_path: Path) -> None:
+    """A NaN written into a weight right after save() returned is not what the check sees
+    (its kernels were queued on the training stream inside save()); one there before is."""
+    from dckpt.save.value_checks import _fingerprint
+
+    model, opt = _model()
+    weight = next(model.parameters())
+    # integer sums are exact: the GPU fingerprint equals the same one computed on the host
+    assert _fingerprint(weight).tolist() == _fingerprint(weight.detach().cpu()).tolist()
+    config = dckpt.CheckpointConfig(root=tmp_path, async_save=True)
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
+        handle = mgr.save(1)
+        with torch.no_grad():
+            weight[0, 0] = float("nan")  # after save(): must not fail save 1
+        handle.result()
+        with pytest.raises(dckpt.SaveError, match=r"0\.weight on rank 0: NaN or Inf"):
+            mgr.save(2).result()
+        with pytest.raises(dckpt.SaveError):
+            mgr.wait()
+    assert read_manifest(tmp_path / "step-00000001").finite

@@ -4,7 +4,11 @@ except that ``verify`` records its result under ``.dckpt-verified/`` for ``ls``)
 Output contract (tests and scripts read it):
 - ``ls --json``: one object per checkpoint with ``step`` (int), ``status`` (``committed``,
   ``incomplete`` or ``quarantined``), ``path``, ``bytes``, ``milestone``, ``pinned``,
-  ``verified`` (``ok``, ``failed`` or null), ``files``, ``created_at``, ``age_s``, ``error``.
+  ``verified`` (``ok``, ``failed`` or null), ``files``, ``created_at``, ``age_s``, ``error``,
+  ``resumes`` (the resume records of that very checkpoint, oldest first: each with ``step``,
+  ``tier``, ``save_id``, ``ok``, ``verdict``, ``run_id``, ``attempt``, ``job``, ``start``,
+  ``time``; see dckpt.root.resume_record) and ``resumed`` (``"2 failed"``: failed resumes in a
+  row since the last pass, ``"ok"``, or null when never resumed).
 - ``verify --json``: ``{"ok": bool, "checkpoints": [{"step", "path", "ok", "files_checked",
   "bytes_checked", "problems": [{"path", "error", "expected", "actual"}]}]}``.
 - ``inspect --json``: the manifest, with ``step``, ``world_size``, ``files`` (``path`` relative
@@ -14,6 +18,7 @@ Output contract (tests and scripts read it):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -27,6 +32,7 @@ from ..errors import IntegrityError, ManifestError
 from ..root.layout import CheckpointEntry, list_checkpoints, pinned_steps
 from ..root.manifest import Manifest, read_manifest
 from ..root.memory_ledger import DirectoryLedger
+from ..root.resume_record import DirectoryRecords, ResumeRecord, ResumeRecords, summary
 from ..root.verify import VerifyResult, read_verification, record_verification, verify_checkpoint
 from ..save.step_clock import describe_cost
 from ..units import describe_staging
@@ -53,7 +59,9 @@ __all__ = [
     "print_ls",
     "print_ls_with_memory",
     "print_verify",
+    "read_resumes",
     "with_manifest",
+    "with_resumes",
 ]
 
 
@@ -74,7 +82,24 @@ def ls_record(step: int, status: str, path: str, nbytes: int, pins: set[int]) ->
         "created_at": None,
         "age_s": None,
         "error": None,
+        "resumes": [],
+        "resumed": None,
+        "marks": {},
     }
+
+
+def read_resumes(records: ResumeRecords) -> dict[int, list[ResumeRecord]]:
+    """Every step's resume records (one listing, one read per step that has any)."""
+    return {step: records.read(step) for step in records.steps()}
+
+
+def with_resumes(
+    record: dict[str, Any], resumes: dict[int, list[ResumeRecord]], save_id: str
+) -> dict[str, Any]:
+    """``record`` with the resume records of its checkpoint (its step, its save id)."""
+    mine = [r for r in resumes.get(record["step"], []) if r.save_id == save_id]
+    record.update(resumes=[r.to_json() for r in mine], resumed=summary(mine) or None)
+    return record
 
 
 def with_manifest(record: dict[str, Any], manifest: Manifest, now: float) -> dict[str, Any]:
@@ -85,12 +110,23 @@ def with_manifest(record: dict[str, Any], manifest: Manifest, now: float) -> dic
         files=len(manifest.files),
         created_at=manifest.created_at,
         age_s=max(0.0, now - manifest.created_at),
+        marks=manifest.integrity,  # what the save's value checks let through
     )
     return record
 
 
-def _ls_record(entry: CheckpointEntry, now: float, pins: set[int]) -> dict[str, Any]:
+def _marks(integrity: dict[str, Any]) -> str:
+    words = {"nonfinite": "NaN/Inf", "replicas_differ": "replicas differ"}
+    return ", ".join(words.get(k, k) for k in integrity)
+
+
+def _ls_record(
+    entry: CheckpointEntry, now: float, pins: set[int], resumes: dict[int, list[ResumeRecord]]
+) -> dict[str, Any]:
     record = ls_record(entry.step, entry.status, str(entry.path), 0, pins)
+    if entry.status == "quarantined" and entry.step in resumes:  # why it is there, maybe
+        with contextlib.suppress(ManifestError, IntegrityError):
+            with_resumes(record, resumes, read_manifest(entry.path).save_id)
     if entry.status == "committed":
         try:
             manifest = read_manifest(entry.path)
@@ -104,6 +140,7 @@ def _ls_record(entry: CheckpointEntry, now: float, pins: set[int]) -> dict[str, 
             verified_at=None if check is None else check["time"],
         )
         with_manifest(record, manifest, now)
+        with_resumes(record, resumes, manifest.save_id)
     else:
         record["bytes"] = dir_bytes(entry.path)
     return record
@@ -122,7 +159,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     root = root_arg(args.root)
     now = time.time()
     pins = pinned_steps(root)
-    records = [_ls_record(e, now, pins) for e in list_checkpoints(root)]
+    resumes = read_resumes(DirectoryRecords(root))
+    records = [_ls_record(e, now, pins, resumes) for e in list_checkpoints(root)]
     memory_root = memory_dir_for(str(root), args.memory_dir)
     memory = memory_records(DirectoryLedger(root), memory_root)
     return print_ls_with_memory(args, records, str(root), memory, memory_root)
@@ -165,6 +203,8 @@ def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str)
         "milestone",
         "pinned",
         "verified",
+        "resumes",
+        "marks",
         "note",
     ):
         table.add_column(col, justify="right" if col in ("step", "size", "files") else "left")
@@ -178,6 +218,8 @@ def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str)
             "yes" if r["milestone"] else "",
             "yes" if r["pinned"] else "",
             r["verified"] or "",
+            r.get("resumed") or "",
+            _marks(r.get("marks") or {}),
             "" if r["error"] is None else r["error"][:80],
         )
     out.print(table)

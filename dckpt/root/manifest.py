@@ -86,7 +86,15 @@ class Manifest:
     bytes_per_rank: tuple[int, ...] = ()
     milestone: bool = False
     metric: dict[str, Any] = field(default_factory=dict)
+    integrity: dict[str, Any] = field(default_factory=dict)
+    """What the save's value checks let through (``nonfinite``, ``replicas_differ``); empty,
+    and then absent from the file (older manifests stay byte-identical), for a clean save."""
     schema_version: int = SCHEMA_VERSION
+
+    @property
+    def finite(self) -> bool:
+        """False when the step was saved with NaN or Inf in a tensor (``allow_nonfinite``)."""
+        return not self.integrity.get("nonfinite")
 
     @property
     def total_bytes(self) -> int:
@@ -108,6 +116,8 @@ class Manifest:
         obj["files"] = [dataclasses.asdict(f) for f in self.files]
         obj["state"] = list(self.state)
         obj["bytes_per_rank"] = list(self.bytes_per_rank)
+        if not self.integrity:
+            del obj["integrity"]
         obj["self_digest"] = fingerprint(obj)
         return obj
 
@@ -366,6 +376,7 @@ def _parse(obj: Any, source: str) -> Manifest:
         bytes_per_rank=tuple(bytes_per_rank),
         milestone=milestone,
         metric=_dict(obj, "metric", source),
+        integrity=_dict(obj, "integrity", source) if "integrity" in obj else {},
     )
     sealed = manifest.sealed()
     if sealed.files_digest != manifest.files_digest:

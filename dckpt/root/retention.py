@@ -1,11 +1,13 @@
 """Retention: which committed checkpoints to keep, as a pure decision over simple facts.
 
-The policy sees steps with three facts each (milestone, pinned, metric) and returns one
+The policy sees steps with four facts each (milestone, pinned, metric, finite) and returns one
 decision per step with its reasons. It knows no file format and touches no file; the commit
 layer (``commit.delete_checkpoints``) carries the deletions out, rename-to-trash first.
 
 A checkpoint is kept when any of these holds:
 - it is the newest committed checkpoint (always, whatever the settings);
+- it is the newest *finite* one, when a newer step was saved with NaN or Inf in a tensor
+  (``allow_nonfinite``): the step a diverged run can go back to is never pushed out;
 - it is among the ``keep_last`` newest;
 - it is a milestone (``save(milestone=True)``, or its step is a multiple of ``milestone_every``);
 - it is pinned (``dckpt pin``);
@@ -55,6 +57,7 @@ class Candidate:
     milestone: bool = False
     pinned: bool = False
     metric: float | None = None
+    finite: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +74,8 @@ def decide(candidates: Sequence[Candidate], policy: RetentionPolicy) -> list[Dec
         return [Decision(step=c.step, keep=True, reasons=("retention off",)) for c in ordered]
     assert policy.keep_last is not None
     newest = {c.step for c in ordered[-1:]}
+    finite = [c.step for c in ordered if c.finite]
+    newest_finite = set(finite[-1:]) - newest
     last = {c.step for c in ordered[-policy.keep_last :]}
     sign = 1.0 if policy.best_mode == "min" else -1.0
     scored = sorted((sign * c.metric, c.step) for c in ordered if c.metric is not None)
@@ -81,6 +86,7 @@ def decide(candidates: Sequence[Candidate], policy: RetentionPolicy) -> list[Dec
             why
             for why, hit in (
                 ("newest", c.step in newest),
+                ("newest finite", c.step in newest_finite),
                 (f"keep_last={policy.keep_last}", c.step in last),
                 ("milestone", c.milestone),
                 ("pinned", c.pinned),

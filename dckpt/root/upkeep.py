@@ -192,6 +192,7 @@ def decide_for(
                 milestone=manifest.milestone,
                 pinned=step in pins,
                 metric=float(value) if isinstance(value, (int, float)) else None,
+                finite=manifest.finite,
             )
         )
     decisions = decide(candidates, policy)

@@ -30,6 +30,7 @@ from ..phases import Phase
 from ..root.commit import CommitStrategy, Flag
 from ..root.manifest import Manifest, write_manifest
 from ..storage.records import FileRecord
+from .findings import Findings
 
 __all__ = ["Coordinator", "RankReport", "SaveOutcome"]
 
@@ -54,6 +55,9 @@ class RankReport:
     when another rank's are not like them."""
     metric: dict[str, float] = field(default_factory=dict)
     """The ``save(metric=...)`` this rank passed: rank 0 records its own."""
+    findings: Findings | None = None
+    """What this rank's value checks found (replica digests, non-finite tensors): names and
+    digests only; rank 0 judges them before it commits (dckpt.save.findings)."""
     route: dict[str, Any] = field(default_factory=dict)
     """What the tier's route adds for the other ranks (the memory tier: the layout its file
     was written with)."""

@@ -46,9 +46,18 @@ from ..storage.sink import Sink, Tee
 from ..train.state import TrainState
 from ..units import describe_staging, human_bytes
 from .coordinator import RankReport
+from .findings import Findings
 from .handle import SaveTicket
 from .route import DURABLE, Finished, SaveJob
-from .stager import Snapshot, Stager, StagingSavePlanner, Watch, watch_versions
+from .stager import (
+    Snapshot,
+    Stager,
+    StagingSavePlanner,
+    Watch,
+    inspect_staged,
+    watch_versions,
+)
+from .value_checks import Inspection
 
 __all__ = ["DurableRoute"]
 
@@ -94,9 +103,11 @@ class DurableRoute:
     ) -> Snapshot:  # fmt: skip
         if self.rank == 0:
             self._check_free_space(step, state_dict)
+        on = self.config.value_checks  # allow_nonfinite decides at the commit, not here
+        checks = Inspection(replicas=on and self.config.replica_check != "off", finite=on)
         if asynchronous:
-            return self.stager.snapshot(state_dict, self._deferred())
-        return self.stager.live(state_dict)  # the caller waits for the commit
+            return self.stager.snapshot(state_dict, self._deferred(), checks)
+        return self.stager.live(state_dict, checks)  # the caller waits for the commit
 
     def _deferred(self) -> Watch:
         """Tensors whose copy may wait until the next optimizer step (``overlap_staging``):
@@ -152,6 +163,8 @@ class DurableRoute:
         )
         error: str | None = None
         error_rank: int | None = None
+        findings: Findings | None = None
+        check_s = 0.0
         try:
             with self.io.quiet():
                 dcp_save(
@@ -162,6 +175,9 @@ class DurableRoute:
                     no_dist=not self.io.distributed,
                 )
             trace.at(Phase.DCP_FINISH)
+            t_check = time.perf_counter()
+            findings = inspect_staged(snapshot, planner)
+            check_s = time.perf_counter() - t_check
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -183,9 +199,11 @@ class DurableRoute:
             records=tuple(writer.records()),
             error=error,
             error_rank=error_rank,
+            findings=findings,
             timings={
                 "prepare_s": t_staging - ticket.started,
-                "write_s": time.perf_counter() - t_staging - publish_s,
+                "write_s": time.perf_counter() - t_staging - publish_s - check_s,
+                "check_s": check_s,
                 **({"upload_s": publish_s} if publish_s else {}),
                 **planner.stats.as_timings(),
             },

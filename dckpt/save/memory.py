@@ -39,6 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.tensor import DTensor
+
 from ..dist.comm import Comm
 from ..dist.transfer import Incoming, Outgoing, move
 from ..errors import StorageError, describe_os_error
@@ -46,15 +50,24 @@ from ..phases import Phase, Trace
 from ..root.commit import CommitStrategy
 from ..root.layout import STEP_RE, step_dir_name
 from ..storage.digest import format_digest, new_hasher
-from ..storage.memory_file import MemoryFileError, plan_flat, share_out, signature, write_into
+from ..storage.memory_file import (
+    FlatPlan,
+    MemoryFileError,
+    plan_flat,
+    share_out,
+    signature,
+    write_into,
+)
 from ..storage.records import FileRecord
 from ..tiers import memory_layout as layout
 from ..tiers.memory_commit import Lineage
 from ..tiers.memory_layout import Topology
 from ..units import human_bytes
 from .coordinator import RankReport
+from .findings import Findings
 from .handle import SaveTicket
 from .route import Finished, SaveJob
+from .value_checks import Inspection
 
 __all__ = ["MemoryRoute", "sharing_scope"]
 
@@ -73,6 +86,11 @@ class Staged:
     shared: str | None
     """The signature whose owners this file followed (it holds only the replicated tensors
     it owns), or None (it holds every tensor)."""
+    checks: Inspection
+    """The value checks begun in save() (GPU kernels, the digests of tensors left to other
+    ranks' files), finished on the file's own bytes in the background."""
+    held: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, bool], ...] = ()
+    """The host tensors in the file: key, dtype, shape, offset, bytes, replicated."""
 
 
 def sharing_scope(topology: Topology, rank: int) -> tuple[list[int], str | None]:
@@ -114,6 +132,8 @@ class MemoryRoute:
         digest: str,
         timeout_s: float,
         slots: layout.Slots,
+        replica_check: bool = True,
+        finite_check: bool = True,
     ) -> None:
         self.io = io
         self.strategy = strategy
@@ -126,6 +146,8 @@ class MemoryRoute:
         self.keep = keep
         self.digest = digest
         self.timeout_s = timeout_s
+        self.replica_check = replica_check
+        self.finite_check = finite_check
         self.slots = slots
         """This rank's files in its node's memory, mapped once (shared with the resume)."""
         self.name = layout.file_name(self.rank)
@@ -170,7 +192,34 @@ class MemoryRoute:
                 "(memory_dir, or /dev/shm's size) or lower memory_keep."
             ) from None
         trace.at(Phase.MEMORY_COPY)
-        return Staged(part, final, plan.size, sig, shared)
+        checks, held = self._begin_checks(state_dict, plan, skip)
+        return Staged(part, final, plan.size, sig, shared, checks, held)
+
+    def _begin_checks(
+        self, state_dict: dict[str, Any], plan: FlatPlan, skip: frozenset[str]
+    ) -> tuple[Inspection, tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, bool], ...]]:
+        """In save(): the value checks that must see the live state (GPU tensors, queued on
+        the training stream; host tensors another rank's file holds; non-tensor values), and
+        the host tensors whose checks read the file in the background."""
+        checks = Inspection(replicas=self.replica_check, finite=self.finite_check)
+        flat, _ = flatten_state_dict(state_dict)
+        plain = {k for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        plain -= {k for k, v in flat.items() if isinstance(v, DTensor)}
+        for key, value in flat.items():
+            if not isinstance(value, torch.Tensor):
+                checks.value(key, value)
+                continue
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if local.is_cuda:
+                checks.device(key, local, replica=key in plain, finite=key not in skip)
+            elif key in skip:
+                checks.host(key, local, replica=key in plain, finite=False)
+        held = tuple(
+            (key, local.dtype, tuple(local.shape), offset, nbytes, key in plain)
+            for key, local, offset, nbytes in plan.tensors
+            if not local.is_cuda
+        )
+        return checks, held
 
     # --- step 5, in the background -------------------------------------------------------------
 
@@ -182,11 +231,16 @@ class MemoryRoute:
         t0 = time.perf_counter()
         records: tuple[FileRecord, ...] = ()
         error: str | None = None
+        findings: Findings | None = None
+        check_s = 0.0
         try:
             hasher = new_hasher(self.digest)
             view = memoryview(self.slots.view(staged.part))
             hasher.update(view[: staged.size])
             del view
+            t_check = time.perf_counter()
+            findings = self._finish_checks(staged)
+            check_s = time.perf_counter() - t_check
             trace.at(Phase.MEMORY_HASH)
             if staged.final.exists():  # this step saved again: the old copy stays, aside,
                 os.replace(staged.final, _aside(staged))  # until the new one commits
@@ -208,9 +262,23 @@ class MemoryRoute:
             report,
             records=records,
             error=error,
-            timings={"hash_s": time.perf_counter() - t0},
+            findings=findings,
+            timings={"hash_s": time.perf_counter() - t0 - check_s, "check_s": check_s},
             route={"layout": (staged.signature, staged.shared)},
         )
+
+    def _finish_checks(self, staged: Staged) -> Findings | None:
+        """The value checks of the host tensors, on the file's bytes (the snapshot)."""
+        checks = staged.checks
+        if not checks.active:
+            return None
+        buf = self.slots.view(staged.part)
+        for key, dtype, shape, offset, nbytes, replica in staged.held:
+            if nbytes:
+                raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+                checks.host(key, raw.view(dtype).view(shape), replica=replica, finite=True)
+                del raw  # the mapping cannot close while a tensor views it
+        return checks.findings()  # only the tensors in this file were checked for NaN
 
     # --- step 6, every rank ----------------------------------------------------------------
 

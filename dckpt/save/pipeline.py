@@ -33,7 +33,10 @@ In the background (``SavePipeline.run``, on the save thread, on dckpt's *io* gro
 6. **gather**: every rank's report (files and digests, or its error) on every rank; then
    ``route.settle`` (the memory tier: the ranks' files were written with one layout);
 7. **commit**, rank 0 only: any report's error, or a refusal from step 6, refuses the save
-   (the tmp location removed); else rank 0 reads what the save cost the training loop
+   (the tmp location removed); so do the ranks' value checks (``dckpt.save.findings.judge``:
+   copies of a replicated value that differ across ranks, unless ``replica_check="warn"``;
+   a tensor holding NaN or Inf, unless ``allow_nonfinite``), what they let through being
+   marked in the manifest's ``integrity``; else rank 0 reads what the save cost the training loop
    (``StepClock``), builds the manifest from every report (``route.mesh`` adds what the tier
    records), writes it into the tmp location and runs the commit strategy
    (``RenameCommit``: fsync, rename, ``latest``; ``ObjectCommit``: every object present,
@@ -84,6 +87,7 @@ from ..train.precision import PrecisionPolicy
 from ..train.state import TrainState
 from ..units import human_bytes
 from .coordinator import Coordinator, RankReport, SaveOutcome
+from .findings import judge
 from .handle import SaveResult, SaveTicket
 from .mode import SaveMode
 from .route import Finished, SaveJob, SaveRoute
@@ -319,9 +323,17 @@ class SavePipeline:
         refused: str | None,
         coordinator: Coordinator,
     ) -> _Decision:
-        refusal = coordinator.refusal(tmp, reports, refused)
+        verdict = judge(
+            ((r.rank, r.findings) for r in reports),
+            step=job.step,
+            replica_check=self.config.replica_check,
+            allow_nonfinite=self.config.allow_nonfinite,
+        )
+        refusal = coordinator.refusal(tmp, reports, refused or verdict.refusal)
         if refusal is not None:
             return _Decision(refusal)
+        for warning in verdict.warnings:
+            log.warning("%s", warning)
         self._check_agreement(job, reports)
         try:
             # rank 0's stall, and what the save cost its loop, as known at commit time
@@ -330,7 +342,7 @@ class SavePipeline:
             cost = self.clock.cost(job.started, stall_s, now)
             if job.route.can_block:  # the automatic mode learns from saves it may choose
                 self.mode.record(job.asynchronous, cost)
-            manifest = self._manifest(job, reports, stall_s, cost)
+            manifest = self._manifest(job, reports, stall_s, cost, verdict.marks)
         except Exception as exc:  # nothing may be committed without its manifest
             shutil.rmtree(tmp, ignore_errors=True)
             return _Decision(
@@ -446,7 +458,12 @@ class SavePipeline:
         return "nothing was committed" + (f": {lag}" if lag else "")
 
     def _manifest(
-        self, job: SaveJob, reports: list[RankReport], stall_s: float, cost: LoopCost
+        self,
+        job: SaveJob,
+        reports: list[RankReport],
+        stall_s: float,
+        cost: LoopCost,
+        integrity: dict[str, Any],
     ) -> Manifest:
         records = tuple(sorted(rec for r in reports for rec in r.records))
         return Manifest(
@@ -482,6 +499,7 @@ class SavePipeline:
                 sum(rec.bytes for rec in r.records) for r in sorted(reports, key=lambda r: r.rank)
             ),
             milestone=job.milestone,
+            integrity=integrity,
         )
 
 

@@ -19,7 +19,13 @@ Where each tensor this rank writes goes, decided in ``snapshot`` (inside ``save(
   that PCIe copy on the GPU, the host does not.
 - a CPU tensor: a host buffer, copied before ``save()`` returns.
 - every non-tensor value: deep-copied before ``save()`` returns (a tensor inside one, as in a
-  tuple of tensors, which DCP pickles whole, is copied to the CPU synchronously).
+  tuple of tensors, which DCP pickles whole, is copied to the CPU synchronously), so a dict,
+  list or counter the loop changes right after ``save()`` is saved as it was.
+
+The value checks (dckpt.save.value_checks: replica digests, non-finite values) see the same
+``save()``-time state: a CUDA tensor's are queued on the training stream beside its copy; a
+host tensor's run on its staged copy in the background (``inspect_staged``), or inside
+``save()`` on the live tensor when this rank does not stage it (another rank writes it).
 
 A synchronous save (``live``) writes the live tensors; it first waits for every kernel queued
 on their devices, since the save thread reads them from another stream.
@@ -66,6 +72,8 @@ from torch.utils._pytree import tree_map_only
 from ..errors import SaveError
 from ..phases import Phase, Trace
 from ..units import human_bytes
+from .findings import Findings
+from .value_checks import Inspection
 
 __all__ = [
     "Snapshot",
@@ -73,6 +81,7 @@ __all__ = [
     "StagingSavePlanner",
     "StagingStats",
     "Watch",
+    "inspect_staged",
     "watch_versions",
 ]
 
@@ -163,6 +172,10 @@ class Snapshot:
     """Per CUDA device: timing events recorded on its training stream before and after the
     copies queued in save(); a deferred or drain copy on that device waits for the second."""
     stats: StagingStats = field(default_factory=StagingStats)
+    inspection: Inspection | None = None
+    """This save's value checks (None: none), begun in save(), finished by ``inspect_staged``."""
+    plain: frozenset[str] = frozenset()
+    """The tensors that are not DTensor shards: DCP keeps one copy of each (replicas)."""
 
     def ready(self, device: torch.device) -> Any:
         mark = self.marks.get(device)
@@ -273,14 +286,16 @@ class Stager:
         st.device_bytes += _nbytes(buf)
         return buf
 
-    def live(self, state_dict: dict[str, Any]) -> Snapshot:
+    def live(self, state_dict: dict[str, Any], inspection: Inspection | None = None) -> Snapshot:
         """A synchronous save writes the live state: every queued kernel on its devices must
         have finished first (the save thread reads on another stream)."""
         for device in _cuda_devices(flatten_state_dict(state_dict)[0]):
             torch.cuda.synchronize(device)
-        return Snapshot(state_dict=state_dict, live=True)
+        return Snapshot(state_dict=state_dict, live=True, inspection=inspection)
 
-    def snapshot(self, state_dict: dict[str, Any], deferred: Watch) -> Snapshot:
+    def snapshot(
+        self, state_dict: dict[str, Any], deferred: Watch, inspection: Inspection | None = None
+    ) -> Snapshot:
         """Copy (or queue the copy of) this rank's tensors; see the module docstring.
 
         ``deferred`` holds the storages the caller allows to be copied after ``save()``
@@ -291,7 +306,11 @@ class Stager:
         flat, mapping = flatten_state_dict(state_dict)
         signature = _signature(flat)
         mine = self._plan[1] if self._plan is not None and self._plan[0] == signature else None
-        snap = Snapshot(state_dict={}, signature=signature)
+        snap = Snapshot(state_dict={}, signature=signature, inspection=inspection)
+        snap.plain = frozenset(
+            k for k, v in flat.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+        )
+        checks = inspection if inspection is not None and inspection.active else None
         st = snap.stats
         for device in _cuda_devices(flat):
             started = torch.cuda.Event(enable_timing=True)
@@ -303,11 +322,18 @@ class Stager:
         for fqn, value in flat.items():
             if not isinstance(value, torch.Tensor):
                 out[fqn] = _host_copy(value)
+                if checks is not None:
+                    checks.value(fqn, out[fqn])
                 continue
             out[fqn] = value
             src = _local(value).detach()
-            if mine is not None and fqn not in mine:
-                continue  # another rank writes it: never read here
+            elsewhere = mine is not None and fqn not in mine
+            if checks is not None and src.is_cuda:  # queued on the training stream, too
+                checks.device(fqn, src, replica=fqn in snap.plain, finite=not elsewhere)
+            if elsewhere:  # another rank writes it: never copied here, only its digest taken
+                if checks is not None and not src.is_cuda and fqn in snap.plain:
+                    checks.host(fqn, src, replica=True, finite=False)
+                continue
             buf = self._to_device_buffer(fqn, src, used, st) if src.is_cuda else None
             if buf is not None:
                 snap.staged[fqn] = ("device", buf)
@@ -393,6 +419,10 @@ class StagingSavePlanner(DefaultSavePlanner):
         self._cancelled = cancelled
         self._trace = trace
         self._copies: dict[MetadataIndex, torch.Tensor] = {}
+        self.written: set[str] = set()
+        """The tensors DCP's final plan has this rank write."""
+        self.deferred_host: dict[str, torch.Tensor] = {}
+        """The copies of host tensors taken in the background (``overlap_staging``)."""
 
     @property
     def stats(self) -> StagingStats:
@@ -400,6 +430,7 @@ class StagingSavePlanner(DefaultSavePlanner):
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
+        self.written = {i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO}
         try:
             if self._cancelled.is_set():
                 raise SaveError("the save was cancelled: its staging took longer than allowed")
@@ -434,6 +465,8 @@ class StagingSavePlanner(DefaultSavePlanner):
                     self._copies[item.index] = buf
                     continue
                 self._copies[item.index] = self._deferred_copy(fqn, item)
+                if not self.lookup_object(item.index).is_cuda:
+                    self.deferred_host[fqn] = self._copies[item.index]
         finally:
             self._stager.synchronize()  # no copy may still run once staged is set
         if drained:
@@ -466,3 +499,29 @@ class StagingSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> Any:
         staged = self._copies.get(write_item.index)
         return staged if staged is not None else super().resolve_data(write_item)
+
+
+def inspect_staged(snapshot: Snapshot, planner: StagingSavePlanner) -> Findings | None:
+    """The value checks of one save, finished in the background once DCP wrote it: each
+    host tensor checked on its staged copy (or, for a synchronous save, live: the caller
+    waits), and what the GPU kernels queued in save() found. None when no check is on."""
+    checks = snapshot.inspection
+    if checks is None or not checks.active:
+        return None
+    if snapshot.live:
+        flat, _ = flatten_state_dict(snapshot.state_dict)
+        for fqn, value in flat.items():
+            if not isinstance(value, torch.Tensor):
+                checks.value(fqn, value)
+                continue
+            src = _local(value).detach()
+            plain = not isinstance(value, DTensor)
+            if src.is_cuda:
+                checks.device(fqn, src, replica=plain, finite=True)
+            else:
+                checks.host(fqn, src, replica=plain, finite=True)
+    else:
+        host = {f: b for f, (kind, b) in snapshot.staged.items() if kind == "host"}
+        for fqn, buf in {**host, **planner.deferred_host}.items():
+            checks.host(fqn, buf, replica=fqn in snapshot.plain, finite=True)
+    return checks.findings(planner.written)
