@@ -2,7 +2,8 @@
 
 ``ls``, ``verify``, ``gc``, ``pin`` and ``unpin`` work in the bucket itself (``verify``
 streams every object through its digest, downloading nothing to disk, and records its
-outcome in the bucket for ``ls``'s ``verified`` column, as on a directory root).
+outcome in the bucket for ``ls``'s ``verified`` column, as on a directory root; ``ls``'s
+``resumes`` column reads the resume records in the bucket, ``.dckpt-resumes/``).
 ``inspect``, ``diff``, ``export`` and ``plan`` first fetch the steps they read into a
 temporary directory, each object hashed as it arrives (dckpt.tiers.object_source), then run
 as on a directory root, their output titled with the s3:// root, not the directory.
@@ -32,7 +33,14 @@ from ..tiers.object_source import ObjectSource
 from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, err, fail, open_root, out
 from .manage import print_gc
 from .memory_tier import memory_dir_for, memory_records
-from .reading import ls_record, print_ls_with_memory, print_verify, with_manifest
+from .reading import (
+    ls_record,
+    print_ls_with_memory,
+    print_verify,
+    read_resumes,
+    with_manifest,
+    with_resumes,
+)
 
 __all__ = ["run_remote"]
 
@@ -79,9 +87,13 @@ def _ls(args: argparse.Namespace, objects: ObjectRoot) -> int:
     now = time.time()
     pins = objects.pinned_steps()
     checks = objects.verifications()
+    resumes = read_resumes(objects.resume_records())
     records: list[dict[str, Any]] = []
     for entry in objects.entries():
         record = ls_record(entry.step, entry.status, objects.where(entry.name), entry.bytes, pins)
+        if entry.status == "quarantined" and entry.step in resumes:  # why it is there, maybe
+            with contextlib.suppress(ManifestError, IntegrityError):
+                with_resumes(record, resumes, objects.manifest_at(entry.name).save_id)
         if entry.status == "committed":
             try:
                 manifest = objects.read_manifest(entry.step)
@@ -90,6 +102,7 @@ def _ls(args: argparse.Namespace, objects: ObjectRoot) -> int:
                 records.append(record)
                 continue
             with_manifest(record, manifest, now)
+            with_resumes(record, resumes, manifest.save_id)
             check = checks.get(entry.step)
             if check is not None and check.get("files_digest") == manifest.files_digest:
                 record.update(

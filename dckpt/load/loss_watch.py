@@ -20,9 +20,15 @@ statistics so one noisy batch decides nothing:
   it already learned from, or a changed objective. A wrong data position over stationary data
   (shuffled pretraining text) looks like the right one: no loss can tell them apart.
 
+A checkpoint that records no usable losses still gets a verdict (``guard``): a non-finite
+loss among the first ``steps`` fails at once, and ``steps`` finite ones pass, compared with
+nothing.
+
 The verdict is one line in the resume report's format, logged by rank 0 (each rank compares
 its own losses with rank 0's record); ``raise`` raises ``LossDeviationError`` on every rank
-whose verdict failed (with the same loss on every rank, that is all of them).
+whose verdict failed (with the same loss on every rank, that is all of them). Rank 0 also
+records it in the root (dckpt.root.resume_record), so a checkpoint that fails on every
+resume is not picked again and again.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class LossWatch:
         self._steps = 0
         self._checkpoint = ""
         self._band: tuple[float, float, float, float] | None = None
+        self._guard = False  # armed without a band: only a non-finite loss fails
 
     def summary(self) -> dict[str, Any]:
         values = [v for v in self._recent if math.isfinite(v)]
@@ -91,6 +98,7 @@ class LossWatch:
         tail = saved.get("tail")
         mean, std = saved.get("mean"), saved.get("std", 0.0)
         self._steps, self._checkpoint, self._after = steps, checkpoint, []
+        self._guard = False
         if (
             isinstance(tail, list)
             and tail
@@ -105,9 +113,15 @@ class LossWatch:
         else:
             self._tail, self._band = [], None
 
+    def guard(self, steps: int, checkpoint: str) -> None:
+        """Watch the next ``steps`` losses after a resume from a checkpoint that records no
+        usable losses: a non-finite one fails, ``steps`` finite ones pass."""
+        self._steps, self._checkpoint, self._after = steps, checkpoint, []
+        self._tail, self._band, self._guard = [], None, True
+
     @property
     def armed(self) -> bool:
-        return self._band is not None and len(self._after) < self._steps
+        return (self._band is not None or self._guard) and len(self._after) < self._steps
 
     def band(self) -> tuple[float, float]:
         """The range the median of the first losses after the resume must lie in."""
@@ -117,7 +131,10 @@ class LossWatch:
 
     def describe_armed(self) -> str:
         if self._band is None:
-            return "not armed: the checkpoint records no usable losses"
+            return (
+                "not armed: the checkpoint records no usable losses (only a non-finite loss "
+                "fails the resume)"
+            )
         low, high = self.band()
         return (
             f"median of the next {self._steps} losses within [{low:.4g}, {high:.4g}] "
@@ -127,16 +144,21 @@ class LossWatch:
     def observe(self, loss: float, action: LossWatchAction) -> LossVerdict | None:
         """Record ``loss``; once armed and full (or at a non-finite loss), the verdict. With
         ``action="raise"`` a failed verdict raises LossDeviationError instead."""
+        verdict = self.judge(loss)
+        if verdict is not None and not verdict.ok and action == "raise":
+            raise LossDeviationError(verdict.line())
+        return verdict
+
+    def judge(self, loss: float) -> LossVerdict | None:
+        """``observe`` without raising: the caller records the verdict first."""
         self._recent.append(loss)
-        if not self.armed or self._band is None:
+        if not self.armed:
             return None
         self._after.append(loss)
         if math.isfinite(loss) and len(self._after) < self._steps:
             return None
         verdict = self._verdict()
-        self._band = None  # one verdict per resume
-        if not verdict.ok and action == "raise":
-            raise LossDeviationError(verdict.line())
+        self._band, self._guard = None, False  # one verdict per resume
         return verdict
 
     def finish(self) -> LossVerdict | None:
@@ -145,14 +167,26 @@ class LossWatch:
         if not self.armed or not self._after:
             return None
         verdict = self._verdict()
-        self._band = None
+        self._band, self._guard = None, False
         verdict.detail += f" (the run ended after {len(self._after)} of {self._steps})"
         return verdict
 
     def _verdict(self) -> LossVerdict:
-        assert self._band is not None
-        low, high, slope, noise = self._band
         where = f"after resuming from {self._checkpoint}"
+        if self._band is None:  # guarded: nothing to compare with
+            bad = [v for v in self._after if not math.isfinite(v)]
+            if bad:
+                return LossVerdict(
+                    False,
+                    f"loss {bad[0]} at step {len(self._after)} {where} is not finite (the "
+                    "checkpoint records no losses to compare with)",
+                )
+            return LossVerdict(
+                True,
+                f"the first {len(self._after)} losses {where} are finite (not compared: the "
+                "checkpoint records no usable losses)",
+            )
+        low, high, slope, noise = self._band
         before = (
             f"the last {len(self._tail)} before the save: median "
             f"{statistics.median(self._tail):.4g}, "

@@ -153,6 +153,13 @@ class MemorySource:
     def quarantined_count(self) -> int:
         return self.ledger.quarantined()
 
+    def save_id(self, step: int) -> str:
+        """Rank 0: the save id of the ledger's manifest of ``step``."""
+        return parse_manifest(self.ledger.read(step), self.ledger.where(step)).save_id
+
+    def resume_records(self) -> None:
+        return None  # a memory step's resumes are recorded in the root's records
+
     # --- step 1: the record ---------------------------------------------------------------------
 
     def fetch(self, step: int, files: frozenset[str] | None = None) -> MemoryFetched:

@@ -2,7 +2,9 @@
 
 A ``CandidateReport`` is built for each checkpoint a resume tries, so checks and warnings of a
 skipped candidate never leak into the one finally loaded; ``ResumeReport`` is what the user
-gets: the chosen candidate's findings plus the list of skipped steps. Logged as one block.
+gets: the chosen candidate's findings plus the list of skipped steps (and of steps set
+aside as restart loops: resumed and failed by the loss watch on two starts in a row, each on
+its own line). Logged as one block.
 """
 
 from __future__ import annotations
@@ -72,14 +74,23 @@ class ResumeReport:
     timings: dict[str, float] = field(default_factory=dict)
     config_changes: list[ConfigChange] = field(default_factory=list)
     """Every run-config key that differs from the checkpoint's (all of them passed)."""
+    restart_loops: list[tuple[int, str]] = field(default_factory=list)
+    """Steps quarantined before they were loaded: their last two resumes failed the loss
+    watch (dckpt.root.resume_record), with the reason."""
 
     @classmethod
     def of(
-        cls, chosen: CandidateReport | None, skipped: list[tuple[int, str]], world_size_now: int
+        cls,
+        chosen: CandidateReport | None,
+        skipped: list[tuple[int, str]],
+        world_size_now: int,
+        restart_loops: list[tuple[int, str]] | None = None,
     ) -> ResumeReport:
-        """The report of a resume that loaded ``chosen`` (None: nothing) after ``skipped``."""
+        """The report of a resume that loaded ``chosen`` (None: nothing) after ``skipped``
+        (and ``restart_loops``)."""
+        loops = list(restart_loops or [])
         if chosen is None:
-            return cls(world_size_now=world_size_now, skipped=list(skipped))
+            return cls(world_size_now=world_size_now, skipped=list(skipped), restart_loops=loops)
         return cls(
             step=chosen.step,
             path=chosen.path,
@@ -91,6 +102,7 @@ class ResumeReport:
             warnings=list(chosen.warnings),
             rng=chosen.rng,
             config_changes=list(chosen.config_changes),
+            restart_loops=loops,
         )
 
     @property
@@ -101,7 +113,7 @@ class ResumeReport:
         self.checks.append(Check(name, ok, detail))
 
     def format(self) -> str:
-        if not self.resumed and not self.skipped:
+        if not self.resumed and not self.skipped and not self.restart_loops:
             head = "dckpt resume: no committed checkpoint; starting from scratch"
             return "\n".join([head, *(f"  warning: {w}" for w in self.warnings)])
         lines = [
@@ -118,6 +130,9 @@ class ResumeReport:
             lines.append(f"  [{mark}] {c.name}" + (f": {c.detail}" if c.detail else ""))
         if self.rng:
             lines.append(f"  rng           {self.rng}")
+        for step, why in self.restart_loops:
+            instead = f"; resumed from step {self.step} instead" if self.resumed else ""
+            lines.append(f"  restart loop: step {step} quarantined, {why}{instead}")
         for step, why in self.skipped:
             lines.append(f"  skipped step {step} (quarantined): {why}")
         for w in self.warnings:

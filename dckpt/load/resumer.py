@@ -18,8 +18,12 @@ are proven) with a reader (how a proven candidate gets into the state), built by
 
 1. **candidates**: rank 0 lists every tier's committed steps (``CheckpointSource.steps``);
    all ranks take its list, newest step first, the memory tier first on a tie (each reader's
-   ``survey`` adds what the report says beyond them: steps in memory without a record). For
-   each candidate, a fresh ``CandidateReport``; then its reader runs steps 2-5;
+   ``survey`` adds what the report says beyond them: steps in memory without a record). In
+   the same broadcast, rank 0's reading of the root's resume records
+   (dckpt.root.resume_record): a candidate whose newest records, for its very save, are
+   failed loss watches from two different starts with no pass since is a *restart loop*.
+   For each candidate, a fresh ``CandidateReport``; then its reader runs steps 2-5 (a
+   restart loop: step 6 at once, nothing of it fetched or loaded);
 2. **fetch and proof**: the durable tier's files are brought into the mirror (an s3:// root:
    each object hashed as it arrives, each cached copy re-verified); the manifest (schema,
    safe paths, self-digest), the layout and the verified ``.metadata``, then the ranks
@@ -41,12 +45,20 @@ are proven) with a reader (how a proven candidate gets into the state), built by
    changed;
 6. a candidate that fails 2-4 with evidence of damage is quarantined by its source (moved to
    ``quarantine/``; a memory step's record to ``memory/quarantine/``) and the next candidate
-   is tried (``fallback=False``, ranks that disagree, and a newer schema raise); one its tier
-   cannot restore here (``CheckpointNotFoundError``: a memory copy lost with its replica,
-   another world) is passed over, and the report says why;
+   is tried (``fallback=False``, ranks that disagree, and an incompatible checkpoint raise:
+   a newer schema, or a ``.metadata`` another torch release wrote that this one cannot
+   read); one its tier cannot restore here (``CheckpointNotFoundError``: a memory copy lost
+   with its replica, another world) is passed over, and the report says why; a restart
+   loop is quarantined the same way, before it is loaded, with the reason ("resumed twice
+   (attempts 3, 4) and the loss watch failed both times: ..."), on a line of its own in the
+   report, and the next candidate is tried (``fallback=False`` raises instead;
+   ``loss_watch="off"`` looks for none);
 7. **warmup**: an all-reduce on the training group, whose result every rank checks;
-8. **loss watch**: armed with the loss recorded at save time; ``observe()`` compares the next
-   losses with it;
+8. **loss watch**: armed with the loss recorded at save time (a checkpoint without one: only
+   a non-finite loss fails); ``observe()`` compares the next losses with it, and rank 0
+   records the verdict, passed or failed, in the root (``.dckpt-resumes/step-N.json``; the
+   bucket for an s3:// root; a memory step's beside the root's, with its tier) before it is
+   logged or raised. A record that cannot be written is logged, never raised;
 9. the ``ResumeReport`` (the chosen candidate's checks and warnings, plus what was skipped) is
    logged as one block on rank 0 and returned. Nothing loaded while a tier held this run's
    newer work it could not restore, or while quarantine holds checkpoints, is refused rather
@@ -57,6 +69,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,10 +83,12 @@ from ..errors import (
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
     IntegrityError,
+    LossDeviationError,
     ManifestError,
     StorageError,
 )
 from ..root.layout import step_dir_name
+from ..root.resume_record import ResumeRecord, failed_in_a_row, restart_loop, this_start
 from ..root.source import CheckpointSource
 from ..tiers.memory_commit import Lineage
 from ..units import human_bytes
@@ -98,6 +113,15 @@ class Reader(Protocol):
 
 
 @dataclass(frozen=True)
+class _Watched:
+    """The resume the loss watch's verdict will be about (for its record)."""
+
+    step: int
+    tier: str
+    save_id: str
+
+
+@dataclass(frozen=True)
 class ResumeTier:
     """One place a resume may find checkpoints: its source and its reader."""
 
@@ -118,6 +142,7 @@ class Resumer:
         tiers: list[ResumeTier],
         loss_watch: LossWatch,
         lineage: Lineage,
+        run_id: str | None = None,
     ) -> None:
         self._ctl = ctl
         self._config = config
@@ -129,6 +154,12 @@ class Resumer:
         self._loss_watch = loss_watch
         self._lineage = lineage
         self.rank, self.world_size = ctl.rank, ctl.world_size
+        self.records = self.durable.source.resume_records()
+        """Where every tier's resumes are recorded: the root's (dckpt.root.resume_record)."""
+        self._run_id = (
+            run_id or os.environ.get("DCKPT_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+        )
+        self._watched: _Watched | None = None
 
     def latest_step(self) -> int | None:
         """The newest committed step under the root (as rank 0 sees it), or None."""
@@ -178,29 +209,40 @@ class Resumer:
         start). A refusal is logged once, as one block, on rank 0, and raised on every rank
         (so a script can exit without a traceback per rank: dckpt already said why)."""
         skipped: list[tuple[int, str]] = []
+        looped: list[tuple[int, str]] = []
         try:
-            return self._resume(fallback, skipped)
+            return self._resume(fallback, skipped, looped)
         except CheckpointError as exc:
             if self.rank == 0:
                 lines = [f"dckpt resume: REFUSED ({type(exc).__name__})"]
                 lines += [f"  {line}" for line in str(exc).splitlines()]
+                lines += [f"  restart loop: step {s} quarantined, {why}" for s, why in looped]
                 lines += [f"  skipped step {s} (quarantined): {why}" for s, why in skipped]
                 log.error("%s", "\n".join(lines))
             raise
 
-    def _resume(self, fallback: bool, skipped: list[tuple[int, str]]) -> ResumeReport:
+    def _resume(
+        self, fallback: bool, skipped: list[tuple[int, str]], looped: list[tuple[int, str]]
+    ) -> ResumeReport:
         t0 = time.perf_counter()
-        candidates = self._candidates()  # 1
+        candidates, loops = self._candidates()  # 1
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
         passed: list[str] = []
         surveyed = [note for tier in self.tiers for note in tier.reader.survey()]
+        self._watched = None
         for step, index in candidates:
             tier = self.tiers[index]
+            loop = loops.get((step, index))
+            if loop is not None:  # 6: a restart loop, set aside before any of it is read
+                self._restart_loop(tier, step, loop, fallback)
+                looped.append((step, loop))
+                continue
             candidate = CandidateReport(step, self._path(tier, step), tier.source.origin(step))
             try:
                 result = tier.reader.load(step, candidate, with_config=True)  # 2-5
                 chosen = candidate
+                self._watched = _Watched(step, tier.name, result.manifest.save_id)
                 break
             except CheckpointNotFoundError as exc:  # 6: this tier cannot restore it here
                 passed.append(f"{tier.name}: step {step} not used: {exc}")
@@ -210,10 +252,10 @@ class Resumer:
                 divergent = isinstance(exc, IntegrityError) and exc.divergent
                 if not fallback or divergent or isinstance(exc, IncompatibleCheckpointError):
                     raise
-                self._quarantine(tier, step, exc)
+                self._quarantine(tier, step, f"{type(exc).__name__}: {exc}", exc)
                 # The report keeps the first sentence; the reason file has it all.
                 skipped.append((step, f"{type(exc).__name__}: {str(exc).split('. ')[0]}"))
-        report = ResumeReport.of(chosen, skipped, self.world_size)
+        report = ResumeReport.of(chosen, skipped, self.world_size, looped)
         report.warnings.extend([*passed, *surveyed])
         if result is None:
             self._nothing_loaded(report, len(candidates), passed)
@@ -236,27 +278,91 @@ class Resumer:
 
     def observe(self, loss: float) -> None:
         """Record this step's loss: kept for the manifest, and checked after a resume."""
-        self._tell(self._loss_watch.observe(float(loss), self._config.loss_watch))
+        verdict = self._loss_watch.judge(float(loss))
+        if verdict is None:
+            return
+        raising = not verdict.ok and self._config.loss_watch == "raise"
+        self._tell(verdict, logged=not raising)  # recorded before anything is raised
+        if raising:
+            raise LossDeviationError(verdict.line())
 
     def finish(self) -> None:
         """At close: the loss watch's verdict on fewer losses than its window, if any."""
-        self._tell(self._loss_watch.finish())
+        verdict = self._loss_watch.finish()
+        if verdict is not None:
+            self._tell(verdict)
 
-    def _tell(self, verdict: LossVerdict | None) -> None:
-        if verdict is None:
+    def _tell(self, verdict: LossVerdict, *, logged: bool = True) -> None:
+        if self.rank != 0:  # one line, not one per rank (each rank judged its own losses)
             return
-        if self.rank == 0:  # one line, not one per rank (each rank judged its own losses)
+        if logged:
             (log.info if verdict.ok else log.warning)("%s", verdict.line())
+        self._record(verdict)
+
+    def _record(self, verdict: LossVerdict) -> None:
+        """Rank 0: the verdict of this resume into the root's resume records. Never raises:
+        a lost record costs the restart-loop guard one start, a raise would cost the run."""
+        watched, self._watched = self._watched, None
+        if watched is None or self.records is None:
+            return
+        attempt, job, start = this_start()
+        record = ResumeRecord(
+            step=watched.step,
+            tier=watched.tier,
+            save_id=watched.save_id,
+            ok=verdict.ok,
+            verdict=verdict.detail,
+            run_id=self._run_id,
+            attempt=attempt,
+            job=job,
+            start=start,
+            time=time.time(),
+        )
+        where = self.records.where(watched.step)
+        try:
+            kept = self.records.add(record)
+        except (OSError, ValueError, CheckpointError) as exc:
+            log.warning(
+                "dckpt: could not record the resume of step %d in %s (%s); training goes on, "
+                "but a restart that fails the same way is not known to have failed before",
+                watched.step,
+                where,
+                exc,
+            )
+            return
+        if verdict.ok:
+            return
+        row = failed_in_a_row(
+            [r for r in kept if (r.tier, r.save_id) == (record.tier, record.save_id)]
+        )
+        then = (
+            "the next start quarantines it and resumes from the step before"
+            if len(row) >= 2
+            else "if the next start's resume of it fails too, the start after that quarantines "
+            "it and resumes from the step before"
+        )
+        log.warning(
+            "dckpt: the resume of step %d (%s, %s) failed its loss watch, recorded in %s "
+            "(%d failed in a row): %s",
+            watched.step,
+            watched.tier,
+            record.label(),
+            where,
+            len(row),
+            then,
+        )
 
     # --- the steps --------------------------------------------------------------------------
 
     def _path(self, tier: ResumeTier, step: int) -> Path:
         return tier.source.local / step_dir_name(step)
 
-    def _candidates(self) -> list[tuple[int, int]]:
+    def _candidates(self) -> tuple[list[tuple[int, int]], dict[tuple[int, int], str]]:
         """Every tier's committed steps as (step, tier index), newest first, ties to the
-        tier listed first."""
+        tier listed first; and the restart loops among them, with their reasons (one
+        broadcast for both)."""
         listing: list[tuple[int, int]] | CheckpointError = []
+        loops: dict[tuple[int, int], str] = {}
         if self.rank == 0:
             try:
                 listing = sorted(
@@ -267,19 +373,76 @@ class Resumer:
                 listing = StorageError(f"cannot list {self.source}: {exc}")
             except CheckpointError as exc:
                 listing = exc
-        listing = self._ctl.broadcast(listing)
+            else:
+                loops = self._restart_loops(listing)
+        listing, loops = self._ctl.broadcast((listing, loops))
         if isinstance(listing, CheckpointError):
             raise listing
-        return listing
+        return listing, loops
+
+    def _restart_loops(self, listing: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        """Rank 0: the candidates whose own records (their tier, their save id) end in
+        failed loss watches from two starts; see dckpt.root.resume_record. One listing of
+        the records, one read per candidate that has any, a manifest read per suspect.
+        Records that cannot be read are logged and looked past: they guard, never block."""
+        if self.records is None or self._config.loss_watch == "off" or not listing:
+            return {}
+        loops: dict[tuple[int, int], str] = {}
+        try:
+            recorded = set(self.records.steps())
+            for step, index in listing:
+                if step not in recorded:
+                    continue
+                tier = self.tiers[index]
+                mine = [r for r in self.records.read(step) if r.tier == tier.name]
+                if restart_loop(mine) is None:
+                    continue
+                try:  # the records are about one save of this step: is it this one?
+                    save_id = tier.source.save_id(step)
+                except (OSError, ValueError, CheckpointError):
+                    continue  # its manifest is unreadable: the load says why
+                reason = restart_loop([r for r in mine if r.save_id == save_id])
+                if reason is not None:
+                    loops[(step, index)] = reason
+        except (OSError, ValueError, CheckpointError) as exc:
+            log.warning(
+                "dckpt resume: cannot read the resume records in %s (%s); no restart loop is "
+                "looked for in this resume",
+                self.records,
+                exc,
+            )
+        return loops
+
+    def _restart_loop(self, tier: ResumeTier, step: int, loop: str, fallback: bool) -> None:
+        """Step 6 for a restart loop: quarantined with its reason (or, without fallback, the
+        resume refused), on every rank."""
+        where = "" if self.records is None else self.records.where(step)
+        if not fallback:
+            raise CheckpointError(
+                f"step {step} ({tier.name}) is a restart loop: {loop}. With fallback=False it "
+                "is neither resumed a third time nor fallen back past. Resume with fallback, "
+                f"or fix the cause and remove its resume records ({where})"
+            )
+        self._quarantine(
+            tier,
+            step,
+            f"restart loop: {loop}. Resuming it again would fail the same way; to try it "
+            f"anyway once the cause is fixed, restore it and remove its resume records ({where})",
+        )
 
     def _arm_loss_watch(self, result: LoadResult, report: ResumeReport) -> None:
-        if not result.manifest.loss or self._config.loss_watch == "off":
+        if self._config.loss_watch == "off":
+            self._watched = None  # no verdict: nothing to record
             return
         steps = self._config.loss_watch_steps
+        if not result.manifest.loss:  # nothing to compare with: a non-finite loss still fails
+            self._loss_watch.guard(steps, result.path.name)
+            return
         self._loss_watch.arm(result.manifest.loss, steps, result.path.name)
         low, high = self._loss_watch.band()
         if not (math.isfinite(low) and math.isfinite(high)):  # a NaN band would pass nothing
             report.warnings.append(f"loss watch {self._loss_watch.describe_armed()}")
+            self._loss_watch.guard(steps, result.path.name)
             return
         report.check(
             "loss watch armed",
@@ -291,6 +454,15 @@ class Resumer:
         """A fresh start, or an error when every candidate failed, when a tier holds this
         run's work it could not restore, or when only quarantine holds checkpoints (starting
         over would silently throw that run away)."""
+        if report.restart_loops:
+            loops = ", ".join(str(s) for s, _ in report.restart_loops)
+            raise CheckpointError(
+                f"no checkpoint under {self.source} could be resumed: step(s) {loops} were "
+                "quarantined as restart loops (their last two resumes failed the loss watch; "
+                "listed below) and no older one loaded. Starting from scratch would silently "
+                "throw that run away: fix the cause, then restore one from quarantine/ and "
+                "remove its resume records, or start a new run elsewhere."
+            )
         if report.skipped:
             raise CheckpointError(
                 f"none of the {candidates} committed checkpoints under {self.source} passed "
@@ -319,12 +491,15 @@ class Resumer:
     def _quarantined_count(self) -> int:
         return sum(t.source.quarantined_count() for t in self.tiers)
 
-    def _quarantine(self, tier: ResumeTier, step: int, exc: CheckpointError) -> None:
+    def _quarantine(
+        self, tier: ResumeTier, step: int, reason: str, exc: CheckpointError | None = None
+    ) -> None:
         error: str | None = None
         if self.rank == 0:
             try:
-                tier.source.confirm_damage(step, exc)  # a local fault raises StorageError
-                tier.source.quarantine(step, f"{type(exc).__name__}: {exc}")
+                if exc is not None:  # damage: a local fault raises StorageError
+                    tier.source.confirm_damage(step, exc)
+                tier.source.quarantine(step, reason)
             except (OSError, ValueError, CheckpointError) as failed:
                 error = f"could not quarantine step {step}: {failed}"
         error = self._ctl.broadcast(error)

@@ -7,6 +7,9 @@ the files each rank's load plan reads (``partial``), so a node downloads what it
 read, not the whole step. The resume protocol
 (dckpt.load.resumer) talks to this protocol only, so every check after ``fetch`` is the same
 for both.
+
+Resumes are recorded in the root (``resume_records``: dckpt.root.resume_record), those of
+every tier: the durable source's records are the resume's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Protocol
 
 from ..errors import CheckpointError
 from .layout import committed_steps, list_checkpoints, step_dir_name
+from .manifest import read_manifest
+from .resume_record import DirectoryRecords, ResumeRecords
 from .upkeep import quarantine
 
 __all__ = ["CheckpointSource", "Fetched", "LocalSource"]
@@ -77,6 +82,17 @@ class CheckpointSource(Protocol):
 
     def quarantined_count(self) -> int: ...
 
+    def save_id(self, step: int) -> str:
+        """Rank 0: the save id in ``step``'s manifest where it lives (which checkpoint of that
+        step it is), before anything is fetched. Raises (OSError, CheckpointError) when the
+        manifest cannot be read."""
+        ...
+
+    def resume_records(self) -> ResumeRecords | None:
+        """Where resumes of this source's steps are recorded; None: in the root's (a tier
+        that is not the root)."""
+        ...
+
 
 class LocalSource:
     """A directory root: its step directories are read in place."""
@@ -114,3 +130,9 @@ class LocalSource:
         if not self.local.is_dir():
             return 0
         return sum(1 for e in list_checkpoints(self.local) if e.status == "quarantined")
+
+    def save_id(self, step: int) -> str:
+        return read_manifest(self.local / step_dir_name(step)).save_id
+
+    def resume_records(self) -> ResumeRecords:
+        return DirectoryRecords(self.local)

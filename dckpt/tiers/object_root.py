@@ -10,6 +10,7 @@ The layout is the directory layout, object for object::
       quarantine/step-00001100/... failed verification; with step-00001100.reason.txt
       pins/step-00001000           an empty object: that step is pinned
       .dckpt-verified/step-N.json  the last `dckpt verify` of step N (for `dckpt ls`)
+      .dckpt-resumes/step-N.json   how the last resumes of step N went (dckpt.root.resume_record)
       .dckpt-lock                  the run lock (dckpt.tiers.object_lock)
 
 Invariants (an object store has no rename, so the manifest is the commit):
@@ -45,12 +46,22 @@ from ..root.layout import (
     step_dir_name,
 )
 from ..root.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ..root.resume_record import (
+    KEEP,
+    MAX_RECORDS_BYTES,
+    RESUMES_DIR,
+    ResumeRecord,
+    decode,
+    encode,
+    record_name,
+    step_of_record_name,
+)
 from ..root.retention import Decision, RetentionPolicy
 from ..root.upkeep import decide_for, log_retention
 from ..root.verify import MAX_RECORD_BYTES, VERIFIED_DIR, FileProblem
 from .s3_store import ListedObject, S3Store, UnsupportedError
 
-__all__ = ["ObjectEntry", "ObjectRoot"]
+__all__ = ["ObjectEntry", "ObjectRecords", "ObjectRoot"]
 
 log = logging.getLogger("dckpt")
 
@@ -145,6 +156,19 @@ class ObjectRoot:
                 f"{self.where(step_dir_name(step), MANIFEST_FILE)} says step {manifest.step}"
             )
         return manifest
+
+    def manifest_at(self, name: str) -> Manifest:
+        """The manifest under the prefix ``name`` (an entry's: ``quarantine/step-N`` too),
+        validated as one on disk."""
+        where = self.where(name, MANIFEST_FILE)
+        got = self.store.get_small(self.key(name, MANIFEST_FILE), MAX_MANIFEST_BYTES)
+        if got is None or len(got[0]) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where} does not exist or is over {MAX_MANIFEST_BYTES} bytes")
+        return parse_manifest(got[0], where)
+
+    def resume_records(self) -> ObjectRecords:
+        """Where resumes of this root's steps are recorded (``.dckpt-resumes/``)."""
+        return ObjectRecords(self)
 
     def pinned_steps(self) -> set[int]:
         prefix = self.key(PINS_DIR) + "/"
@@ -338,3 +362,35 @@ class ObjectRoot:
         deleted = [] if dry_run or not victims else self.delete_steps(victims)
         log_retention(decisions, dry_run=dry_run)
         return decisions, deleted
+
+
+class ObjectRecords:
+    """``PREFIX/.dckpt-resumes/step-N.json`` in the bucket (dckpt.root.resume_record): what
+    ``DirectoryRecords`` is for a directory root. Only rank 0 of the job holding the run
+    lock writes them, so a read, an append and a PUT need no condition."""
+
+    def __init__(self, root: ObjectRoot) -> None:
+        self.root = root
+
+    def __str__(self) -> str:
+        return self.root.where(RESUMES_DIR)
+
+    def where(self, step: int) -> str:
+        return self.root.where(RESUMES_DIR, record_name(step))
+
+    def read(self, step: int) -> list[ResumeRecord]:
+        got = self.root.store.get_small(
+            self.root.key(RESUMES_DIR, record_name(step)), MAX_RECORDS_BYTES
+        )
+        return decode(None if got is None else got[0], step)
+
+    def steps(self) -> list[int]:
+        prefix = self.root.key(RESUMES_DIR) + "/"
+        found = (step_of_record_name(o.key[len(prefix) :]) for o in self.root.store.list(prefix))
+        return sorted(s for s in found if s is not None)
+
+    def add(self, record: ResumeRecord) -> list[ResumeRecord]:
+        kept = [*self.read(record.step), record][-KEEP:]
+        data = encode(record.step, kept)
+        self.root.store.put_small(self.root.key(RESUMES_DIR, record_name(record.step)), data)
+        return kept

@@ -44,7 +44,7 @@ from ..storage.records import FileRecord
 from ..storage.verified_files import open_verified
 from ..units import human_bytes, plural
 from .object_commit import keep_only
-from .object_root import ObjectRoot
+from .object_root import ObjectRecords, ObjectRoot
 
 __all__ = ["FetchReport", "ObjectSource", "local_share"]
 
@@ -249,6 +249,13 @@ class ObjectSource:
 
     def quarantined_count(self) -> int:
         return sum(1 for e in self.objects.entries() if e.status == "quarantined")
+
+    def save_id(self, step: int) -> str:
+        return self.objects.read_manifest(step).save_id
+
+    def resume_records(self) -> ObjectRecords:
+        """In the bucket, not the mirror: every node's next start reads them."""
+        return self.objects.resume_records()
 
 
 class _Turn:
