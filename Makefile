@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test lint typecheck unit faults mutants bench bench-quick bench-s3 bench-memory clean
+.PHONY: install demo test lint typecheck unit faults mutants bench bench-quick bench-s3 bench-memory compat clean
 
 install: $(STAMP)
 
@@ -58,5 +58,24 @@ bench-s3: $(STAMP)
 bench-memory: $(STAMP)
 	$(BIN)/python bench/memory.py --size 0.25 --world-size 2 --repeats 5 --name memory
 
+# Cross-version safety (not part of `make test`: a second venv of 5.5 GB and about 3 min):
+# checkpoints written with torch $(TORCH_VERSION) are resumed with torch $(COMPAT_TORCH) and
+# the other way round, bit for bit (bench/compat.py), and the compat tests run under
+# $(COMPAT_TORCH) too. The second venv holds torch and dckpt's runtime dependencies; dckpt
+# itself comes from this checkout (PYTHONPATH). Table in build/compat.json.
+COMPAT_TORCH := 2.14.1
+COMPAT_VENV := .venv-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(COMPAT_TORCH)
+
+$(COMPAT_STAMP):
+	$(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install --quiet "torch==$(COMPAT_TORCH)" numpy psutil xxhash rich \
+		safetensors pytest pytest-timeout
+	touch $(COMPAT_STAMP)
+
+compat: $(STAMP) $(COMPAT_STAMP)
+	$(BIN)/python bench/compat.py --python $(BIN)/python --python $(COMPAT_VENV)/bin/python \
+		--pytest --json build/compat.json
+
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build
+	rm -rf $(VENV) .venv-compat .mypy_cache .pytest_cache .ruff_cache build

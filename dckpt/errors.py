@@ -109,7 +109,10 @@ class StorageError(CheckpointError):
 
 
 class IncompatibleCheckpointError(ManifestError):
-    """The checkpoint was written by a newer dckpt (unknown schema): upgrade dckpt to read it."""
+    """The checkpoint was written by a newer dckpt (a newer ``schema_version``), or by another
+    torch release whose DCP ``.metadata`` this torch cannot read (torch 2.15's, say, on 2.13):
+    upgrade dckpt or torch to read it, or load an older step explicitly. Not damage: a resume
+    stops with it (no quarantine, no fallback past it)."""
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -8,13 +8,17 @@ control group (``Comm``); the rest are local. The resume protocol that orders th
 Error kinds decide what a resume does next: ``IntegrityError``/``ManifestError`` are damage
 (quarantine, fall back to an older checkpoint) unless ``divergent`` (ranks see different
 checkpoints: refused, never fallen back past); ``ConfigMismatchError``/``StateMismatchError``
-are a different run or model (refused, the checkpoint is fine).
+are a different run or model (refused, the checkpoint is fine). ``IncompatibleCheckpointError``
+(a newer format, or a ``.metadata`` another torch release wrote that this one cannot read) is
+not damage either: refused, never quarantined, never fallen back past (a fallback would train
+on from an older step and, saving again, replace the newer work under the same step numbers).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .. import __version__
 from ..dist.comm import Comm, Failed
 from ..errors import (
     CheckpointError,
@@ -35,8 +40,17 @@ from ..errors import (
 )
 from ..faults import fault_point
 from ..phases import Phase
-from ..root.manifest import Manifest, check_layout, read_manifest
+from ..root.layout import read_small_file
+from ..root.manifest import (
+    MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
+    SCHEMA_VERSION,
+    Manifest,
+    check_layout,
+    read_manifest,
+)
 from ..root.source import CheckpointSource, Fetched
+from ..storage.safe_unpickle import torch_release
 from ..storage.verified_files import open_verified
 from ..storage.verifying_reader import VerifyingReader
 from ..train.precision import PrecisionPolicy, check_scaler
@@ -52,6 +66,7 @@ __all__ = [
     "check_grad_scaler",
     "check_shapes",
     "check_state_kinds",
+    "check_versions",
     "raise_first",
     "read_candidate",
     "resolve_per_rank",
@@ -195,16 +210,20 @@ def read_candidate(
     try:
         manifest = read_manifest(path)
         laid_out = check_layout(path, manifest, only=files)
-        reader = VerifyingReader(path, manifest.file_map())
+        # Given who wrote it: .metadata another torch release cannot read is incompatible.
+        reader = VerifyingReader(path, manifest.file_map(), versions=manifest.versions)
         reader.load_metadata()
         if manifest.step != step:
             raise ManifestError(
                 f"{path}/manifest.json says step {manifest.step}, its directory says {step}"
             )
+    except IncompatibleCheckpointError as exc:
+        failure = exc if manifest is not None else _newer_format(path, step, exc)
     except CheckpointError as exc:
         failure = exc
     raise_first(comm, failure, path / "manifest.json")
     assert manifest is not None and reader is not None
+    check_versions(manifest.versions, report)
     report.world_size_saved = manifest.world_size
     if files is None:
         laid = (
@@ -216,6 +235,56 @@ def read_candidate(
         ok = laid_out == len(files & set(manifest.file_map()))
     report.check("manifest", ok, f"schema {manifest.schema_version}, self-digest ok, {laid}")
     return manifest, reader
+
+
+def check_versions(versions: Mapping[str, object], report: CandidateReport) -> None:
+    """A checkpoint that another torch release wrote, and that this one read: a warning in
+    the report (kernels may round differently, so the resumed run may not be bit-exact with
+    an uninterrupted one). Nothing when the release is the same: a local build tag
+    (``+cpu``, ``+cu130``) is the same release."""
+    theirs, ours = versions.get("torch"), str(torch.__version__)
+    if not isinstance(theirs, str) or _public(theirs) == _public(ours):
+        return
+    wrote, runs = torch_release(theirs), torch_release(ours)
+    which = "another"
+    if wrote is not None and runs is not None and wrote != runs:
+        which = "an older" if wrote < runs else "a newer"
+    report.warn(
+        f"written by torch {theirs}, read by torch {ours} ({which} release; its metadata "
+        "read and checked fine): numerics may differ from an uninterrupted run on the torch "
+        "that saved it"
+    )
+
+
+def _public(version: str) -> str:
+    return version.split("+", 1)[0]
+
+
+def _newer_format(
+    path: Path, step: int, exc: IncompatibleCheckpointError
+) -> IncompatibleCheckpointError:
+    """The refusal of a manifest of a newer format (``root.manifest`` raised ``exc``), naming
+    the versions that wrote it (read from the JSON as it is: it is not this format's) and
+    the way out."""
+    raw = read_small_file(path / MANIFEST_FILE, MAX_MANIFEST_BYTES)
+    try:
+        obj = json.loads(raw) if raw is not None else {}
+    except (ValueError, RecursionError):
+        obj = {}
+    versions = obj.get("versions") if isinstance(obj, dict) else None
+    if not isinstance(versions, dict):
+        versions = {}
+    dckpt, torch_ = versions.get("dckpt"), versions.get("torch")
+    by = (
+        f"dckpt {dckpt if isinstance(dckpt, str) else '(unrecorded)'} with torch "
+        f"{torch_ if isinstance(torch_, str) else '(unrecorded)'}"
+    )
+    return IncompatibleCheckpointError(
+        f"{exc}. Step {step} was written by {by}; this is dckpt {__version__} (format "
+        f"{SCHEMA_VERSION}) with torch {torch.__version__}. Or load an older step "
+        "explicitly (manager.load(step=N)); nothing was loaded from it and nothing was "
+        "quarantined."
+    )
 
 
 def agree_on_manifest(comm: Comm, manifest: Manifest, path: Path, report: CandidateReport) -> None:

@@ -15,11 +15,17 @@
    manifest;
 5. the RNG last: restored per rank, or reseeded from (seed, step, rank) when the world size
    changed.
+
+A checkpoint another torch release wrote is read as any other; if its ``.metadata`` cannot
+be read or used by this torch (unpickled, checked, planned, loaded by DCP), the failure is
+``IncompatibleCheckpointError`` naming both versions (storage.safe_unpickle), never a bare
+error from DCP and never damage (the resume stops there, nothing quarantined).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any
 
@@ -30,6 +36,7 @@ from ..dist.comm import Comm
 from ..errors import CheckpointError, unwrap_dcp_error
 from ..root.manifest import Manifest
 from ..root.source import CheckpointSource
+from ..storage.safe_unpickle import incompatible_torch
 from ..storage.verifying_reader import METADATA_FILE, SafeLoadPlanner, VerifyingReader
 from ..train import rng
 from ..train.state import TrainState
@@ -73,7 +80,15 @@ class DurableReader:
         state_dict = state.state_dict()
         if manifest.world_size != self.world_size:
             checks.resolve_per_rank(state, state_dict, manifest.world_size, name, report)
-        checks.check_shapes(state_dict, reader, name)
+        try:
+            checks.check_shapes(state_dict, reader, name)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # metadata objects of another torch, short of a field
+            refusal = incompatible_torch(manifest.versions, str(path / METADATA_FILE), exc)
+            if refusal is None:
+                raise
+            raise refusal from exc
         saved = set(manifest.state)
         same_world = manifest.world_size == self.world_size and "rng" in saved
         if same_world:
@@ -94,7 +109,10 @@ class DurableReader:
             inner = unwrap_dcp_error(exc)
             if inner is not exc:
                 raise inner from None
-            raise CheckpointError(f"loading {path} failed: {exc}") from None
+            source = str(path / METADATA_FILE)
+            raise incompatible_torch(manifest.versions, source, exc) or CheckpointError(
+                f"loading {path} failed: {exc}"
+            ) from None
         elsewhere = None if first is None else functools.partial(self.source.digest_remote, step)
         files_verified, ranks_checked = checks.verify_rest(
             self.ctl, path, manifest, reader, elsewhere
@@ -135,7 +153,9 @@ class DurableReader:
         except CheckpointError as exc:
             failure = exc
         except Exception as exc:  # DCP's planner refusing the state: still every rank's error
-            failure = CheckpointError(f"planning the load of {name}: {type(exc).__name__}: {exc}")
+            failure = incompatible_torch(
+                reader.versions, os.path.join(str(reader.path), METADATA_FILE), exc
+            ) or CheckpointError(f"planning the load of {name}: {type(exc).__name__}: {exc}")
         failed = self.ctl.first_failure(failure)
         if failed is not None:
             raise failed.error

@@ -31,7 +31,7 @@ def load_flat(step_dir: Path, prefix: str = "") -> dict[str, Any]:
     """Every value under ``prefix`` (dotted fqn) in one checkpoint, verified, as a flat dict."""
     manifest = read_manifest(step_dir)
     check_layout(step_dir, manifest)
-    reader = VerifyingReader(step_dir, manifest.file_map())
+    reader = VerifyingReader(step_dir, manifest.file_map(), versions=manifest.versions)
     state: dict[str, Any] = {}
     for fqn, meta in reader.load_metadata().state_dict_metadata.items():
         if not fqn.startswith(prefix):

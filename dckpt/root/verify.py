@@ -123,7 +123,7 @@ def _check_metadata(step_dir: Path, manifest: Manifest) -> list[FileProblem]:
     from ..storage.verifying_reader import VerifyingReader  # imports torch: only when asked
 
     try:
-        VerifyingReader(step_dir, manifest.file_map()).load_metadata()
+        VerifyingReader(step_dir, manifest.file_map(), versions=manifest.versions).load_metadata()
     except CheckpointError as exc:
         return [FileProblem(path=str(getattr(exc, "path", step_dir / ".metadata")), error=str(exc))]
     return []

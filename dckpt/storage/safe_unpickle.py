@@ -4,19 +4,29 @@ DCP stores its metadata as a plain pickle and reads it with an unrestricted unpi
 who can write a checkpoint directory could otherwise execute code in every rank that loads it.
 This unpickler resolves only the classes DCP's metadata is made of; anything else raises
 ``ManifestError`` before it is constructed.
+
+Across torch versions: DCP's metadata pickle is read by the classes of the torch that reads
+it, and a newer torch may pickle them differently (torch 2.15 adds a sixth field, ``strides``,
+to ``TensorProperties``, whose ``__setstate__`` in 2.13 unpacks five). Given the versions the
+manifest records (``writer``), a failure to read or use the metadata of a checkpoint that
+another torch release wrote is ``IncompatibleCheckpointError`` (``incompatible_torch``):
+not damage, so never quarantined, and it names both versions and the way out.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import re
+from collections.abc import Mapping
+from pathlib import PurePath
 from typing import Any
 
 import torch
 
-from ..errors import ManifestError
+from ..errors import IncompatibleCheckpointError, ManifestError
 
-__all__ = ["load_dcp_metadata"]
+__all__ = ["incompatible_torch", "load_dcp_metadata", "torch_release"]
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset(
@@ -57,11 +67,65 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def load_dcp_metadata(data: bytes, source: str) -> Any:
-    """Unpickle DCP metadata bytes with the allow-list; ``source`` names the file in errors."""
+def load_dcp_metadata(data: bytes, source: str, writer: Mapping[str, object] | None = None) -> Any:
+    """Unpickle DCP metadata bytes with the allow-list; ``source`` names the file in errors.
+
+    ``writer``: the manifest's ``versions``; when they name another torch release than this
+    one, a failure is ``IncompatibleCheckpointError`` (see the module docstring)."""
     try:
         return _RestrictedUnpickler(io.BytesIO(data)).load()
     except ManifestError as exc:
-        raise ManifestError(f"{source}: {exc}") from None
-    except Exception as exc:
-        raise ManifestError(f"cannot parse DCP metadata {source}: {exc}") from exc
+        failure = ManifestError(f"{source}: {exc}")
+        cause: BaseException = exc
+    except Exception as exc:  # ValueError, TypeError, AttributeError ... from a __setstate__
+        failure = ManifestError(f"cannot parse DCP metadata {source}: {exc}")
+        cause = exc
+    raise incompatible_torch(writer, source, cause) or failure from cause
+
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?!\d)")
+
+
+def torch_release(version: object) -> tuple[int, int] | None:
+    """(major, minor) of a torch version ("2.15.0", "2.13.0+cpu", "2.16.0.dev20260301",
+    "2.15.0a0+git1234"); None when it is not one."""
+    match = _RELEASE.match(version) if isinstance(version, str) else None
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def incompatible_torch(
+    writer: Mapping[str, object] | None, source: str, failure: BaseException
+) -> IncompatibleCheckpointError | None:
+    """The refusal to raise for ``failure`` (reading or using the DCP metadata ``source``),
+    when the manifest's ``writer`` versions name another torch release (major.minor) than
+    the one running; None when they name this one, or none at all (then ``failure`` stands:
+    with the same torch, metadata that fails is crafted or broken, not incompatible)."""
+    if not writer:
+        return None
+    theirs, ours = writer.get("torch"), str(torch.__version__)
+    wrote, runs = torch_release(theirs), torch_release(ours)
+    if wrote is None or runs is None or wrote == runs:
+        return None
+    detail = f"{type(failure).__name__}: {failure}"
+    dckpt = writer.get("dckpt")
+    by = f"torch {theirs}" + (f" (dckpt {dckpt})" if isinstance(dckpt, str) else "")
+    named = re.fullmatch(r"step-0*(\d+)", PurePath(source).parent.name)
+    step = f"step {named[1]}" if named else "it"
+    if wrote > runs:
+        way_out = (
+            "A newer torch's DCP metadata is not always readable by an older one. Install "
+            f"torch {wrote[0]}.{wrote[1]} or newer to resume from {step}, or load an older "
+            "step this torch wrote, explicitly (manager.load(step=N); `dckpt inspect ROOT "
+            "--step N` shows the versions that wrote a step)"
+        )
+    else:
+        way_out = (
+            f"This torch cannot read what the older torch {theirs} wrote (a break in DCP's "
+            f"format, worth reporting to PyTorch). Load {step} with torch "
+            f"{wrote[0]}.{wrote[1]}, or load another step explicitly (manager.load(step=N))"
+        )
+    return IncompatibleCheckpointError(
+        f"{source} was written by {by}; this torch, {ours}, cannot read it ({detail}). "
+        f"{way_out}. This is not damage (the file's bytes are the ones committed): nothing "
+        "was loaded from it and nothing was quarantined."
+    )

@@ -12,7 +12,9 @@ Invariants:
 - a file whose size differs from the manifest is rejected before anything is read;
 - ``.metadata`` is read into memory and exactly those bytes are hashed and then unpickled,
   with an allow-list (storage.safe_unpickle), then checked against the manifest's files
-  (``check_metadata``) before any tensor is allocated from it;
+  (``check_metadata``) before any tensor is allocated from it; given the manifest's
+  ``versions``, metadata another torch release wrote that this one cannot read or that fails
+  those checks is ``IncompatibleCheckpointError`` (storage.safe_unpickle), not damage;
 - non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``);
 - an I/O error is a ``StorageError`` (retry), never an integrity failure.
 
@@ -40,7 +42,7 @@ from torch.futures import Future
 
 from ..errors import IntegrityError, ManifestError, StateMismatchError
 from .records import FileRecord
-from .safe_unpickle import load_dcp_metadata
+from .safe_unpickle import incompatible_torch, load_dcp_metadata
 from .verified_files import open_verified, read_verified, read_verified_digest
 
 __all__ = ["SafeLoadPlanner", "VerifyingReader", "open_verified", "read_verified"]
@@ -163,9 +165,18 @@ def _is_size(value: object) -> bool:
 class VerifyingReader(FileSystemReader):
     """FileSystemReader that reads only manifest-listed files, each verified; see module doc."""
 
-    def __init__(self, path: str | os.PathLike[str], expected: Mapping[str, FileRecord]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        expected: Mapping[str, FileRecord],
+        *,
+        versions: Mapping[str, object] | None = None,
+    ) -> None:
         super().__init__(path)
         self.expected = dict(expected)
+        self.versions = dict(versions or {})
+        """The manifest's ``versions`` (who wrote the checkpoint): a metadata failure under
+        another torch release is ``IncompatibleCheckpointError``."""
         self.verified: dict[str, str] = {}
         """Files this reader verified, relative path → the digest their bytes hashed to (for
         the cross-rank check: every rank checks every other rank's digests)."""
@@ -200,10 +211,13 @@ class VerifyingReader(FileSystemReader):
         if self._metadata is None:
             data = self._read(METADATA_FILE)
             source = os.path.join(str(self.path), METADATA_FILE)
-            metadata = load_dcp_metadata(bytes(data), source)
-            if not isinstance(metadata, Metadata):
-                raise ManifestError(f"{self.path}/{METADATA_FILE} does not hold DCP metadata")
-            check_metadata(metadata, self.expected, source)
+            metadata = load_dcp_metadata(bytes(data), source, self.versions)
+            try:
+                if not isinstance(metadata, Metadata):
+                    raise ManifestError(f"{source} does not hold DCP metadata")
+                check_metadata(metadata, self.expected, source)
+            except ManifestError as exc:
+                raise incompatible_torch(self.versions, source, exc) or exc from None
             self._metadata = metadata
         return self._metadata
 
