@@ -276,3 +276,24 @@ def test_an_older_torchs_checkpoint_loads_with_a_warning(
         report = got["value"]
         assert "dckpt resume: step 2" in report, report
         assert f"warning: written by torch 2.12.0, read by torch {THIS_TORCH} (an older" in (report)
+
+
+def test_which_failures_under_another_torch_are_called_incompatible() -> None:
+    import torch
+
+    from dckpt.errors import IncompatibleCheckpointError
+    from dckpt.storage.safe_unpickle import incompatible_torch
+
+    ours = torch.__version__.split("+")[0]
+    source = "/r/step-00000007/.metadata"
+    broken = ValueError("too many values to unpack (expected 5)")
+    # another build of one release (a nightly, a source build): another torch, too
+    nightly = incompatible_torch({"torch": ours + ".dev20260301"}, source, broken)
+    assert isinstance(nightly, IncompatibleCheckpointError)
+    assert "the build that wrote it" in str(nightly) and "step 7" in str(nightly)
+    # a local build tag is the same torch: the failure stands (damage, or a crafted file)
+    assert incompatible_torch({"torch": ours + "+cu130"}, source, broken) is None
+    # DCP's load failing for no format's reason (out of memory, a timeout) stays itself
+    oom = RuntimeError("CUDA out of memory")
+    assert incompatible_torch({"torch": "2.99.0"}, source, oom, format_errors_only=True) is None
+    assert incompatible_torch({"torch": "2.99.0"}, source, broken, format_errors_only=True)

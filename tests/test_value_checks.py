@@ -263,3 +263,102 @@ def test_the_memory_tier_makes_the_same_checks(tmp_path: Path) -> None:
         assert "ranks [0] hold x:" in r["replicas"] and "ranks [1] hold x:" in r["replicas"]
         assert "model.0.weight on rank" in r["nan"] and "256 NaN, 0 Inf of 256" in r["nan"]
     assert DirectoryLedger(tmp_path / "ckpt").steps() == [2, 3]
+
+
+def test_equal_non_tensor_values_give_one_digest_whatever_their_pickle() -> None:
+    import subprocess
+    import sys
+
+    from dckpt.save.value_checks import value_digest
+
+    # a tensor pickles with its storage's identity; equal tuples of tensors must still agree
+    assert value_digest((torch.ones(2), 3)) == value_digest((torch.ones(2), 3))
+    assert value_digest((torch.ones(2), 3)) != value_digest((torch.zeros(2), 3))
+    shared = "x" * 40
+    assert value_digest([shared, shared]) == value_digest(["x" * 40, "y"[:0] + "x" * 40])
+    assert value_digest({"b": 1, "a": 2}) == value_digest({"a": 2, "b": 1})
+    assert value_digest({"a": 1}) != value_digest({"a": 1.0})
+    # a set iterates in hash-seed order: two processes with other seeds must agree
+    code = (
+        "from dckpt.save.value_checks import value_digest; "
+        "print(value_digest({'lr', 'wd', 'beta', 'eps'}))"
+    )
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(seen) == 1
+
+
+def test_float8_complex_and_misaligned_views_are_checked() -> None:
+    from dckpt.save.value_checks import Inspection, _fingerprint
+
+    checks = Inspection(replicas=True, finite=True)
+    f8 = torch.zeros(8).to(torch.float8_e5m2)
+    f8[3] = float("inf")
+    z = torch.zeros(4, dtype=torch.complex64)
+    z[1] = complex(float("nan"), 0.0)
+    checks.host("f8", f8, replica=None, finite=True)
+    checks.host("z", z, replica=None, finite=True)
+    found = checks.findings()
+    assert set(found.nonfinite) == {"f8", "z"} and found.unchecked == ()
+    base = torch.randn(101, dtype=torch.bfloat16)
+    # one value at two byte offsets (2 and 0): one fingerprint
+    assert _fingerprint(base[1:]).tolist() == _fingerprint(base[1:].clone()).tolist()
+    sparse = torch.eye(3).to_sparse()
+    checks.host("sparse", sparse, replica="sparse", finite=True)
+    assert checks.findings().unchecked == ("sparse",)
+
+
+def _dtensor_replicas(rank: int, world: int, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import dckpt
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    full = torch.randn(4, 4)
+
+    class Holder:
+        def __init__(self) -> None:
+            self.rep = distribute_tensor(full, mesh, [Replicate()])
+            self.shard = distribute_tensor(full, mesh, [Shard(0)])
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"rep": self.rep, "shard": self.shard}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            pass
+
+    holder = Holder()
+    model = nn.Linear(2, 2)
+    torch.manual_seed(0)
+    model.reset_parameters()
+    state = dckpt.TrainState(model, extra={"h": holder})
+    config = dckpt.CheckpointConfig(root=Path(root), async_save=False, timeout_s=60)
+    out: dict[str, Any] = {}
+    with dckpt.CheckpointManager(config, state) as mgr:
+        mgr.save(1)  # a Shard(0) DTensor differs per rank by nature: never compared
+        if rank == 1:
+            holder.rep._local_tensor[0, 0] += 1.0
+        try:
+            mgr.save(2)
+        except dckpt.SaveError as exc:
+            out["error"] = str(exc)
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_replicated_dtensor_shard_that_differs_fails_the_save(tmp_path: Path) -> None:
+    results = run_world(_dtensor_replicas, 2, str(tmp_path))
+    for r in results:
+        assert "extra.h.rep" in r["error"] and "ranks [1] hold x:" in r["error"]
+        assert "extra.h.shard" not in r["error"]
+    assert committed_steps(tmp_path) == [1]

@@ -110,9 +110,9 @@ class DurableReader:
             if inner is not exc:
                 raise inner from None
             source = str(path / METADATA_FILE)
-            raise incompatible_torch(manifest.versions, source, exc) or CheckpointError(
-                f"loading {path} failed: {exc}"
-            ) from None
+            raise incompatible_torch(
+                manifest.versions, source, exc, format_errors_only=True
+            ) or CheckpointError(f"loading {path} failed: {exc}") from None
         elsewhere = None if first is None else functools.partial(self.source.digest_remote, step)
         files_verified, ranks_checked = checks.verify_rest(
             self.ctl, path, manifest, reader, elsewhere
@@ -154,7 +154,10 @@ class DurableReader:
             failure = exc
         except Exception as exc:  # DCP's planner refusing the state: still every rank's error
             failure = incompatible_torch(
-                reader.versions, os.path.join(str(reader.path), METADATA_FILE), exc
+                reader.versions,
+                os.path.join(str(reader.path), METADATA_FILE),
+                exc,
+                format_errors_only=True,
             ) or CheckpointError(f"planning the load of {name}: {type(exc).__name__}: {exc}")
         failed = self.ctl.first_failure(failure)
         if failed is not None:

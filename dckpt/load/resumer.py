@@ -287,17 +287,23 @@ class Resumer:
             raise LossDeviationError(verdict.line())
 
     def finish(self) -> None:
-        """At close: the loss watch's verdict on fewer losses than its window, if any."""
+        """At close: the loss watch's verdict on fewer losses than its window, if any. It is
+        logged, not recorded: a run that ends a few steps after its resume (a preemption, a
+        short job) judged too few losses to count towards a restart loop (a non-finite loss
+        gave its verdict, recorded, when it was seen)."""
         verdict = self._loss_watch.finish()
         if verdict is not None:
-            self._tell(verdict)
+            self._tell(verdict, recorded=False)
 
-    def _tell(self, verdict: LossVerdict, *, logged: bool = True) -> None:
+    def _tell(self, verdict: LossVerdict, *, logged: bool = True, recorded: bool = True) -> None:
         if self.rank != 0:  # one line, not one per rank (each rank judged its own losses)
             return
         if logged:
             (log.info if verdict.ok else log.warning)("%s", verdict.line())
-        self._record(verdict)
+        if recorded:
+            self._record(verdict)
+        else:
+            self._watched = None
 
     def _record(self, verdict: LossVerdict) -> None:
         """Rank 0: the verdict of this resume into the root's resume records. Never raises:

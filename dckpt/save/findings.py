@@ -41,6 +41,8 @@ class Findings:
     """Name (DCP's flattened key) → digest (``kind:hex``) of this rank's copy."""
     nonfinite: dict[str, str] = field(default_factory=dict)
     """Name → what it holds (``"3 NaN, 1 Inf of 4096 values"``), for tensors this rank wrote."""
+    unchecked: tuple[str, ...] = ()
+    """Tensors the checks could not read (sparse, quantized; no GPU memory left)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Verdict:
     marks: dict[str, Any]
     """What the manifest records of what was let through (empty: nothing)."""
     warnings: tuple[str, ...] = ()
+    unchecked: tuple[str, ...] = ()
+    """Every rank's unchecked tensors (``rank r: name``), for one warning per run."""
 
 
 def _differing(reports: Iterable[tuple[int, Findings]]) -> dict[str, dict[str, list[int]]]:
@@ -152,4 +156,5 @@ def judge(
             )
             marks["nonfinite"] = {name: what for name, (_, what) in list(nonfinite.items())[:64]}
     refusal = "; and ".join(refusals) if refusals else None
-    return Verdict(refusal=refusal, marks=marks, warnings=tuple(warnings))
+    unchecked = tuple(f"rank {rank}: {name}" for rank, f in given for name in f.unchecked)
+    return Verdict(refusal=refusal, marks=marks, warnings=tuple(warnings), unchecked=unchecked)

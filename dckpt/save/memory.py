@@ -67,7 +67,7 @@ from .coordinator import RankReport
 from .findings import Findings
 from .handle import SaveTicket
 from .route import Finished, SaveJob
-from .value_checks import Inspection
+from .value_checks import Inspection, replica_key
 
 __all__ = ["MemoryRoute", "sharing_scope"]
 
@@ -89,8 +89,8 @@ class Staged:
     checks: Inspection
     """The value checks begun in save() (GPU kernels, the digests of tensors left to other
     ranks' files), finished on the file's own bytes in the background."""
-    held: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, bool], ...] = ()
-    """The host tensors in the file: key, dtype, shape, offset, bytes, replicated."""
+    held: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, str | None], ...] = ()
+    """The host tensors in the file: key, dtype, shape, offset, bytes, replica key."""
 
 
 def sharing_scope(topology: Topology, rank: int) -> tuple[list[int], str | None]:
@@ -197,25 +197,30 @@ class MemoryRoute:
 
     def _begin_checks(
         self, state_dict: dict[str, Any], plan: FlatPlan, skip: frozenset[str]
-    ) -> tuple[Inspection, tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, bool], ...]]:
+    ) -> tuple[
+        Inspection, tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, str | None], ...]
+    ]:
         """In save(): the value checks that must see the live state (GPU tensors, queued on
         the training stream; host tensors another rank's file holds; non-tensor values), and
         the host tensors whose checks read the file in the background."""
         checks = Inspection(replicas=self.replica_check, finite=self.finite_check)
         flat, _ = flatten_state_dict(state_dict)
-        plain = {k for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        plain -= {k for k, v in flat.items() if isinstance(v, DTensor)}
+        keys = {
+            k: key
+            for k, v in flat.items()
+            if isinstance(v, torch.Tensor) and (key := replica_key(k, v)) is not None
+        }
         for key, value in flat.items():
             if not isinstance(value, torch.Tensor):
                 checks.value(key, value)
                 continue
             local = value.to_local() if isinstance(value, DTensor) else value
             if local.is_cuda:
-                checks.device(key, local, replica=key in plain, finite=key not in skip)
+                checks.device(key, local, replica=keys.get(key), finite=key not in skip)
             elif key in skip:
-                checks.host(key, local, replica=key in plain, finite=False)
+                checks.host(key, local, replica=keys.get(key), finite=False)
         held = tuple(
-            (key, local.dtype, tuple(local.shape), offset, nbytes, key in plain)
+            (key, local.dtype, tuple(local.shape), offset, nbytes, keys.get(key))
             for key, local, offset, nbytes in plan.tensors
             if not local.is_cuda
         )

@@ -152,6 +152,7 @@ class SavePipeline:
         ranks failed afterwards."""
         self._saves = 0
         self._warned_losses = False
+        self._warned_unchecked = False
 
     # --- foreground ---------------------------------------------------------------------------
 
@@ -334,6 +335,15 @@ class SavePipeline:
             return _Decision(refusal)
         for warning in verdict.warnings:
             log.warning("%s", warning)
+        if verdict.unchecked and not self._warned_unchecked:
+            self._warned_unchecked = True  # the same tensors each save: said once a run
+            log.warning(
+                "dckpt: %d tensor(s) cannot be checked for replica agreement or NaN/Inf and "
+                "are saved unchecked (sparse or quantized tensors, or a GPU without memory "
+                "left for the check): %s",
+                len(verdict.unchecked),
+                ", ".join(verdict.unchecked[:5]),
+            )
         self._check_agreement(job, reports)
         try:
             # rank 0's stall, and what the save cost its loop, as known at commit time

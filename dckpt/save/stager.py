@@ -73,7 +73,7 @@ from ..errors import SaveError
 from ..phases import Phase, Trace
 from ..units import human_bytes
 from .findings import Findings
-from .value_checks import Inspection
+from .value_checks import Inspection, replica_key
 
 __all__ = [
     "Snapshot",
@@ -174,8 +174,9 @@ class Snapshot:
     stats: StagingStats = field(default_factory=StagingStats)
     inspection: Inspection | None = None
     """This save's value checks (None: none), begun in save(), finished by ``inspect_staged``."""
-    plain: frozenset[str] = frozenset()
-    """The tensors that are not DTensor shards: DCP keeps one copy of each (replicas)."""
+    replicas: dict[str, str] = field(default_factory=dict)
+    """Tensor name → replica key, for the tensors other ranks hold copies of that DCP keeps
+    once (plain tensors; DTensor shards with a Replicate placement): ``replica_key``."""
 
     def ready(self, device: torch.device) -> Any:
         mark = self.marks.get(device)
@@ -307,9 +308,11 @@ class Stager:
         signature = _signature(flat)
         mine = self._plan[1] if self._plan is not None and self._plan[0] == signature else None
         snap = Snapshot(state_dict={}, signature=signature, inspection=inspection)
-        snap.plain = frozenset(
-            k for k, v in flat.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
-        )
+        snap.replicas = {
+            k: key
+            for k, v in flat.items()
+            if isinstance(v, torch.Tensor) and (key := replica_key(k, v)) is not None
+        }
         checks = inspection if inspection is not None and inspection.active else None
         st = snap.stats
         for device in _cuda_devices(flat):
@@ -329,10 +332,10 @@ class Stager:
             src = _local(value).detach()
             elsewhere = mine is not None and fqn not in mine
             if checks is not None and src.is_cuda:  # queued on the training stream, too
-                checks.device(fqn, src, replica=fqn in snap.plain, finite=not elsewhere)
+                checks.device(fqn, src, replica=snap.replicas.get(fqn), finite=not elsewhere)
             if elsewhere:  # another rank writes it: never copied here, only its digest taken
-                if checks is not None and not src.is_cuda and fqn in snap.plain:
-                    checks.host(fqn, src, replica=True, finite=False)
+                if checks is not None and not src.is_cuda and fqn in snap.replicas:
+                    checks.host(fqn, src, replica=snap.replicas[fqn], finite=False)
                 continue
             buf = self._to_device_buffer(fqn, src, used, st) if src.is_cuda else None
             if buf is not None:
@@ -515,13 +518,13 @@ def inspect_staged(snapshot: Snapshot, planner: StagingSavePlanner) -> Findings 
                 checks.value(fqn, value)
                 continue
             src = _local(value).detach()
-            plain = not isinstance(value, DTensor)
+            key = replica_key(fqn, value)
             if src.is_cuda:
-                checks.device(fqn, src, replica=plain, finite=True)
+                checks.device(fqn, src, replica=key, finite=True)
             else:
-                checks.host(fqn, src, replica=plain, finite=True)
+                checks.host(fqn, src, replica=key, finite=True)
     else:
         host = {f: b for f, (kind, b) in snapshot.staged.items() if kind == "host"}
         for fqn, buf in {**host, **planner.deferred_host}.items():
-            checks.host(fqn, buf, replica=fqn in snapshot.plain, finite=True)
+            checks.host(fqn, buf, replica=snapshot.replicas.get(fqn), finite=True)
     return checks.findings(planner.written)

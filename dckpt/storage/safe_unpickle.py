@@ -93,18 +93,56 @@ def torch_release(version: object) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
+_FORMAT_ERRORS = (
+    TypeError,
+    AttributeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    EOFError,
+    ImportError,
+    pickle.UnpicklingError,
+    ManifestError,
+)
+"""What a reader of another torch's metadata raises when that torch wrote it differently
+(a ``__setstate__`` that unpacks other fields, a class or attribute that moved); an out of
+memory, a timeout or a state that does not fit is a RuntimeError or a dckpt error, and
+stays what it is."""
+
+
+def _public(version: object) -> str | None:
+    """A torch version without its local build tag ("2.13.0+cpu" → "2.13.0")."""
+    return version.split("+", 1)[0] if isinstance(version, str) and version else None
+
+
+def _format_like(failure: BaseException) -> bool:
+    inner = getattr(failure, "failures", None)  # DCP's CheckpointException: rank → (exc, tb)
+    if isinstance(inner, dict) and inner:
+        return all(isinstance(f[0], _FORMAT_ERRORS) for f in inner.values())
+    return isinstance(failure, _FORMAT_ERRORS)
+
+
 def incompatible_torch(
-    writer: Mapping[str, object] | None, source: str, failure: BaseException
+    writer: Mapping[str, object] | None,
+    source: str,
+    failure: BaseException,
+    *,
+    format_errors_only: bool = False,
 ) -> IncompatibleCheckpointError | None:
     """The refusal to raise for ``failure`` (reading or using the DCP metadata ``source``),
-    when the manifest's ``writer`` versions name another torch release (major.minor) than
-    the one running; None when they name this one, or none at all (then ``failure`` stands:
-    with the same torch, metadata that fails is crafted or broken, not incompatible)."""
-    if not writer:
+    when the manifest's ``writer`` versions name another torch (its public version: a
+    nightly of another date, a patch release; not a ``+cpu``/``+cu130`` build tag) than the
+    one running; None when they name this one, or none at all (then ``failure`` stands: with
+    the same torch, metadata that fails is crafted or broken, not incompatible).
+    ``format_errors_only``: only a failure of the kinds another format raises counts (DCP's
+    planning and load, where an out of memory or a timeout is no format's fault)."""
+    if not writer or (format_errors_only and not _format_like(failure)):
         return None
     theirs, ours = writer.get("torch"), str(torch.__version__)
+    if _public(theirs) is None or _public(theirs) == _public(ours):
+        return None
     wrote, runs = torch_release(theirs), torch_release(ours)
-    if wrote is None or runs is None or wrote == runs:
+    if wrote is None or runs is None:
         return None
     detail = f"{type(failure).__name__}: {failure}"
     dckpt = writer.get("dckpt")
@@ -117,6 +155,11 @@ def incompatible_torch(
             f"torch {wrote[0]}.{wrote[1]} or newer to resume from {step}, or load an older "
             "step this torch wrote, explicitly (manager.load(step=N); `dckpt inspect ROOT "
             "--step N` shows the versions that wrote a step)"
+        )
+    elif wrote == runs:  # two builds of one release (nightlies, a source build)
+        way_out = (
+            f"Load {step} with torch {theirs}, the build that wrote it, or load another step "
+            "explicitly (manager.load(step=N))"
         )
     else:
         way_out = (
