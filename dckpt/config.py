@@ -118,6 +118,10 @@ class CheckpointConfig:
             (on its GPU where it lives there). False (default): such a save fails, naming
             the tensors, so a diverged step never becomes the newest; True: it is saved,
             marked, and retention keeps the newest finite step beside it.
+        replica_sample: the share of replicated tensors compared per save (1.0: all). Below
+            1, each tensor is compared in one save of every ``round(1 / replica_sample)``,
+            the same save on every rank, so all are compared over that many saves; it cuts
+            the hashing a save adds (every holder hashes its copy) by that factor.
         value_checks: False turns both checks above off (no digests, no NaN scan): what
             ``bench/true_cost.py`` compares against to measure their cost.
     """
@@ -149,6 +153,7 @@ class CheckpointConfig:
     memory_keep: int = 1
     replica_check: ReplicaCheck = "error"
     allow_nonfinite: bool = False
+    replica_sample: float = 1.0
     value_checks: bool = True
 
     @property
@@ -169,6 +174,11 @@ class CheckpointConfig:
     def watchdog_s(self) -> float:
         """Seconds after which a save in flight counts as stuck."""
         return self.save_timeout_s or 4 * self.timeout_s + 30
+
+    @property
+    def replica_every(self) -> int:
+        """Saves over which every replicated tensor is compared once (``replica_sample``)."""
+        return max(1, round(1 / self.replica_sample))
 
     @property
     def retention(self) -> RetentionPolicy:
@@ -230,6 +240,8 @@ class CheckpointConfig:
             raise ValueError(
                 f"replica_check must be 'error', 'warn' or 'off', got {self.replica_check!r}"
             )
+        if not 0 < self.replica_sample <= 1:
+            raise ValueError(f"replica_sample must be in (0, 1], got {self.replica_sample}")
         if self.memory_keep < 1:
             raise ValueError(f"memory_keep must be >= 1, got {self.memory_keep}")
         if self.memory_dir is not None:

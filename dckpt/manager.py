@@ -377,6 +377,7 @@ class CheckpointManager:
             slots=slots,
             replica_check=self.config.value_checks and self.config.replica_check != "off",
             finite_check=self.config.value_checks,
+            replica_every=self.config.replica_every,
         )
         source = MemorySource(
             ctl=self._ctl,

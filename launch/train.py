@@ -185,6 +185,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="compare replicas across ranks and refuse NaN/Inf at each save (the default); "
         "--no-value-checks measures what they cost (bench/true_cost.py)",
     )
+    p.add_argument(
+        "--replica-sample",
+        type=float,
+        default=1.0,
+        help="share of replicated tensors compared across ranks per save (default 1.0: all)",
+    )
     p.add_argument("--keep-last", type=int, default=None, help="keep the N newest checkpoints")
     p.add_argument("--milestone-every", type=int, default=None, help="keep every M-th step forever")
     p.add_argument("--d-model", type=int, default=64)
@@ -214,6 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 NOT_CONFIG = (
     "ckpt_dir",
     "value_checks",
+    "replica_sample",
     "loss_log",
     "crash_at_step",
     "async_save",
@@ -295,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_dir=args.memory_dir,
         memory_keep=args.memory_keep,
         value_checks=args.value_checks,
+        replica_sample=args.replica_sample,
         **({} if args.lock is None else {"lock": args.lock}),  # None: DCKPT_LOCK decides
     )
     run_config = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}

@@ -63,6 +63,7 @@ def _doc(
             "sync": _trainer(0.6, 0.6),
             "async": _trainer(async_extra, async_printed, check_s=check_s),
             "nocheck": _trainer(unchecked_extra, async_printed),
+            "sampled": _trainer(unchecked_extra, async_printed, check_s=check_s / 4),
             "auto": _trainer(async_extra, async_printed),
             "dcp": {"seconds": [1.0, 1.2, 0.8], "disk_s": [0.5, 0.5, 0.5], "bytes": 1000},
         }
@@ -89,6 +90,8 @@ def test_cost_per_save_is_read_from_the_step_records(bench: ModuleType) -> None:
     text = bench.render(doc)
     assert "| dckpt, background | 0.300 s | 0.30 |" in text and "PASS" in text
     assert "0.100 s of the background save's 2.000 s (5.0%" in text
+    assert f["sampled_checks_per_background"] == pytest.approx(0.0125)
+    assert "With replica_sample=0.25 (each replica compared once every 4 saves)" in text
 
 
 def test_a_cost_over_the_limits_and_a_wrong_printed_figure_fail(bench: ModuleType) -> None:

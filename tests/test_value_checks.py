@@ -362,3 +362,20 @@ def test_a_replicated_dtensor_shard_that_differs_fails_the_save(tmp_path: Path) 
         assert "extra.h.rep" in r["error"] and "ranks [1] hold x:" in r["error"]
         assert "extra.h.shard" not in r["error"]
     assert committed_steps(tmp_path) == [1]
+
+
+def test_a_sampled_replica_check_compares_each_tensor_once_every_k_saves() -> None:
+    import dckpt
+    from dckpt.save.value_checks import Inspection
+
+    names = [f"model.{i}.weight" for i in range(40)]
+    seen: list[str] = []
+    for save in (7, 8, 9, 10):  # four saves with k = 4: every name exactly once
+        checks = Inspection(replicas=True, finite=True, sample=(save, 4))
+        for name in names:
+            checks.host(name, torch.ones(3), replica=name, finite=True)
+        seen += checks.findings().replicas
+    assert sorted(seen) == sorted(names)
+    assert dckpt.CheckpointConfig(root="/tmp/x", replica_sample=0.25).replica_every == 4
+    with pytest.raises(ValueError, match="replica_sample must be in"):
+        dckpt.CheckpointConfig(root="/tmp/x", replica_sample=0)

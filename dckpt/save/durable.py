@@ -96,6 +96,8 @@ class DurableRoute:
         """The job's store, for a save's ``StopFlag``."""
         self.last_bytes = 0
         """The previous committed save's size: the next one's estimate."""
+        self._snapshots = 0
+        """Saves this route took a snapshot for (which replicas ``replica_sample`` compares)."""
 
     def snapshot(
         self, state_dict: dict[str, Any], *, step: int, save_id: str, asynchronous: bool,
@@ -104,7 +106,12 @@ class DurableRoute:
         if self.rank == 0:
             self._check_free_space(step, state_dict)
         on = self.config.value_checks  # allow_nonfinite decides at the commit, not here
-        checks = Inspection(replicas=on and self.config.replica_check != "off", finite=on)
+        self._snapshots += 1  # every rank counts alike: save() is called in one order
+        checks = Inspection(
+            replicas=on and self.config.replica_check != "off",
+            finite=on,
+            sample=(self._snapshots, self.config.replica_every),
+        )
         if asynchronous:
             return self.stager.snapshot(state_dict, self._deferred(), checks)
         return self.stager.live(state_dict, checks)  # the caller waits for the commit

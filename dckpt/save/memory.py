@@ -134,6 +134,7 @@ class MemoryRoute:
         slots: layout.Slots,
         replica_check: bool = True,
         finite_check: bool = True,
+        replica_every: int = 1,
     ) -> None:
         self.io = io
         self.strategy = strategy
@@ -148,6 +149,8 @@ class MemoryRoute:
         self.timeout_s = timeout_s
         self.replica_check = replica_check
         self.finite_check = finite_check
+        self.replica_every = replica_every
+        self._snapshots = 0
         self.slots = slots
         """This rank's files in its node's memory, mapped once (shared with the resume)."""
         self.name = layout.file_name(self.rank)
@@ -167,6 +170,7 @@ class MemoryRoute:
         """Copy this rank's state into its memory file (the snapshot). A memory file system
         too small for it raises StorageError, and nothing durable is touched."""
         self._named = None
+        self._snapshots += 1  # first: every rank counts alike, whatever fails below
         final = layout.own_dir(self.dir) / step_dir_name(step) / self.name
         part = final.with_name(layout.part_name(self.name, save_id))
         sig, sizes = signature(state_dict)
@@ -203,7 +207,11 @@ class MemoryRoute:
         """In save(): the value checks that must see the live state (GPU tensors, queued on
         the training stream; host tensors another rank's file holds; non-tensor values), and
         the host tensors whose checks read the file in the background."""
-        checks = Inspection(replicas=self.replica_check, finite=self.finite_check)
+        checks = Inspection(
+            replicas=self.replica_check,
+            finite=self.finite_check,
+            sample=(self._snapshots, self.replica_every),
+        )
         flat, _ = flatten_state_dict(state_dict)
         keys = {
             k: key

@@ -202,9 +202,12 @@ def _finite(pair: tuple[float, float]) -> bool:
 class Inspection:
     """One save's checks on one rank; see the module docstring."""
 
-    def __init__(self, *, replicas: bool, finite: bool) -> None:
+    def __init__(self, *, replicas: bool, finite: bool, sample: tuple[int, int] = (0, 1)) -> None:
         self.replicas = replicas
         self.finite = finite
+        self.sample = sample
+        """(this save's index, k): a replicated tensor is compared in one save of every k,
+        the same one on every rank (its key's hash mod k); k = 1: in every save."""
         self._digests: dict[str, str] = {}
         self._nonfinite: dict[str, str] = {}
         self._device_prints: dict[str, tuple[bytes, torch.Tensor]] = {}
@@ -244,8 +247,15 @@ class Inspection:
         log.debug("dckpt: %s cannot be checked (%r); it is saved unchecked", name, exc)
         self.unchecked.append(name)
 
+    def _sampled(self, replica: str | None) -> bool:
+        index, k = self.sample
+        if replica is None or not self.replicas:
+            return False
+        return k == 1 or xxhash.xxh3_64_intdigest(replica.encode()) % k == index % k
+
     def _host(self, name: str, t: torch.Tensor, *, replica: str | None, finite: bool) -> None:
-        if replica is not None and self.replicas:
+        if self._sampled(replica):
+            assert replica is not None
             self._digests[replica] = host_digest(t)
         floats = _floats(t) if finite and self.finite and t.numel() else None
         if floats is not None:
@@ -257,7 +267,8 @@ class Inspection:
 
     def _device(self, name: str, t: torch.Tensor, *, replica: str | None, finite: bool) -> None:
         queued = False
-        if replica is not None and self.replicas:
+        if self._sampled(replica):
+            assert replica is not None
             self._device_prints[replica] = (_shape(t), _fingerprint(t))
             queued = True
         floats = _floats(t) if finite and self.finite and t.numel() else None
