@@ -19,6 +19,7 @@ with ``versions.torch = "2.15.0"``, as a 2.15 run would have left it:
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 import shutil
 from collections.abc import Iterator
@@ -297,3 +298,28 @@ def test_which_failures_under_another_torch_are_called_incompatible() -> None:
     oom = RuntimeError("CUDA out of memory")
     assert incompatible_torch({"torch": "2.99.0"}, source, oom, format_errors_only=True) is None
     assert incompatible_torch({"torch": "2.99.0"}, source, broken, format_errors_only=True)
+
+
+def test_verify_deep_calls_a_newer_torchs_checkpoint_unreadable_not_damaged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dckpt verify --deep``: every byte of a step another torch wrote hashes right, and
+    its metadata is refused as unreadable here (exit 4), not failed as damage (exit 3)."""
+    import dckpt
+    from dckpt.cli import main
+    from dckpt.root.verify import read_verification
+
+    model = nn.Linear(3, 2)
+    with dckpt.CheckpointManager(tmp_path, dckpt.TrainState(model)) as mgr:
+        mgr.save(7).result()
+    step = tmp_path / "step-00000007"
+    as_written_by_torch_2_15(step)
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path), "--deep", "--json"]) == 4
+    (checked,) = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert checked["ok"] and checked["problems"] == []
+    assert f"written by torch {NEWER}" in checked["incompatible"]
+    recorded = read_verification(step, read_manifest(step).files_digest)
+    assert recorded is not None and recorded["ok"]  # its bytes are intact
+    assert main(["verify", str(tmp_path), "--deep"]) == 4
+    assert "UNREADABLE BY THIS TORCH  step-00000007" in capsys.readouterr().out

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..tiers.object_root import ObjectRoot
 
 __all__ = [
+    "EXIT_INCOMPATIBLE",
     "EXIT_INTEGRITY",
     "EXIT_OK",
     "EXIT_USAGE",
@@ -35,7 +36,7 @@ __all__ = [
     "root_arg",
 ]
 
-EXIT_OK, EXIT_USAGE, EXIT_INTEGRITY = 0, 2, 3
+EXIT_OK, EXIT_USAGE, EXIT_INTEGRITY, EXIT_INCOMPATIBLE = 0, 2, 3, 4
 
 # Piped output (logs, CI, `make demo`) gets a wide table instead of rich's 80 columns.
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)

@@ -37,6 +37,7 @@ from ..root.verify import VerifyResult, read_verification, record_verification, 
 from ..save.step_clock import describe_cost
 from ..units import describe_staging
 from .common import (
+    EXIT_INCOMPATIBLE,
     EXIT_INTEGRITY,
     EXIT_OK,
     EXIT_USAGE,
@@ -234,6 +235,7 @@ def _verify_json(result: VerifyResult) -> dict[str, Any]:
         "step": result.step,
         "path": result.where or str(result.step_dir),
         "ok": result.ok,
+        "incompatible": result.incompatible,
         "files_checked": result.files_checked,
         "bytes_checked": result.bytes_checked,
         "problems": [
@@ -285,6 +287,8 @@ def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
                 out.print(
                     f"OK      {label}: {plural(r.files_checked, 'file')}, {human(r.bytes_checked)}"
                 )
+            if r.incompatible is not None:
+                out.print(f"UNREADABLE BY THIS TORCH  {label}: {r.incompatible}")
             for p in r.problems:
                 detail = f" (expected {p.expected}, got {p.actual})" if p.expected else ""
                 out.print(f"FAILED  {label}: {p.path}: {p.error}{detail}")
@@ -294,7 +298,9 @@ def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
                 "resume() quarantines them and falls back to the newest good one; check the "
                 "storage for bit rot."
             )
-    return EXIT_OK if ok else EXIT_INTEGRITY
+    if not ok:
+        return EXIT_INTEGRITY
+    return EXIT_INCOMPATIBLE if any(r.incompatible for r in results) else EXIT_OK
 
 
 # --- inspect -------------------------------------------------------------------------------

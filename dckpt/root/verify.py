@@ -51,6 +51,9 @@ class VerifyResult:
     problems: list[FileProblem] = field(default_factory=list)
     where: str = ""
     """Where the checkpoint lives when not at ``step_dir`` (an object store's URL)."""
+    incompatible: str | None = None
+    """``deep``: why this torch cannot read the checkpoint's DCP metadata, which another
+    torch wrote (not damage: every byte hashed right), else None."""
 
     @property
     def ok(self) -> bool:
@@ -107,26 +110,33 @@ def verify_checkpoint(
             pool.map(lambda rec: _check_file(step_dir / rec.path, rec, progress), manifest.files)
         )
     problems = [p for p in found if p is not None]
+    incompatible = None
     if deep and not problems:
-        problems.extend(_check_metadata(step_dir, manifest))
+        more, incompatible = _check_metadata(step_dir, manifest)
+        problems.extend(more)
     return VerifyResult(
         step_dir=step_dir,
         step=manifest.step,
         files_checked=len(manifest.files),
         bytes_checked=manifest.total_bytes,
         problems=problems,
+        incompatible=incompatible,
     )
 
 
-def _check_metadata(step_dir: Path, manifest: Manifest) -> list[FileProblem]:
-    from ..errors import CheckpointError
+def _check_metadata(step_dir: Path, manifest: Manifest) -> tuple[list[FileProblem], str | None]:
+    """Problems of the DCP metadata (damage), or why this torch cannot read it (not damage)."""
+    from ..errors import CheckpointError, IncompatibleCheckpointError
     from ..storage.verifying_reader import VerifyingReader  # imports torch: only when asked
 
     try:
         VerifyingReader(step_dir, manifest.file_map(), versions=manifest.versions).load_metadata()
+    except IncompatibleCheckpointError as exc:
+        return [], str(exc)
     except CheckpointError as exc:
-        return [FileProblem(path=str(getattr(exc, "path", step_dir / ".metadata")), error=str(exc))]
-    return []
+        path = str(getattr(exc, "path", step_dir / ".metadata"))
+        return [FileProblem(path=path, error=str(exc))], None
+    return [], None
 
 
 def _record_path(step_dir: Path) -> Path:
