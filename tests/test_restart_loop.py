@@ -288,3 +288,32 @@ def test_an_s3_root_records_and_quarantines_in_the_bucket(
     shown = {(e["step"], e["status"]): e for e in json.loads(_ls(root, "--json", capsys=capsys))}
     assert shown[(8, "quarantined")]["resumed"] == "2 failed"
     assert shown[(4, "committed")]["resumed"] == "ok"
+
+
+def test_a_loop_right_after_another_is_refused_not_walked_back(saved: Path, tmp_path: Path) -> None:
+    """Step 8 loops and is set aside; step 4 then fails on two starts too, no resume passing
+    in between: the next start refuses (a cause outside the checkpoints), quarantining
+    nothing more. Once a resume passed, a later loop is set aside as usual."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    for attempt in (1, 2):
+        _world(str(root), attempt=attempt)  # 8: NaN twice
+    for attempt in (3, 4):  # 8 set aside at 3; 4 fails at 3 and at 4
+        for r in _world(str(root), attempt=attempt, nan_from=4):
+            assert r["step"] == 4 and "is not finite" in (r["raised"] or ""), r
+    for r in _world(str(root), attempt=5, nan_from=4):
+        refused = r["refused"]
+        assert "step 4 (root) is a restart loop too (resumed twice (attempts 3, 4)" in refused
+        assert "right after step 8 was set aside as one" in refused
+        assert f"{RESUMES_DIR}/step-00000004.json" in refused
+    assert committed_steps(root) == [4]  # 4 stays where it is
+    assert [e.step for e in list_checkpoints(root) if e.status == "quarantined"] == [8]
+    # The cause fixed and 4's records removed: it resumes, passes, and the run saves step 6;
+    # a later loop of 6 then follows a pass, and is set aside as usual.
+    (root / RESUMES_DIR / "step-00000004.json").unlink()
+    for r in _world(str(root), attempt=6, nan_from=-1, steps=3, saves=[6]):
+        assert r["step"] == 4 and r["raised"] is None and r["end"] == 7, r
+    for attempt in (7, 8):
+        _world(str(root), attempt=attempt, nan_from=6)
+    for r in _world(str(root), attempt=9, nan_from=-1):
+        assert r["step"] == 4 and "restart loop: step 6 quarantined" in r["report"], r

@@ -52,7 +52,9 @@ are proven) with a reader (how a proven candidate gets into the state), built by
    loop is quarantined the same way, before it is loaded, with the reason ("resumed twice
    (attempts 3, 4) and the loss watch failed both times: ..."), on a line of its own in the
    report, and the next candidate is tried (``fallback=False`` raises instead;
-   ``loss_watch="off"`` looks for none);
+   ``loss_watch="off"`` looks for none); a restart loop right after another was set aside,
+   with no resume passing in between, is refused instead (a cause outside the checkpoints:
+   quarantining the next would only walk the run back);
 7. **warmup**: an all-reduce on the training group, whose result every rank checks;
 8. **loss watch**: armed with the loss recorded at save time (a checkpoint without one: only
    a non-finite loss fails); ``observe()`` compares the next losses with it, and rank 0
@@ -225,7 +227,7 @@ class Resumer:
         self, fallback: bool, skipped: list[tuple[int, str]], looped: list[tuple[int, str]]
     ) -> ResumeReport:
         t0 = time.perf_counter()
-        candidates, loops = self._candidates()  # 1
+        candidates, loops, cascades = self._candidates()  # 1
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
         passed: list[str] = []
@@ -235,6 +237,8 @@ class Resumer:
             tier = self.tiers[index]
             loop = loops.get((step, index))
             if loop is not None:  # 6: a restart loop, set aside before any of it is read
+                if (step, index) in cascades:
+                    self._refuse_cascade(tier, step, loop, cascades[(step, index)])
                 self._restart_loop(tier, step, loop, fallback)
                 looped.append((step, loop))
                 continue
@@ -363,12 +367,15 @@ class Resumer:
     def _path(self, tier: ResumeTier, step: int) -> Path:
         return tier.source.local / step_dir_name(step)
 
-    def _candidates(self) -> tuple[list[tuple[int, int]], dict[tuple[int, int], str]]:
+    def _candidates(
+        self,
+    ) -> tuple[list[tuple[int, int]], dict[tuple[int, int], str], dict[tuple[int, int], int]]:
         """Every tier's committed steps as (step, tier index), newest first, ties to the
-        tier listed first; and the restart loops among them, with their reasons (one
-        broadcast for both)."""
+        tier listed first; the restart loops among them, with their reasons, and those that
+        continue a loop set aside before, by the step it set aside (one broadcast)."""
         listing: list[tuple[int, int]] | CheckpointError = []
         loops: dict[tuple[int, int], str] = {}
+        cascades: dict[tuple[int, int], int] = {}
         if self.rank == 0:
             try:
                 listing = sorted(
@@ -380,20 +387,25 @@ class Resumer:
             except CheckpointError as exc:
                 listing = exc
             else:
-                loops = self._restart_loops(listing)
-        listing, loops = self._ctl.broadcast((listing, loops))
+                loops, cascades = self._restart_loops(listing)
+        listing, loops, cascades = self._ctl.broadcast((listing, loops, cascades))
         if isinstance(listing, CheckpointError):
             raise listing
-        return listing, loops
+        return listing, loops, cascades
 
-    def _restart_loops(self, listing: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    def _restart_loops(
+        self, listing: list[tuple[int, int]]
+    ) -> tuple[dict[tuple[int, int], str], dict[tuple[int, int], int]]:
         """Rank 0: the candidates whose own records (their tier, their save id) end in
         failed loss watches from two starts; see dckpt.root.resume_record. One listing of
         the records, one read per candidate that has any, a manifest read per suspect.
-        Records that cannot be read are logged and looked past: they guard, never block."""
+        Records that cannot be read are logged and looked past: they guard, never block.
+        Also the loops that continue one set aside before (``_continued``), by the step it
+        set aside: those are refused, not quarantined."""
         if self.records is None or self._config.loss_watch == "off" or not listing:
-            return {}
+            return {}, {}
         loops: dict[tuple[int, int], str] = {}
+        cascades: dict[tuple[int, int], int] = {}
         try:
             recorded = set(self.records.steps())
             for step, index in listing:
@@ -407,9 +419,14 @@ class Resumer:
                     save_id = tier.source.save_id(step)
                 except (OSError, ValueError, CheckpointError):
                     continue  # its manifest is unreadable: the load says why
-                reason = restart_loop([r for r in mine if r.save_id == save_id])
+                same = [r for r in mine if r.save_id == save_id]
+                reason = restart_loop(same)
                 if reason is not None:
                     loops[(step, index)] = reason
+                    listed = {s for s, _ in listing}
+                    before = self._continued(step, failed_in_a_row(same), recorded, listed)
+                    if before is not None:
+                        cascades[(step, index)] = before
         except (OSError, ValueError, CheckpointError) as exc:
             log.warning(
                 "dckpt resume: cannot read the resume records in %s (%s); no restart loop is "
@@ -417,7 +434,49 @@ class Resumer:
                 self.records,
                 exc,
             )
-        return loops
+        return loops, cascades
+
+    def _continued(
+        self, step: int, row: list[ResumeRecord], recorded: set[int], listed: set[int]
+    ) -> int | None:
+        """Rank 0: the newer step a restart loop set aside (its records end in one, and it
+        is no longer a candidate) whose last failure came before every failure of ``step``'s
+        row, with no resume of any step passing in between; None if there is none. Then
+        ``step``'s failures continue that loop: checkpoint after checkpoint failing alike
+        points at a cause outside them, and quarantining the next would only walk the run
+        back. Reads every step's records, but only here, once a loop was found."""
+        newer = sorted((s for s in recorded if s > step and s not in listed), reverse=True)
+        if not newer or not row:
+            return None
+        first = min(r.time for r in row)
+        kept = {s: self.records.read(s) for s in recorded} if self.records is not None else {}
+        for later in newer:
+            groups: dict[tuple[str, str], list[ResumeRecord]] = {}
+            for record in kept.get(later, []):
+                groups.setdefault((record.tier, record.save_id), []).append(record)
+            for group in groups.values():
+                if restart_loop(group) is None:
+                    continue
+                aside = max(r.time for r in group if not r.ok)
+                recovered = any(
+                    r.ok and aside < r.time < first for records in kept.values() for r in records
+                )
+                if aside <= first and not recovered:
+                    return later
+        return None
+
+    def _refuse_cascade(self, tier: ResumeTier, step: int, loop: str, before: int) -> None:
+        """A restart loop right after another was set aside: refused on every rank."""
+        where = "" if self.records is None else self.records.where(step)
+        raise CheckpointError(
+            f"step {step} ({tier.name}) is a restart loop too ({loop}), right after step "
+            f"{before} was set aside as one, with no resume passing in between. Checkpoint "
+            "after checkpoint failing alike points at a cause outside them (a faulty node or "
+            "GPU, the data, a change to the code or the config), so nothing more is "
+            "quarantined and this resume is refused. Fix the cause, then restart: to resume "
+            f"step {step} again, remove its resume records ({where}); step {before} is in "
+            "quarantine/ with its reason"
+        )
 
     def _restart_loop(self, tier: ResumeTier, step: int, loop: str, fallback: bool) -> None:
         """Step 6 for a restart loop: quarantined with its reason (or, without fallback, the
