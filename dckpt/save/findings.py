@@ -124,8 +124,8 @@ def judge(
                 "checkpoint would hold one rank's copy and lose the others. A rank whose copy "
                 "is the odd one out may have a faulty device (silent data corruption); if the "
                 "values are meant to differ per rank (experts, per-rank counters), save them "
-                "as DTensor shards or in a dckpt.PerRank. replica_check='warn' saves anyway "
-                "and marks the step"
+                "as DTensor shards or in a dckpt.PerRank. CheckpointConfig(replica_check="
+                "'warn') saves anyway and marks the step"
             )
         else:
             warnings.append(
@@ -144,9 +144,9 @@ def judge(
                 f"{len(nonfinite)} tensor(s) hold values that are not finite: {said}. Saved, "
                 "this step would become the newest and push finite checkpoints out; the run "
                 "has likely diverged (check the learning rate, the loss scale, the data). "
-                "Resume from the last finite step, or pass allow_nonfinite=True to save such "
-                "a step anyway (it is marked, and retention keeps the newest finite step "
-                "beside it)"
+                "Resume from the last finite step, or set CheckpointConfig(allow_nonfinite=True) "
+                "to save such a step anyway (it is marked, and retention keeps the newest "
+                "finite step beside it)"
             )
         else:
             warnings.append(
