@@ -41,6 +41,7 @@ but the returned re-save is not durable.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -234,8 +235,10 @@ def test_crashsim_on_a_synthetic_trace(tmp_path: Path) -> None:
     sim = CrashSim(final, initial, ops)
     sim.check_final(final)
 
+    made = itertools.count()  # id(state) is reused once a state is freed: names collided
+
     def tree(state: CrashState) -> dict[str, bytes | None]:
-        root = sim.materialize(state, tmp_path / f"s-{state.after}-{state.pending}-{id(state)}")
+        root = sim.materialize(state, tmp_path / f"s-{state.after}-{next(made)}")
         return {
             p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes()
             for p in sorted(root.rglob("*"))
@@ -287,8 +290,10 @@ def test_crashsim_models_rename_exchange(tmp_path: Path) -> None:
     sim = CrashSim(final, initial, ops)
     sim.check_final(final)
 
+    made = itertools.count()  # id(state) is reused once a state is freed: names collided
+
     def tree(state: CrashState) -> dict[str, bytes | None]:
-        root = sim.materialize(state, tmp_path / f"s-{state.after}-{state.pending}-{id(state)}")
+        root = sim.materialize(state, tmp_path / f"s-{state.after}-{next(made)}")
         return {
             p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes()
             for p in sorted(root.rglob("*"))
