@@ -618,6 +618,26 @@ def write_json(name: str, doc: dict[str, Any]) -> Path:
     return write_result(name, "json", json.dumps(doc, indent=2) + "\n")
 
 
+def raw_get_then_dcp_load(
+    client: Any, bucket: str, prefix: str, into: Path, state: Any, transfer: Any
+) -> None:
+    """The s3 benches' reference load: each rank downloads its share of step 2's objects
+    (boto3, no digest), then ``dcp.load`` of model and optimizer from the local copy (no
+    verification)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    step = f"{prefix}/step-00000002/"
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=step)["Contents"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, key in enumerate(keys):
+        if i % world == rank and not key.endswith("manifest.json"):
+            client.download_file(bucket, key, str(into / key[len(step) :]), Config=transfer)
+    dist.barrier()
+    full = state.state_dict()
+    dcp_load({"model": full["model"], "optimizer": full["optimizer"]}, checkpoint_id=str(into))
+
+
 def start_moto(pin: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     """moto's standalone S3 server on a free port of 127.0.0.1 (``pin``: on CPU 1 alone, so
     it does not share a core with the ranks); the process and its endpoint."""

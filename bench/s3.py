@@ -42,8 +42,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
 
@@ -52,24 +50,6 @@ METHODS = ("raw_put", "dckpt_save", "raw_get", "dckpt_load", "raw_put_one", "raw
 
 def _save_now(mgr: Any) -> None:
     mgr.save(2).result()
-
-
-def _raw_get_then_dcp_load(
-    client: Any, bucket: str, prefix: str, into: Path, state: Any, transfer: Any
-) -> None:
-    """Each rank downloads its share of the step's objects (boto3, no digest), then
-    ``dcp.load`` of model and optimizer from the local copy (no verification)."""
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-    step = f"{prefix}/step-00000002/"
-    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=step)["Contents"])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for i, key in enumerate(keys):
-        if i % world == rank and not key.endswith("manifest.json"):
-            client.download_file(bucket, key, str(into / key[len(step) :]), Config=transfer)
-    dist.barrier()
-    full = state.state_dict()
-    dcp_load({"model": full["model"], "optimizer": full["optimizer"]}, checkpoint_id=str(into))
 
 
 def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +127,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 into = base / f"rawload-{tag}"
                 ranks.on_rank0(functools.partial(into.mkdir, parents=True, exist_ok=True))
                 job = functools.partial(
-                    _raw_get_then_dcp_load, client, bucket, f"{tag}-load", into, state, transfer
+                    h.raw_get_then_dcp_load, client, bucket, f"{tag}-load", into, state, transfer
                 )
                 times[method].append(ranks.timed(job))
                 ranks.cleanup(into)

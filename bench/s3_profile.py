@@ -267,27 +267,19 @@ def _wait_for(path: Path) -> None:
         time.sleep(POLL_S)
 
 
+def _await_rank(path: Path, result: dict[str, Any]) -> Path:
+    """The driver's wait for a rank's file; a rank's error, once the world reported one."""
+    while not path.exists():
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        time.sleep(POLL_S)
+    return path
+
+
 def _write(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
-
-
-def _raw_get_then_dcp_load(
-    client: Any, bucket: str, prefix: str, into: Path, state: Any, transfer: Any
-) -> None:
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-    step = f"{prefix}/step-00000002/"
-    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=step)["Contents"])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for i, key in enumerate(keys):
-        if i % world == rank and not key.endswith("manifest.json"):
-            client.download_file(bucket, key, str(into / key[len(step) :]), Config=transfer)
-    dist.barrier()
-    full = state.state_dict()
-    dcp_load({"model": full["model"], "optimizer": full["optimizer"]}, checkpoint_id=str(into))
 
 
 def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -378,7 +370,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 into = base / f"rawload-{i}"
                 ranks.on_rank0(functools.partial(into.mkdir, parents=True, exist_ok=True))
                 fn = functools.partial(
-                    _raw_get_then_dcp_load, client, bucket, "load", into, state, transfer
+                    h.raw_get_then_dcp_load, client, bucket, "load", into, state, transfer
                 )
                 after = into
             ranks.prepare()
@@ -478,11 +470,7 @@ def drive(
     for i, (phase, profiled) in enumerate(plan):
         ready = []
         for r in range(args.world_size):
-            path = ctl / f"ready-{i}-{r}"
-            while not path.exists():
-                if "error" in result:
-                    raise RuntimeError(result["error"])
-                time.sleep(POLL_S)
+            path = _await_rank(ctl / f"ready-{i}-{r}", result)
             ready.append(json.loads(path.read_text())["pid"])
         procs = {"moto": server.pid, **{f"rank{r}": pid for r, pid in enumerate(ready)}}
         with contextlib.suppress(psutil.Error):  # a werkzeug child, if any
@@ -509,11 +497,7 @@ def drive(
         t0 = time.perf_counter()
         (ctl / f"go-{i}").touch()
         for r in range(args.world_size):
-            path = ctl / f"done-{i}-{r}"
-            while not path.exists():
-                if "error" in result:
-                    raise RuntimeError(result["error"])
-                time.sleep(POLL_S)
+            _await_rank(ctl / f"done-{i}-{r}", result)
         window = time.perf_counter() - t0
         m1 = _machine()
         after = {n: _cpu(pid) for n, pid in watched.items()}
