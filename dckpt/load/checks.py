@@ -50,7 +50,7 @@ from ..root.manifest import (
     read_manifest,
 )
 from ..root.source import CheckpointSource, Fetched
-from ..storage.safe_unpickle import torch_release
+from ..storage.safe_unpickle import public_version, torch_release
 from ..storage.verified_files import open_verified
 from ..storage.verifying_reader import VerifyingReader
 from ..train.precision import PrecisionPolicy, check_scaler
@@ -243,7 +243,7 @@ def check_versions(versions: Mapping[str, object], report: CandidateReport) -> N
     an uninterrupted one). Nothing when the release is the same: a local build tag
     (``+cpu``, ``+cu130``) is the same release."""
     theirs, ours = versions.get("torch"), str(torch.__version__)
-    if not isinstance(theirs, str) or _public(theirs) == _public(ours):
+    if not isinstance(theirs, str) or public_version(theirs) == public_version(ours):
         return
     wrote, runs = torch_release(theirs), torch_release(ours)
     which = "another"
@@ -254,10 +254,6 @@ def check_versions(versions: Mapping[str, object], report: CandidateReport) -> N
         "read and checked fine): numerics may differ from an uninterrupted run on the torch "
         "that saved it"
     )
-
-
-def _public(version: str) -> str:
-    return version.split("+", 1)[0]
 
 
 def _newer_format(

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import IncompatibleCheckpointError, ManifestError
 
-__all__ = ["incompatible_torch", "load_dcp_metadata", "torch_release"]
+__all__ = ["incompatible_torch", "load_dcp_metadata", "public_version", "torch_release"]
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset(
@@ -110,7 +110,7 @@ memory, a timeout or a state that does not fit is a RuntimeError or a dckpt erro
 stays what it is."""
 
 
-def _public(version: object) -> str | None:
+def public_version(version: object) -> str | None:
     """A torch version without its local build tag ("2.13.0+cpu" → "2.13.0")."""
     return version.split("+", 1)[0] if isinstance(version, str) and version else None
 
@@ -139,7 +139,7 @@ def incompatible_torch(
     if not writer or (format_errors_only and not _format_like(failure)):
         return None
     theirs, ours = writer.get("torch"), str(torch.__version__)
-    if _public(theirs) is None or _public(theirs) == _public(ours):
+    if public_version(theirs) is None or public_version(theirs) == public_version(ours):
         return None
     wrote, runs = torch_release(theirs), torch_release(ours)
     if wrote is None or runs is None:
