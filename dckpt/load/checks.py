@@ -419,11 +419,20 @@ def check_shapes(state_dict: dict[str, Any], reader: VerifyingReader, name: str)
         if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
             continue
         if tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
+            # A dtype changed alone is most often a cast (``model.to(torch.bfloat16)``): say
+            # so, and what the saving run did instead.
+            hint = (
+                f" Only the dtype differs: build the model in {meta.properties.dtype} as the "
+                "run that saved it did (for lower-precision math use autocast, e.g. "
+                "dckpt.PrecisionPolicy, with the weights left as they were saved)."
+                if tuple(meta.size) == tuple(value.shape)
+                else ""
+            )
             raise StateMismatchError(
                 f"tensor {fqn}: {name} holds {tuple(meta.size)} {meta.properties.dtype}, "
                 f"the object being restored has {tuple(value.shape)} {value.dtype}. The "
                 "model or optimizer is built differently from the run that saved it "
-                "(check the config); the checkpoint is not damaged."
+                "(check the config); the checkpoint is not damaged; nothing was loaded." + hint
             )
 
 

@@ -80,15 +80,20 @@ class DurableReader:
         state_dict = state.state_dict()
         if manifest.world_size != self.world_size:
             checks.resolve_per_rank(state, state_dict, manifest.world_size, name, report)
+        refused: CheckpointError | None = None
         try:
             checks.check_shapes(state_dict, reader, name)
-        except CheckpointError:
-            raise
+        except CheckpointError as exc:
+            refused = exc
         except Exception as exc:  # metadata objects of another torch, short of a field
-            refusal = incompatible_torch(manifest.versions, str(path / METADATA_FILE), exc)
-            if refusal is None:
+            refused = incompatible_torch(manifest.versions, str(path / METADATA_FILE), exc)
+            if refused is None:
                 raise
-            raise refusal from exc
+            refused.__cause__ = exc
+        # Each rank checks its own tensors, and they need not be alike (a PerRank value, a
+        # rank whose model was built differently): a refusal on one rank is raised on every
+        # rank here, before DCP's load, whose collectives the refusing rank would never join.
+        checks.raise_first(self.ctl, refused)
         saved = set(manifest.state)
         same_world = manifest.world_size == self.world_size and "rng" in saved
         if same_world:
