@@ -24,7 +24,9 @@ takes these steps, on every rank, each failure said on every rank:
 4. **config and state** (``MemoryReader.load``): the same checks as a durable checkpoint's
    (dckpt.load.checks), then each rank matches every live tensor to its bytes by name, shape
    and dtype (``StateFill``, writing nothing), the ranks agree, and only then does each copy
-   its tensors in, restore its non-tensor values and its RNG.
+   its tensors in, restore its non-tensor values and its RNG. A proven file whose header
+   does not describe it (a span past its end, a length its shape does not have) is damage
+   (``ManifestError``), not a changed state.
 
 Invariants: no byte of a memory file is interpreted before its digest matched the manifest
 from the root's ledger; ranks never mix steps or tiers (every choice is a collective).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import stat
@@ -505,6 +508,8 @@ class MemoryReader:
                 if name not in maps:  # proven by another rank of this node
                     maps[name] = _map(path, identity)
             fill = self._prepare(step, manifest, maps)
+        except ManifestError as exc:  # a header that does not describe its file: damage
+            failure = exc
         except (MemoryFileError, CheckpointError, OSError) as exc:
             failure = StateMismatchError(f"rank {self.rank}: {exc}")
         try:
@@ -550,8 +555,12 @@ class MemoryReader:
             maps = {own: maps[own]}
         state_dict = self.state.state_dict()
         state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
-        mine = FlatFile(maps[own], f"rank {self.rank}'s memory file of step {step}")
-        others = [FlatFile(mm, f"{n} of memory step {step}") for n, mm in maps.items() if n != own]
+        mine = _flat_file(maps[own], f"rank {self.rank}'s memory file of step {step}", self.rank)
+        others = [
+            _flat_file(mm, f"{n} of memory step {step}", self.rank)
+            for n, mm in maps.items()
+            if n != own
+        ]
         return StateFill(state_dict, mine, others)
 
     def _record_restore(self, step: int, manifest: Manifest, seconds: float, origin: str) -> None:
@@ -569,6 +578,31 @@ class MemoryReader:
             part = self.source.dir / f".{layout.RESTORE_FILE}.part"
             part.write_text(json.dumps(record))
             os.replace(part, self.source.dir / layout.RESTORE_FILE)
+
+
+def _flat_file(buf: mmap.mmap, source: str, rank: int) -> FlatFile:
+    """The header of a file proven against the writer's digest, checked to describe its
+    bytes: every span inside the file (FlatFile's own check) and every tensor's length that
+    of its shape and dtype. A header that fails is damage (ManifestError: the record is
+    quarantined and the resume falls back), not a state that changed: the file hashed right,
+    so every copy of it is the same wrong file (written wrong, or re-sealed by other hands).
+    Before this, such a file refused the whole resume (StateMismatchError), or, for a length
+    that disagreed with its shape, crashed in the copy after the ranks had agreed."""
+    try:
+        flat = FlatFile(buf, source)
+    except MemoryFileError as exc:
+        raise ManifestError(
+            f"rank {rank}: {exc}: its bytes match the writer's digest, but its header does not "
+            "describe them"
+        ) from None
+    for key, dtype, shape, _offset, nbytes in flat.rows:
+        if any(d < 0 for d in shape) or nbytes != math.prod(shape) * dtype.itemsize:
+            raise ManifestError(
+                f"rank {rank}: {source}: {key} is recorded as {nbytes} bytes of "
+                f"{dtype}{shape}: its bytes match the writer's digest, but its header does not "
+                "describe them"
+            )
+    return flat
 
 
 def _allocate(claims: list[Claim | None]) -> None:

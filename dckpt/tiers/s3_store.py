@@ -491,7 +491,16 @@ class S3Store:
         reason: BaseException = ConnectionError("no attempt made")
         for attempt in range(self.attempts):
             try:
-                resp = self.client.get_object(Bucket=self.url.bucket, Key=key, Range=byte_range)
+                try:
+                    resp = self.client.get_object(Bucket=self.url.bucket, Key=key, Range=byte_range)
+                except broken as exc:
+                    # The request itself failed (a dropped connection, no answer in time):
+                    # botocore's standard mode has retried it already, `attempts` requests in
+                    # all. This loop's tries are for a body that broke off after an answer;
+                    # another round of botocore's here made attempts * attempts requests (64
+                    # by default) and an error that said `attempts`.
+                    tries = attempt + self.attempts
+                    raise self.fail(exc, key, "downloading", tries=tries) from exc
                 total = _total_size(resp)
                 if total is not None and total != size:
                     resp["Body"].close()
