@@ -75,7 +75,12 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
 
     def config(root: Path, memory: bool) -> Any:
         return dckpt.CheckpointConfig(
-            root=root, lock=False, memory=memory, memory_dir=memory_dir, loss_watch="off"
+            root=root,
+            lock=False,
+            memory=memory,
+            memory_dir=memory_dir,
+            loss_watch="off",
+            value_checks=cfg["value_checks"],
         )
 
     seconds: dict[str, list[float]] = {
@@ -200,6 +205,7 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         **h.run_header(args.name, args.torch_threads),
         "world_size": args.world_size,
         "rounds": args.repeats,
+        "value_checks": not args.no_value_checks,
         "bytes": raw["bytes"],
         "seconds": raw["seconds"],
         "median_s": {m: round(v, 4) for m, v in med.items()},
@@ -246,7 +252,9 @@ def render(doc: dict[str, Any]) -> str:
                 "ranks agree on who writes what, and the next, which sizes the slots, are not "
                 "timed).",
                 f"The disk's own write bandwidth in this run (each rank its share, then "
-                f"fdatasync): {doc['disk_write_gb_per_s']:.2f} GB/s.",
+                f"fdatasync): {doc['disk_write_gb_per_s']:.2f} GB/s. Save-time value checks "
+                f"(replica digests, NaN/Inf): {'on' if doc.get('value_checks', True) else 'off'}, "
+                "on both tiers.",
                 "",
                 "| figure | memory | disk | ratio | target |",
                 "|---|---:|---:|---:|---|",
@@ -291,12 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     h.add_loop_args(p)
     p.add_argument("--memory-dir", default="/dev/shm", help="where the memory tier lives (a tmpfs)")
+    p.add_argument(
+        "--no-value-checks",
+        action="store_true",
+        help="both tiers without the save-time value checks (to see what they cost a commit)",
+    )
     h.add_common_args(p, "memory")
     args = p.parse_args(argv)
     memory_dir = Path(args.memory_dir) / f"dckpt-bench-{uuid.uuid4().hex[:12]}"
     try:
         with h.bench_run(args.dir) as run:
             cfg = h.loop_config(args, run.base_dir, memory_dir=str(memory_dir))
+            cfg["value_checks"] = not args.no_value_checks
             raw = h.spawn(args.world_size, args.torch_threads, _rank_main, cfg)
     finally:
         shutil.rmtree(memory_dir, ignore_errors=True)
