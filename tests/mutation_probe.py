@@ -23,12 +23,15 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import mutant_draw
 
 REPO = Path(__file__).resolve().parent.parent
 VR = "tests/test_verified_resume.py"
@@ -257,7 +260,7 @@ def _copy_repo(dst: Path) -> None:
     shutil.copy2(REPO / "pyproject.toml", dst / "pyproject.toml")
 
 
-def _run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+def _env(copy: Path) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(copy), "DCKPT_ALLOW_SKIPS": "1"}
     which = subprocess.run(
         [sys.executable, "-c", "import dckpt; print(dckpt.__file__)"],
@@ -265,16 +268,141 @@ def _run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int,
     )  # fmt: skip
     if not which.stdout.strip().startswith(str(copy)):
         raise SystemExit(f"the copy is not what gets imported: {which.stdout.strip()}")
+    return env
+
+
+def _run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+    """pytest -x on the copy; rc -1 when it ran past ``timeout`` (its whole process group,
+    spawned ranks included, is killed: a hung mutant must not hold the next one's ports)."""
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(copy),
+        cwd=copy, start_new_session=True,
+    )  # fmt: skip
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, cwd=copy, timeout=timeout, check=False
-        )
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return -1, time.perf_counter() - t0, "timed out"
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    return proc.returncode, time.perf_counter() - t0, lines[-1] if lines else proc.stderr[-200:]
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    return proc.returncode, time.perf_counter() - t0, lines[-1] if lines else err[-200:]
+
+
+def _drawn_queue(
+    drawn: dict[str, list[mutant_draw.Drawn]], equivalent: dict[str, str]
+) -> list[mutant_draw.Drawn]:
+    """Round robin over the modules, each in its own hashed order: a budget that runs out
+    leaves every module with a share, not the first modules with all of it."""
+    lists = [[d for d in ds if d.key not in equivalent] for ds in drawn.values()]
+    queue: list[mutant_draw.Drawn] = []
+    for i in range(max((len(ds) for ds in lists), default=0)):
+        queue.extend(ds[i] for ds in lists if i < len(ds))
+    return queue
+
+
+def run_drawn(args: argparse.Namespace) -> int:
+    """Mutants drawn by ``tests/mutant_draw.py``, each against its module's tests, until the
+    budget is spent; a score per module and every survivor, printed and written."""
+    modules = [
+        m for m in mutant_draw.MODULE_TESTS if not args.only or any(o in m for o in args.only)
+    ]
+    drawn = {m: mutant_draw.draw(REPO, m) for m in modules}
+    equivalent = mutant_draw.equivalent_keys(REPO)
+    queue = _drawn_queue(drawn, equivalent)
+    if args.per_module:
+        taken: dict[str, int] = {}
+        kept = []
+        for d in queue:
+            taken[d.path] = taken.get(d.path, 0) + 1
+            if taken[d.path] <= args.per_module:
+                kept.append(d)
+        queue = kept
+    print(f"{sum(map(len, drawn.values()))} mutants drawn in {len(modules)} modules; "
+          f"{len(queue)} queued; budget {args.budget_min:.0f} min", flush=True)  # fmt: skip
+    if args.list:
+        for d in queue:
+            print(f"{d.key}\n    {d.what}")
+        return 0
+    deadline = time.monotonic() + args.budget_min * 60
+    work = Path(tempfile.mkdtemp(prefix="dckpt-drawn-"))
+    base: dict[str, tuple[bool, float]] = {}  # test file -> (passes unmutated, seconds)
+    rows: list[dict[str, object]] = []
+    try:
+        copy = work / "copy"
+        _copy_repo(copy)
+        for d in queue:
+            if time.monotonic() > deadline:
+                break
+            files = mutant_draw.MODULE_TESTS[d.path]
+            for f in files:
+                if f not in base:
+                    rc, secs, last = _run_tests(copy, (f,), args.timeout)
+                    base[f] = (rc == 0, secs)
+                    print(f"unmutated {f}: {'pass' if rc == 0 else 'FAIL'} in {secs:.0f} s "
+                          f"({last})", flush=True)  # fmt: skip
+            tests = tuple(f for f in files if base[f][0])
+            if not tests:
+                rows.append({"module": d.path, "key": d.key, "what": d.what, "line": d.line,
+                             "verdict": "no passing tests"})  # fmt: skip
+                continue
+            target = copy / d.path
+            original = target.read_text()
+            target.write_text(d.text)
+            try:
+                limit = min(args.timeout, 60.0 + 3 * sum(base[f][1] for f in tests))
+                rc, secs, last = _run_tests(copy, tests, limit)
+            finally:
+                target.write_text(original)
+            verdict = "killed" if rc != 0 else "SURVIVED"
+            if rc == -1:
+                verdict = "killed"
+                last = f"timed out after {limit:.0f} s"
+            row = {"module": d.path, "key": d.key, "what": d.what, "line": d.line}
+            rows.append({**row, "verdict": verdict, "seconds": round(secs, 1), "last_line": last})
+            print(f"{verdict:<8} {secs:5.0f} s  {d.path}:{d.line}  {d.what}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return _score(modules, drawn, equivalent, rows, args)
+
+
+def _score(
+    modules: list[str],
+    drawn: dict[str, list[mutant_draw.Drawn]],
+    equivalent: dict[str, str],
+    rows: list[dict[str, object]],
+    args: argparse.Namespace,
+) -> int:
+    table = ["| module | drawn | equivalent | run | killed | survived | score |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    killed_all = run_all = 0
+    per_module = []
+    for m in modules:
+        mine = [r for r in rows if r["module"] == m]
+        run = [r for r in mine if r["verdict"] in ("killed", "SURVIVED")]
+        killed = sum(r["verdict"] == "killed" for r in run)
+        eq = sum(d.key in equivalent for d in drawn[m])
+        killed_all += killed
+        run_all += len(run)
+        score = f"{killed / len(run):.0%}" if run else "-"
+        table.append(f"| {m} | {len(drawn[m])} | {eq} | {len(run)} | {killed} | "
+                     f"{len(run) - killed} | {score} |")  # fmt: skip
+        per_module.append({"module": m, "drawn": len(drawn[m]), "equivalent": eq,
+                           "run": len(run), "killed": killed})  # fmt: skip
+    total = f"{killed_all / run_all:.0%}" if run_all else "-"
+    table.append(f"| **all** | {sum(map(len, drawn.values()))} | {len(equivalent)} | "
+                 f"{run_all} | {killed_all} | {run_all - killed_all} | **{total}** |")  # fmt: skip
+    survivors = [r for r in rows if r["verdict"] == "SURVIVED"]
+    lines = ["", *table, "", f"{len(survivors)} survivors (not equivalent, no test failed):"]
+    lines += [f"- {r['key']}\n    {r['what']}" for r in survivors]
+    print("\n".join(lines))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"modules": per_module, "rows": rows}, indent=1) + "\n")
+        out.with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per test run")
     p.add_argument("--json", default=None, help="also write the table here")
+    p.add_argument("--drawn", action="store_true", help="mutants drawn by tests/mutant_draw.py")
+    p.add_argument("--budget-min", type=float, default=40.0, help="--drawn: minutes to spend")
+    p.add_argument("--per-module", type=int, default=0, help="--drawn: at most this many each")
     args = p.parse_args(argv)
+    if args.drawn:
+        return run_drawn(args)
     chosen = [m for m in MUTANTS if not args.only or any(o in m.name for o in args.only)]
     if args.list:
         for m in chosen:
