@@ -64,10 +64,15 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_lock_refusals.py",
         "tests/test_save_root_gaps.py",
     ),
-    "dckpt/root/verify.py": ("tests/test_cli.py", "tests/test_save_root_gaps.py"),
+    "dckpt/root/verify.py": (
+        "tests/test_cli.py",
+        "tests/test_save_root_gaps.py",
+        "tests/test_cross_version.py",
+    ),
     "dckpt/load/checks.py": (
         "tests/test_verified_resume.py",
         "tests/test_resume_gaps.py",
+        "tests/test_precision.py",
         "tests/faults/test_corruption.py",
     ),
     "dckpt/storage/digest.py": ("tests/test_digest.py", "tests/test_storage.py"),
@@ -89,7 +94,11 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "dckpt/train/data.py": ("tests/test_resume_api.py",),
     "dckpt/tiers/object_commit.py": ("tests/test_s3.py", "tests/test_s3_gaps.py"),
     "dckpt/tiers/object_ledger.py": ("tests/test_s3.py", "tests/test_s3_gaps.py"),
-    "dckpt/tiers/object_lock.py": ("tests/test_s3.py", "tests/test_lock_refusals.py"),
+    "dckpt/tiers/object_lock.py": (
+        "tests/test_s3_gaps.py",
+        "tests/test_s3.py",
+        "tests/test_lock_refusals.py",
+    ),
     "dckpt/tiers/object_root.py": ("tests/test_s3.py", "tests/test_s3_gaps.py"),
     "dckpt/tiers/object_source.py": ("tests/test_s3.py", "tests/test_s3_gaps.py"),
     "dckpt/tiers/s3_store.py": (

@@ -465,3 +465,22 @@ def test_a_symlink_planted_at_a_step_name_is_replaced_not_followed(tmp_path: Pat
     recover(root)
     assert not [p for p in root.iterdir() if p.is_symlink()]
     assert (outside / "keep.txt").read_text() == "not dckpt's"  # nothing outside was touched
+
+
+@pytest.mark.parametrize(
+    "holds",
+    [("latest",), (".dckpt-lock",), ("step-00000003",), ("quarantine",), ()],
+    ids=["only latest", "only the lock", "a step", "only quarantine", "nothing"],
+)
+def test_a_root_is_dckpt_s_by_any_one_of_its_marks(tmp_path: Path, holds: tuple[str, ...]) -> None:
+    # A job that started and has not saved yet leaves only its lock; `dckpt ls` must still
+    # read that root as dckpt's (and say it holds no checkpoint), not refuse the path.
+    from dckpt.root.layout import is_dckpt_root
+
+    (tmp_path / "notes.txt").write_text("a user's file")
+    for name in holds:
+        if name.startswith("step-") or name == "quarantine":
+            (tmp_path / name).mkdir()
+        else:
+            (tmp_path / name).write_text("x")
+    assert is_dckpt_root(tmp_path) is bool(holds)

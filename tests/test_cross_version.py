@@ -298,6 +298,9 @@ def test_which_failures_under_another_torch_are_called_incompatible() -> None:
     oom = RuntimeError("CUDA out of memory")
     assert incompatible_torch({"torch": "2.99.0"}, source, oom, format_errors_only=True) is None
     assert incompatible_torch({"torch": "2.99.0"}, source, broken, format_errors_only=True)
+    # a version that names no release (a hand-edited manifest) proves nothing: the failure
+    # stands as it is
+    assert incompatible_torch({"torch": "unknown"}, source, broken) is None
 
 
 def test_verify_deep_calls_a_newer_torchs_checkpoint_unreadable_not_damaged(

@@ -295,3 +295,75 @@ def test_a_resave_replaces_the_step_and_a_crash_halfway_never_commits_a_mix(
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert json.loads(checked.stdout)["ok"] is True
     fault_trials.record("s3: SIGKILL halfway through a re-save", "rank 1, upload", survived=True)
+
+
+# --- the run lock in a bucket: renewal and loss -----------------------------------------------
+
+
+def test_the_s3_lock_survives_a_changed_etag_of_its_own_record_and_notices_a_lost_one(
+    s3: MotoServer, s3_env: dict[str, str]
+) -> None:
+    """A renewal whose If-Match fails reads the lock back: a record still ours (a lost reply
+    to our own retried PUT changes the ETag) keeps the lock; someone else's, or none, loses
+    it, and the job must not commit again (``check_held`` raises, naming who holds it)."""
+    import time
+
+    from dckpt.errors import LockError
+    from dckpt.tiers.object_lock import ObjectLock
+    from dckpt.tiers.s3_store import S3Store
+    from dckpt.tiers.url import parse_url
+
+    bucket = s3.bucket()
+    store = S3Store(parse_url(f"s3://{bucket}/locked"))
+    lock = ObjectLock(store, "lock-run", lease_s=0.6)  # renewed every 0.2 s
+    lock.acquire()
+    try:
+        key = "locked/.dckpt-lock"
+
+        def record() -> dict[str, Any]:
+            body = s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+            parsed: dict[str, Any] = json.loads(body)
+            return parsed
+
+        ours = record()
+        # the same owner, another ETag: what a PUT we retried after losing its reply leaves
+        s3.client().put_object(Bucket=bucket, Key=key, Body=json.dumps({**ours, "pid": 1}))
+        time.sleep(0.8)
+        assert lock.lost is None
+        lock.check_held()
+        renewed = record()
+        assert renewed["token"] == ours["token"] and renewed["lease_until"] > ours["lease_until"]
+        # deleted by hand: no one holds it, and this job must stop committing
+        s3.client().delete_object(Bucket=bucket, Key=key)
+        lock._stop.set()  # the check below reads the store, not the renewal's verdict
+        with pytest.raises(LockError, match="held by no one"):
+            lock.check_held()
+    finally:
+        lock.release()
+
+
+def test_a_memory_record_is_never_put_by_a_job_that_lost_the_bucket_s_lock(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The memory ledger's commit point is one PUT, made only while the job holds the run
+    lock: with the lock lost it raises and the bucket gets no record; with it held (or with
+    no lock to check, as the CLI's ledger) the record is there to be read."""
+    from dckpt.errors import LockError
+    from dckpt.tiers.object_ledger import ObjectLedger
+
+    def lost() -> None:
+        raise LockError("the run lock is held by another job")
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_bytes(b'{"step": 4}')
+    refused = ObjectLedger(_objects(s3.bucket(), "ledger"), held=lost)
+    with pytest.raises(LockError, match="another job"):
+        refused.commit(4, manifest)
+    assert refused.steps() == [] and manifest.exists()
+    held: list[int] = []
+    ledger = ObjectLedger(refused.objects, held=lambda: held.append(1))
+    ledger.commit(4, manifest)
+    assert held == [1] and ledger.steps() == [4] and ledger.read(4) == b'{"step": 4}'
+    manifest.write_bytes(b'{"step": 5}')
+    ObjectLedger(refused.objects).commit(5, manifest)  # no lock to check
+    assert ledger.steps() == [4, 5]

@@ -730,3 +730,59 @@ def test_manager_load_detects_flipped_bit_in_metadata(
     assert info.value.path == str(meta)
     assert ".metadata" in str(info.value)
     assert_same(current(manager), before)
+
+
+def test_a_file_asked_for_without_direct_io_is_buffered(tmp_path: Path) -> None:
+    # direct=False is how a root on a file system that refuses O_DIRECT is written; asking for
+    # it must never hand back an O_DIRECT descriptor (on ext4 that would still "work").
+    f = open_for_write(tmp_path / "f", direct=False)
+    try:
+        assert not isinstance(f, DirectFile)
+        assert not fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_DIRECT
+        f.write(b"abc")
+    finally:
+        f.close()
+    assert (tmp_path / "f").read_bytes() == b"abc"
+
+
+class _RecordingSink:
+    """A tee that keeps what it was told: the bytes, and whether it was closed or aborted."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.calls: list[str] = []
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> None:
+        self.data += bytes(data)
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+
+@pytest.mark.parametrize("tee", [True, False], ids=["with a tee", "directory only"])
+def test_a_write_that_fails_raises_its_own_error_and_aborts_the_tee(
+    tmp_path: Path, tee: bool
+) -> None:
+    from dckpt.storage.hashing_writer import HashingFileSystem
+
+    sinks: list[_RecordingSink] = []
+
+    def make(name: str) -> _RecordingSink:
+        sinks.append(_RecordingSink())
+        return sinks[-1]
+
+    fs = HashingFileSystem(tmp_path, "xxh3_128", 0, direct=False, tee=make if tee else None)
+    failing = fs.create_stream(tmp_path / "a.distcp", "wb")
+    with pytest.raises(RuntimeError, match="the disk went away"), failing as stream:
+        stream.write(b"x" * 1000)
+        raise RuntimeError("the disk went away")
+    with fs.create_stream(tmp_path / "b.distcp", "wb") as stream:
+        stream.write(b"y" * 1000)
+    if tee:
+        # the failed file's object is given up, never completed; the good one is completed
+        assert [s.calls for s in sinks] == [["abort"], ["close"]]
+        assert bytes(sinks[1].data) == b"y" * 1000
+    assert (tmp_path / "b.distcp").read_bytes() == b"y" * 1000
