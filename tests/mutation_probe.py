@@ -311,6 +311,10 @@ def run_drawn(args: argparse.Namespace) -> int:
     drawn = {m: mutant_draw.draw(REPO, m) for m in modules}
     equivalent = mutant_draw.equivalent_keys(REPO)
     queue = _drawn_queue(drawn, equivalent)
+    if args.survivors_of:  # the survivors of an earlier run, against today's tests
+        earlier = json.loads(Path(args.survivors_of).read_text())["rows"]
+        again = {r["key"] for r in earlier if r["verdict"] == "SURVIVED"}
+        queue = [d for d in queue if d.key in again]
     if args.per_module:
         taken: dict[str, int] = {}
         kept = []
@@ -414,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drawn", action="store_true", help="mutants drawn by tests/mutant_draw.py")
     p.add_argument("--budget-min", type=float, default=40.0, help="--drawn: minutes to spend")
     p.add_argument("--per-module", type=int, default=0, help="--drawn: at most this many each")
+    p.add_argument("--survivors-of", default=None, help="--drawn: rerun this JSON's survivors")
     args = p.parse_args(argv)
     if args.drawn:
         return run_drawn(args)

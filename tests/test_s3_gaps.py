@@ -333,13 +333,23 @@ def test_the_s3_lock_survives_a_changed_etag_of_its_own_record_and_notices_a_los
         lock.check_held()
         renewed = record()
         assert renewed["token"] == ours["token"] and renewed["lease_until"] > ours["lease_until"]
-        # deleted by hand: no one holds it, and this job must stop committing
+        # deleted by hand: the next renewal finds no one holds it; this job stops committing
         s3.client().delete_object(Bucket=bucket, Key=key)
-        lock._stop.set()  # the check below reads the store, not the renewal's verdict
-        with pytest.raises(LockError, match="held by no one"):
+        time.sleep(0.8)
+        assert lock.lost is not None and "taken by no one (it was deleted)" in lock.lost
+        with pytest.raises(LockError, match="it was deleted"):
             lock.check_held()
     finally:
         lock.release()
+    # check_held reads the store itself (a lease long enough that no renewal runs first)
+    slow = ObjectLock(store, "lock-run", lease_s=600.0)
+    slow.acquire()
+    try:
+        s3.client().delete_object(Bucket=bucket, Key=key)
+        with pytest.raises(LockError, match="held by no one"):
+            slow.check_held()
+    finally:
+        slow.release()
 
 
 def test_a_memory_record_is_never_put_by_a_job_that_lost_the_bucket_s_lock(
@@ -367,3 +377,27 @@ def test_a_memory_record_is_never_put_by_a_job_that_lost_the_bucket_s_lock(
     manifest.write_bytes(b'{"step": 5}')
     ObjectLedger(refused.objects).commit(5, manifest)  # no lock to check
     assert ledger.steps() == [4, 5]
+
+
+def test_ls_of_a_bucket_shows_what_verify_recorded(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dckpt verify s3://…` records each step's verdict in the bucket; `dckpt ls --json`
+    reads every record back (one listing), for each step it names."""
+    from dckpt.cli import main
+
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/listed"
+    mgr, _ = _one_rank(root, tmp_path / "mirror")
+    with mgr:
+        mgr.save(1).result()
+        mgr.save(2).result()
+    capsys.readouterr()
+    assert main(["ls", root, "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert [(c["step"], c["verified"]) for c in before] == [(1, None), (2, None)]
+    assert main(["verify", root, "--all"]) == 0
+    capsys.readouterr()
+    assert main(["ls", root, "--json"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    assert [(c["step"], c["verified"]) for c in after] == [(1, "ok"), (2, "ok")]

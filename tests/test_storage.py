@@ -786,3 +786,42 @@ def test_a_write_that_fails_raises_its_own_error_and_aborts_the_tee(
         assert [s.calls for s in sinks] == [["abort"], ["close"]]
         assert bytes(sinks[1].data) == b"y" * 1000
     assert (tmp_path / "b.distcp").read_bytes() == b"y" * 1000
+
+
+def _two_chunk_metadata(
+    second_row: int, *, reverse: bool
+) -> tuple[Metadata, dict[str, FileRecord]]:
+    """A (4, 3) float32 tensor in two chunks of 2 rows, the second starting at ``second_row``
+    (2: side by side, as FSDP shards a tensor; 1: overlapping), each stored in 48 bytes,
+    listed in that order or the other."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+
+    chunks = [
+        ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 3])),
+        ChunkStorageMetadata(offsets=torch.Size([second_row, 0]), sizes=torch.Size([2, 3])),
+    ]
+    chunks = chunks[::-1] if reverse else chunks
+    meta = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]), chunks)
+    storage = {
+        MetadataIndex("w", c.offsets): _StorageInfo("__0_0.distcp", 48 * i, 48)
+        for i, c in enumerate(chunks)
+    }
+    metadata = Metadata(state_dict_metadata={"w": meta}, storage_data=storage)
+    record = FileRecord(path="__0_0.distcp", bytes=96, digest="xxh3_128:00", rank=0)
+    return metadata, {"__0_0.distcp": record}
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["in order", "last first"])
+def test_chunks_side_by_side_fit_and_overlapping_chunks_are_refused(reverse: bool) -> None:
+    # A sharded tensor's chunks meet at their edges: that is a fit, not an overlap (every
+    # FSDP checkpoint has it); one row shared by two chunks is a crafted or broken file.
+    from dckpt.storage.verifying_reader import check_metadata
+
+    check_metadata(*_two_chunk_metadata(2, reverse=reverse), "a sharded save")
+    with pytest.raises(ManifestError, match="overlapping chunks"):
+        check_metadata(*_two_chunk_metadata(1, reverse=reverse), "a crafted save")

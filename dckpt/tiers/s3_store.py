@@ -275,7 +275,7 @@ class S3Store:
         self, key: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
     ) -> str | None:
         """Write ``data`` to ``key``; returns its ETag, or None when the condition failed
-        (``if_absent``: the key exists; ``if_match``: its ETag changed)."""
+        (``if_absent``: the key exists; ``if_match``: its ETag changed, or it is gone)."""
         kwargs: dict[str, Any] = {"Key": key, "Body": data}
         if if_absent:
             kwargs["IfNoneMatch"] = "*"
@@ -285,6 +285,11 @@ class S3Store:
             resp = self.client.put_object(Bucket=self.url.bucket, **kwargs)
         except Exception as exc:
             if self._code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+                return None
+            # S3 answers If-Match on a key that is gone with 404, not 412: to the caller it is
+            # the same news (the object it read is not there any more), and a lease renewal
+            # must hear it as that, not as a store to retry forever.
+            if if_match is not None and self._code(exc) in ("NoSuchKey", "404"):
                 return None
             raise self.fail(exc, key, "writing") from exc
         return str(resp.get("ETag", ""))
