@@ -253,6 +253,16 @@ MUTANTS = (
 )
 
 
+def _from_file(path: Path) -> tuple[Mutant, ...]:
+    """Mutants someone wrote into a JSON list of {name, path, old, new}; each runs against
+    its module's tests from the drawn mutants' map (``mutant_draw.MODULE_TESTS``)."""
+    rows = json.loads(path.read_text())
+    return tuple(
+        Mutant(r["name"], r["path"], r["old"], r["new"], mutant_draw.MODULE_TESTS[r["path"]])
+        for r in rows
+    )
+
+
 def _copy_repo(dst: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
     for name in ("dckpt", "tests", "launch", "bench"):
@@ -418,11 +428,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drawn", action="store_true", help="mutants drawn by tests/mutant_draw.py")
     p.add_argument("--budget-min", type=float, default=40.0, help="--drawn: minutes to spend")
     p.add_argument("--per-module", type=int, default=0, help="--drawn: at most this many each")
+    p.add_argument(
+        "--no-base", action="store_true", help="skip the unmutated run (right after make test)"
+    )
+    p.add_argument("--mutants-file", default=None, help="hand-written mutants (JSON) to run")
     p.add_argument("--survivors-of", default=None, help="--drawn: rerun this JSON's survivors")
     args = p.parse_args(argv)
     if args.drawn:
         return run_drawn(args)
-    chosen = [m for m in MUTANTS if not args.only or any(o in m.name for o in args.only)]
+    pool = _from_file(Path(args.mutants_file)) if args.mutants_file else MUTANTS
+    chosen = [m for m in pool if not args.only or any(o in m.name for o in args.only)]
     if args.list:
         for m in chosen:
             print(f"{m.name}\n    {m.path}; tests: {' '.join(m.tests)}")
@@ -433,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         base = work / "base"
         _copy_repo(base)
         every = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
-        rc, secs, last = _run_tests(base, every, args.timeout)
+        rc, secs, last = (
+            (0, 0.0, "skipped") if args.no_base else _run_tests(base, every, args.timeout)
+        )
         print(f"unmutated: {'pass' if rc == 0 else 'FAIL'} in {secs:.0f} s ({last})", flush=True)
         if rc != 0:
             print("the chosen tests fail without any mutant: fix that first", file=sys.stderr)
