@@ -41,7 +41,9 @@ faults: $(STAMP)
 # comparison, guard, and/or and range bound in the modules a verified save and resume rest on
 # (tests/mutant_draw.py), runs each against its module's tests until MUTANTS_BUDGET_MIN is
 # spent, and writes a score per module with every survivor (build/mutants.md, .json). All
-# ~800 take about 3 hours on 2 cores. `make probes` runs the hand-picked probes.
+# ~800 take 4 to 5 hours on 2 cores (MUTANTS_BUDGET_MIN=300); 40 minutes run about 90, the
+# same ones each time (a hash of each mutant's key orders them). `make probes` runs the
+# hand-picked probes.
 MUTANTS_BUDGET_MIN ?= 40
 mutants: $(STAMP)
 	$(BIN)/python tests/mutation_probe.py --drawn --budget-min $(MUTANTS_BUDGET_MIN) --json build/mutants.json
