@@ -32,6 +32,7 @@ from typing import Any, Literal
 import pytest
 import torch
 from dist_harness import run_world
+from test_memory_ledger import _manager  # the same one-process memory-tier manager
 
 import dckpt
 from dckpt.root.layout import step_dir_name
@@ -39,15 +40,6 @@ from dckpt.root.manifest import manifest_bytes, parse_manifest
 from dckpt.storage.digest import hash_file
 
 _HEAD = struct.Struct("<8sQ")  # a memory file's magic and header length (storage/memory_file)
-
-
-def _manager(root: Path, memory: Path) -> tuple[dckpt.CheckpointManager, torch.nn.Module]:
-    torch.manual_seed(0)
-    net = torch.nn.Linear(16, 16)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    config = dckpt.CheckpointConfig(root=root, memory=True, memory_dir=memory, lock=False)
-    logging.getLogger("dckpt").setLevel(logging.WARNING)
-    return dckpt.CheckpointManager(config, dckpt.TrainState(net, opt)), net
 
 
 def _bump(net: torch.nn.Module) -> dict[str, torch.Tensor]:
