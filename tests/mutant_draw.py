@@ -39,6 +39,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "dckpt/save/coordinator.py": (
         "tests/test_async.py",
         "tests/test_save_root_gaps.py",
+        "tests/test_value_checks.py",
         "tests/faults/test_rank_errors.py",
     ),
     "dckpt/save/stager.py": ("tests/test_snapshot.py", "tests/test_async.py"),

@@ -484,3 +484,21 @@ def test_a_root_is_dckpt_s_by_any_one_of_its_marks(tmp_path: Path, holds: tuple[
         else:
             (tmp_path / name).write_text("x")
     assert is_dckpt_root(tmp_path) is bool(holds)
+
+
+@pytest.mark.parametrize("resave", [False, True], ids=["new step", "re-save"])
+def test_a_cancelled_save_never_lands_new_or_replacing(tmp_path: Path, resave: bool) -> None:
+    # The watchdog declares a save stuck and sets its flag; when the stuck thread wakes up at
+    # the commit it must give up before the rename: by then the root may be the next job's.
+    import threading
+
+    if resave:
+        commit(tmp_path, 4, b"committed")
+    tmp = stage(tmp_path, 4, b"late")
+    flag = threading.Event()
+    flag.set()
+    with pytest.raises(RuntimeError, match="cancelled before its commit"):
+        RenameCommit().finalize(tmp_path, tmp, 4, cancelled=flag)
+    assert committed_steps(tmp_path) == ([4] if resave else [])
+    if resave:
+        assert (tmp_path / "step-00000004" / "__0_0.distcp").read_bytes() == b"committed"

@@ -83,15 +83,24 @@ def _tree(root: Path) -> dict[str, bytes]:
 # --- 1. the cached Gaussians -----------------------------------------------------------------
 
 
-def test_the_cached_numpy_and_python_gaussians_survive_a_save_and_resume(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("numpy_draws", "python_draws"),
+    [(3, 1), (3, 2), (2, 1)],
+    ids=["both cached", "numpy's only", "python's only"],
+)
+def test_the_cached_numpy_and_python_gaussians_survive_a_save_and_resume(
+    tmp_path: Path, numpy_draws: int, python_draws: int
+) -> None:
     random.seed(11)
     np.random.seed(12)
     torch.manual_seed(13)
-    # An odd number of Gaussians leaves the second of the last pair cached in each generator.
-    np.random.randn(3)
-    random.gauss(0.0, 1.0)
-    assert np.random.get_state(legacy=True)[3] == 1  # type: ignore[index]
-    assert random.getstate()[2] is not None
+    # An odd number of Gaussians leaves the second of the last pair cached in a generator;
+    # one generator cached and the other not tells their flags apart.
+    np.random.randn(numpy_draws)
+    for _ in range(python_draws):
+        random.gauss(0.0, 1.0)
+    assert np.random.get_state(legacy=True)[3] == numpy_draws % 2  # type: ignore[index]
+    assert (random.getstate()[2] is not None) == bool(python_draws % 2)
     mgr = _manager(tmp_path, _two_layers(0))
     mgr.save(1).result()
     expected = (float(np.random.randn()), random.gauss(0.0, 1.0), float(np.random.rand()))

@@ -401,3 +401,27 @@ def test_ls_of_a_bucket_shows_what_verify_recorded(
     assert main(["ls", root, "--json"]) == 0
     after = json.loads(capsys.readouterr().out)
     assert [(c["step"], c["verified"]) for c in after] == [(1, "ok"), (2, "ok")]
+
+
+def test_a_job_whose_bucket_lock_was_taken_commits_no_more_steps(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The lock is read back right before the manifest PUT (the commit point): once another
+    job holds it, a save fails and its step's manifest never reaches the bucket."""
+    import dckpt.errors as dckpt_errors
+
+    bucket = s3.bucket()
+    mgr, _ = _one_rank(f"s3://{bucket}/taken", tmp_path / "mirror")
+    client = s3.client()
+    # the save's error is raised by result() and again by close(), which ends the block
+    with pytest.raises(dckpt_errors.SaveError, match="could not commit: LockError"), mgr:
+        mgr.save(1).result()
+        key = "taken/.dckpt-lock"
+        record = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        client.put_object(Bucket=bucket, Key=key, Body=json.dumps({**record, "token": "f" * 32}))
+        mgr.save(2).result()
+    listed = client.list_objects_v2(Bucket=bucket, Prefix="taken/step-00000002/")
+    assert "taken/step-00000002/manifest.json" not in [o["Key"] for o in listed.get("Contents", [])]
+    assert "taken/step-00000001/manifest.json" in [
+        o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="taken/")["Contents"]
+    ]

@@ -314,3 +314,32 @@ def test_skip_is_decided_by_all_ranks_when_only_one_rank_is_busy(tmp_path: Path)
         assert {f.rank for f in read_manifest(step_dir).files} == {0, 1}
         assert verify_checkpoint(step_dir).ok
     assert not list(tmp_path.glob("*.tmp-*"))
+
+
+class _Counts:
+    """A stateful holding one tensor the run may widen (int32 counts that outgrow it)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t}
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        self.t = state_dict["t"]
+
+
+def test_a_tensor_whose_dtype_changed_between_saves_is_saved_in_its_new_dtype(
+    tmp_path: Path,
+) -> None:
+    # Staging buffers are kept from save to save; one of the old dtype must not take the new
+    # tensor's values (a copy_ would cast them: 2**40 does not fit in int32).
+    counts = _Counts(torch.arange(4, dtype=torch.int32))
+    with dckpt.CheckpointManager(tmp_path, _state(counts=counts)) as mgr:
+        mgr.save(1).result()
+        counts.t = torch.tensor([2**40, 1, 2, 3], dtype=torch.int64)
+        mgr.save(2).result()
+        counts.t = torch.zeros(4, dtype=torch.int64)
+        mgr.load(step=2)
+    assert counts.t.dtype == torch.int64
+    assert counts.t.tolist() == [2**40, 1, 2, 3]

@@ -825,3 +825,16 @@ def test_chunks_side_by_side_fit_and_overlapping_chunks_are_refused(reverse: boo
     check_metadata(*_two_chunk_metadata(2, reverse=reverse), "a sharded save")
     with pytest.raises(ManifestError, match="overlapping chunks"):
         check_metadata(*_two_chunk_metadata(1, reverse=reverse), "a crafted save")
+
+
+def test_a_storage_span_running_past_its_file_is_refused() -> None:
+    # The second chunk's 48 bytes start inside the 60-byte file and end past it: a reader
+    # would read beyond the bytes the digest covers (or short), so the metadata is refused.
+    from dataclasses import replace
+
+    from dckpt.storage.verifying_reader import check_metadata
+
+    metadata, records = _two_chunk_metadata(2, reverse=False)
+    short = {name: replace(r, bytes=60) for name, r in records.items()}
+    with pytest.raises(ManifestError, match=r"spans bytes \[48, \+48\) of __0_0.distcp"):
+        check_metadata(metadata, short, "a crafted save")
