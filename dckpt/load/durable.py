@@ -93,7 +93,10 @@ class DurableReader:
         # Each rank checks its own tensors, and they need not be alike (a PerRank value, a
         # rank whose model was built differently): a refusal on one rank is raised on every
         # rank here, before DCP's load, whose collectives the refusing rank would never join.
-        checks.raise_first(self.ctl, refused)
+        # One int all-reduced when no rank refused, whatever the world's size.
+        failed = self.ctl.first_failure(refused)
+        if failed is not None:
+            raise failed.error
         saved = set(manifest.state)
         same_world = manifest.world_size == self.world_size and "rng" in saved
         if same_world:
