@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from .. import __version__
@@ -162,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # exits 2 on bad usage
+    if argv is None:  # the dckpt command's own process, not a library call: its filters
+        # DCP warns at every single-process load that it assumes one process: it does here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
         root = getattr(args, "root", None)
         if isinstance(root, str):

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -127,14 +124,6 @@ class Comm:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
-
-    @contextmanager
-    def quiet(self) -> Iterator[None]:
-        """Silence DCP's "assuming a single process" warning when that is what we meant."""
-        with warnings.catch_warnings():
-            if not self.distributed:
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            yield
 
     def close(self) -> None:
         if self.distributed and self.group is not None and dist.is_initialized():

@@ -34,7 +34,6 @@ import contextlib
 import datetime
 import os
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,9 +122,10 @@ def _chunks(size: int) -> list[tuple[int, int]]:
 
 
 def _view(data: Any, size: int) -> torch.Tensor:
-    with warnings.catch_warnings():  # a read-only mapping: gloo only reads it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8, count=size) if size else torch.empty(0)
+    # A sender's file is mapped read-only (gloo only reads it): torch warns once per process
+    # that its tensor is not writable. That warning is left as it is: silencing it would take
+    # a change to the process's warning filters, which resets every once-only warning.
+    return torch.frombuffer(data, dtype=torch.uint8, count=size) if size else torch.empty(0)
 
 
 def move(

@@ -105,14 +105,13 @@ class DurableReader:
             reads = self._planned(reader, state_dict, name)  # .metadata: here, verified
             checks.fetch_candidate(self.ctl, self.source, step, report, reads)
         try:
-            with self.ctl.quiet():
-                dcp_load(
-                    state_dict,
-                    storage_reader=reader,
-                    planner=SafeLoadPlanner(),
-                    process_group=self.ctl.group,
-                    no_dist=not self.ctl.distributed,
-                )
+            dcp_load(
+                state_dict,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=self.ctl.group,
+                no_dist=not self.ctl.distributed,
+            )
         except CheckpointException as exc:
             inner = unwrap_dcp_error(exc)
             if inner is not exc:

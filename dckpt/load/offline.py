@@ -11,7 +11,6 @@ inspection and export, not for resuming training.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +39,13 @@ def load_flat(step_dir: Path, prefix: str = "") -> dict[str, Any]:
             state[fqn] = torch.zeros(meta.size, dtype=meta.properties.dtype)  # never garbage
         else:
             state[fqn] = None  # a pickled value; DCP fills it in (weights_only)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-        except CheckpointException as exc:
-            # DCP wraps what the reader raised (an IntegrityError naming the damaged file):
-            # raise that, as a load does, not DCP's wrapper and its traceback text.
-            inner = unwrap_dcp_error(exc)
-            if inner is not exc:
-                raise inner from None
-            raise CheckpointError(f"loading {step_dir} failed: {exc}") from None
+    try:
+        dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:
+        # DCP wraps what the reader raised (an IntegrityError naming the damaged file):
+        # raise that, as a load does, not DCP's wrapper and its traceback text.
+        inner = unwrap_dcp_error(exc)
+        if inner is not exc:
+            raise inner from None
+        raise CheckpointError(f"loading {step_dir} failed: {exc}") from None
     return state

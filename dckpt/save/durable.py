@@ -173,14 +173,13 @@ class DurableRoute:
         findings: Findings | None = None
         check_s = 0.0
         try:
-            with self.io.quiet():
-                dcp_save(
-                    snapshot.state_dict,
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=self.io.group,
-                    no_dist=not self.io.distributed,
-                )
+            dcp_save(
+                snapshot.state_dict,
+                storage_writer=writer,
+                planner=planner,
+                process_group=self.io.group,
+                no_dist=not self.io.distributed,
+            )
             trace.at(Phase.DCP_FINISH)
             t_check = time.perf_counter()
             findings = inspect_staged(snapshot, planner)

@@ -29,7 +29,6 @@ import hashlib
 import io
 import json
 import struct
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,9 +216,9 @@ class FlatFile:
     ) -> torch.Tensor:
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        with warnings.catch_warnings():  # a read-only mmap: we only ever read from it
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(self.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        # A read-only mapping (only ever read): torch warns once per process that its tensor
+        # is not writable, and that is left alone (see dckpt.dist.transfer._view).
+        raw = torch.frombuffer(self.buf, dtype=torch.uint8, count=nbytes, offset=offset)
         return raw.view(dtype).view(shape)
 
 
