@@ -1,6 +1,8 @@
-"""What dckpt's control hooks cost a training step: the fault hook unset, and the preemption
+"""What dckpt's control hooks cost a training step: the fault hook unset, the preemption
 agreement (``manager.preempted(step)``, one all-reduce of an int32 on dckpt's gloo group,
-called by every rank after every step).
+called by every rank after every step), and ``manager.observe(loss)`` with the replay
+journal (rank 0 appends one line per step: dckpt.root.replay_journal) and without it
+(``replay_check="off"``).
 
 Both are measured in the same run as the training step they ride on (the benchmark's DDP
 state, forward, backward and AdamW step), so the figures are ratios: hook time / step time.
@@ -56,7 +58,19 @@ def _rank(gb: float, calls: int, root: str) -> dict[str, float]:
     with dckpt.CheckpointManager(root, dckpt.TrainState(model, opt)) as mgr:
         mgr.watch_preemption()
         agree_s = _median_s(lambda: mgr.preempted(1), calls)
-    return {"train_step_s": step_s, "fault_hook_s": hook_s, "preempted_s": agree_s}
+        mgr.save(1).result()  # the journal of step 1 is open from here on
+        journal_s = _median_s(lambda: mgr.observe(2.5), calls)
+    off = dckpt.CheckpointConfig(root=Path(root) / "off", replay_check="off")
+    with dckpt.CheckpointManager(off, dckpt.TrainState(model, opt)) as mgr:
+        mgr.save(1).result()
+        plain_s = _median_s(lambda: mgr.observe(2.5), calls)
+    return {
+        "train_step_s": step_s,
+        "fault_hook_s": hook_s,
+        "preempted_s": agree_s,
+        "observe_journal_s": journal_s,
+        "observe_off_s": plain_s,
+    }
 
 
 def main() -> None:
@@ -75,12 +89,15 @@ def main() -> None:
         **r,
         "fault_hook_per_save_over_step": r["fault_hook_s"] * len(PHASES) / r["train_step_s"],
         "preempted_over_step": r["preempted_s"] / r["train_step_s"],
+        "journal_over_step": (r["observe_journal_s"] - r["observe_off_s"]) / r["train_step_s"],
     }
     print(
         f"train step {r['train_step_s'] * 1e3:.2f} ms | fault hook (unset) "
         f"{r['fault_hook_s'] * 1e9:.0f} ns/phase = {doc['fault_hook_per_save_over_step']:.1e} "
         f"of a step per save | preempted() {r['preempted_s'] * 1e6:.0f} us = "
-        f"{doc['preempted_over_step']:.3f} of a step"
+        f"{doc['preempted_over_step']:.3f} of a step | observe() {r['observe_journal_s'] * 1e6:.1f} "
+        f"us with the replay journal, {r['observe_off_s'] * 1e6:.1f} us without: the journal "
+        f"costs {doc['journal_over_step']:.1e} of a step (rank 0's figures)"
     )
     print(f"wrote {write_json(args.name, doc)}")
 

@@ -17,12 +17,14 @@ from .root.retention import BestMode, RetentionPolicy
 from .storage.digest import ALGORITHMS
 from .tiers.url import default_mirror, is_url, parse_url, refuse_mangled_url
 
-__all__ = ["CheckpointConfig", "IfBusy", "LossWatchAction", "ReplicaCheck"]
+__all__ = ["CheckpointConfig", "IfBusy", "LossWatchAction", "ReplayCheckMode", "ReplicaCheck"]
 
 IfBusy = Literal["wait", "skip"]
 """What ``save()`` does while the previous save is still writing."""
 LossWatchAction = Literal["warn", "raise", "off"]
 """What a loss above the bound does after a resume."""
+ReplayCheckMode = Literal["auto", "exact", "close", "off"]
+"""How a resume compares the steps it replays with the run that stopped."""
 ReplicaCheck = Literal["error", "warn", "off"]
 """What a save does when the ranks' copies of a replicated value differ."""
 
@@ -88,6 +90,15 @@ class CheckpointConfig:
         warmup: run the warmup all-reduce on the training group at the end of a resume.
         loss_watch: after a resume, compare the first ``loss_watch_steps`` losses given to
             ``observe()`` with the loss recorded at save time: ``warn``, ``raise`` or ``off``.
+        replay_check: after a resume from step N, compare the losses of the steps the resumed
+            run replays (N+1, ... as far as the run that stopped got) with that run's, kept
+            by rank 0 in ``ROOT/.dckpt-replay/`` (dckpt.load.replay): ``exact`` (bits),
+            ``close`` (relative ``replay_rtol``: GPU kernels that are not deterministic),
+            ``auto`` (default: exact when every parameter is on the CPU or
+            ``torch.use_deterministic_algorithms`` is on, else close) or ``off`` (no
+            journal). A difference is logged, naming the step; with ``loss_watch="raise"``
+            it raises ``LossDeviationError``.
+        replay_rtol: the relative difference ``close`` passes.
         keep_last: keep the N newest committed checkpoints (at least 2); None keeps all.
         milestone_every: every checkpoint whose step is a multiple of this is a milestone,
             kept forever (as is any ``save(..., milestone=True)``).
@@ -142,6 +153,8 @@ class CheckpointConfig:
     warmup: bool = True
     loss_watch: LossWatchAction = "warn"
     loss_watch_steps: int = 5
+    replay_check: ReplayCheckMode = "auto"
+    replay_rtol: float = 1e-3
     keep_last: int | None = None
     milestone_every: int | None = None
     best_k: int = 0
@@ -222,6 +235,12 @@ class CheckpointConfig:
             raise ValueError(f"loss_watch must be warn, raise or off, got {self.loss_watch!r}")
         if self.loss_watch_steps < 1:
             raise ValueError(f"loss_watch_steps must be >= 1, got {self.loss_watch_steps}")
+        if self.replay_check not in ("auto", "exact", "close", "off"):
+            raise ValueError(
+                f"replay_check must be auto, exact, close or off, got {self.replay_check!r}"
+            )
+        if not 0 <= self.replay_rtol < 1:
+            raise ValueError(f"replay_rtol must be in [0, 1), got {self.replay_rtol}")
         if self.if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.async_save not in (True, False, "auto"):

@@ -34,6 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+import torch
+
 from .config import CheckpointConfig
 from .dist.comm import Comm
 from .dist.progress import Progress
@@ -43,6 +45,7 @@ from .load.config_check import ConfigPolicy
 from .load.durable import DurableReader
 from .load.loss_watch import LossWatch
 from .load.memory import MemoryReader, MemorySource
+from .load.replay import Replay, ReplayMode
 from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer, ResumeTier
 from .preemption import DEFAULT_SIGNALS, Preemption, PreemptionStop
@@ -86,6 +89,17 @@ def _ensure_visible_logging() -> None:
         log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
+
+
+def _replay_mode(config: CheckpointConfig, state: TrainState) -> ReplayMode | None:
+    """``replay_check`` as the replay runs it: "auto" is exact where the kernels are
+    deterministic (every parameter on the CPU, or torch's deterministic algorithms on)."""
+    if config.replay_check == "off":
+        return None
+    if config.replay_check != "auto":
+        return config.replay_check
+    on_cpu = all(p.device.type == "cpu" for p in state.model.parameters())
+    return "exact" if on_cpu or torch.are_deterministic_algorithms_enabled() else "close"
 
 
 def _node_indices(told: list[tuple[str | None, str]]) -> tuple[int, ...] | str:
@@ -239,20 +253,33 @@ class CheckpointManager:
             clock=clock,
             mode=mode,
         )
+        replay = Replay(
+            rank=self.rank,
+            root=self.root,
+            mode=_replay_mode(config, state),
+            rtol=config.replay_rtol,
+            run_id=self.run_id,
+        )
         self._resumer = Resumer(
             ctl=self._ctl,
             config=config,
             tiers=tiers,
             loss_watch=self._loss_watch,
             lineage=lineage,
+            replay=replay,
+            state=state,
             run_id=self.run_id,
         )
         self._stop = PreemptionStop(self._ctl, self._saver)
         self._hook: Any = None
         if state.optimizer is not None:  # times every step; waits for deferred copies
             self._hook = state.optimizer.register_step_pre_hook(
-                lambda _opt, _args, _kwargs: self._saver.on_optimizer_step()
+                lambda _opt, _args, _kwargs: self._on_optimizer_step()
             )
+
+    def _on_optimizer_step(self) -> None:
+        self._resumer.touched()
+        self._saver.on_optimizer_step()
 
     def _root_kind(self) -> tuple[CommitStrategy, CheckpointSource, ObjectRoot | None]:
         """A directory root commits by rename and is read in place; an s3:// root commits by
@@ -400,8 +427,19 @@ class CheckpointManager:
         milestone: bool = False,
         metric: float | None = None,
         tier: Literal["durable", "memory"] = "durable",
+        when: object = None,
     ) -> SaveHandle:
         """Save the state as ``step`` on every rank; returns once training may go on.
+
+        Call it on every rank. ``when``: rank 0's value decides for every rank (one small
+        broadcast, made at every save), so a condition only rank 0 computes ("val loss
+        improved") can gate a save: ``save(step, when=improved)``; the other ranks' values
+        are ignored, None included. A false one skips the save (a handle whose ``skipped``
+        is True), without a log line; None (the default) saves.
+
+        A ``save(N)`` right after resuming from N (from the same tier), with no optimizer
+        step since (for a state without an optimizer: no ``observe()``), is skipped with one
+        log line: it would write the same state again under the same step.
 
         ``tier="memory"`` (with ``CheckpointConfig(memory=True)``) keeps it in host memory
         and on the partner node instead of the durable root (dckpt.save.memory): seconds to
@@ -425,7 +463,17 @@ class CheckpointManager:
             raise ValueError(
                 "save(tier='memory') needs the memory tier: CheckpointConfig(memory=True)"
             )
-        return self._saver.save(
+        # Every save asks rank 0, whatever this rank's ``when``: a rank that passed none must
+        # not skip the broadcast the others wait in ("when=improved if master else None").
+        if not self._ctl.broadcast((when is None or bool(when)) if self.rank == 0 else None):
+            return self._saver.skipped(step, "rank 0's when= was false")
+        if self._resumer.unchanged_since(step, tier):
+            why = "it is the step just resumed from, and nothing has trained since"
+            if self.rank == 0:
+                log.info("dckpt: save of step %d skipped: %s (no optimizer step, no observe())",
+                         step, why)  # fmt: skip
+            return self._saver.skipped(step, why)
+        handle = self._saver.save(
             step,
             epoch=epoch,
             milestone=milestone,
@@ -433,6 +481,9 @@ class CheckpointManager:
             loss=self._loss_watch.summary(),
             tier=tier,
         )
+        if not handle.skipped:  # from here on, observe() journals the steps after this save
+            self._resumer.saved(step, handle.save_id, self._saver.last_committed_step)
+        return handle
 
     def before_optimizer_step(self) -> None:
         """Block until the save in flight has its copy of the state (with ``overlap_staging``,
@@ -479,12 +530,17 @@ class CheckpointManager:
         self.wait()
         return self._resumer.resume(self.config.fallback if fallback is None else fallback)
 
-    def observe(self, loss: float) -> None:
+    def observe(self, loss: float, *, step: int | None = None) -> None:
         """Record this step's loss; call it on every rank, every step, with the same value
         (all-reduced). The manifest records rank 0's last losses (a save warns when the ranks'
         differ); after a resume each rank's first losses are compared with them, and rank 0
-        logs the verdict (see dckpt.load.loss_watch)."""
-        self._resumer.observe(loss)
+        logs the verdict (see dckpt.load.loss_watch).
+
+        Rank 0 also journals every loss since the newest save (``ROOT/.dckpt-replay/``), and
+        after a resume the steps replayed are compared with the run that stopped, bit for bit
+        (``replay_check``; dckpt.load.replay). ``step``: the step this loss is of; without
+        it, the first ``observe()`` after ``save(N)`` is step N+1, and so on."""
+        self._resumer.observe(loss, step)
 
     # --- preemption -------------------------------------------------------------------------
 

@@ -157,7 +157,10 @@ class PreemptionStop:
             return None
         if deadline - time.perf_counter() <= 0:
             raise SaveError(f"no time left before the preemption deadline to save step {step}")
-        return self._within(save(step), deadline)
+        handle = save(step)
+        if handle.skipped:  # the step just resumed from, nothing trained since: committed
+            return None
+        return self._within(handle, deadline)
 
     @staticmethod
     def _within(handle: SaveHandle, deadline: float) -> SaveResult:

@@ -323,6 +323,13 @@ def main(argv: list[str] | None = None) -> None:
     except dckpt.CheckpointError as exc:
         manager.close()  # dckpt logged why, once, on rank 0: every rank exits without a traceback
         refused(rank, exc, said=True)
+    if any(c.key == "lr" for c in report.config_changes):  # an allowed --lr change
+        # The restored optimizer and scheduler hold the saved LR (the report says so): apply
+        # the new one, at the point of the schedule the run resumes at.
+        sched.base_lrs = [args.lr] * len(opt.param_groups)
+        for group in opt.param_groups:
+            group["initial_lr"] = args.lr
+            group["lr"] = args.lr * warmup_cosine(args.warmup, args.steps)(sched.last_epoch)
     if rank == 0:
         say_what_the_schedule_does(report, args, sched)
     if rank == 0:

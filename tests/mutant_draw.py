@@ -36,6 +36,9 @@ from pathlib import Path
 # it: a map kept by hand because coverage cannot see into the ranks these tests spawn.
 # Fastest files first: the run stops at the first failure.
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
+    "dckpt/load/replay.py": ("tests/test_replay.py",),
+    "dckpt/root/replay_journal.py": ("tests/test_replay.py",),
+    "dckpt/load/overrides.py": ("tests/test_replay.py",),
     "dckpt/save/coordinator.py": (
         "tests/test_async.py",
         "tests/test_save_root_gaps.py",

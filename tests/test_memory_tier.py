@@ -58,6 +58,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -728,8 +729,12 @@ def _modes(memory: Path) -> list[str]:
     """Every directory and file under ``memory`` that others could enter or read."""
     loose = []
     for path in [memory, *memory.rglob("*")]:
-        mode = path.lstat().st_mode & 0o777
-        want = 0o700 if path.is_dir() else 0o600
+        try:  # the job goes on: a spare renamed in since the listing is checked next look
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        mode = st.st_mode & 0o777
+        want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
         if mode != want:
             loose.append(f"{path}: {oct(mode)}")
     return loose

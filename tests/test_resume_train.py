@@ -73,6 +73,9 @@ def test_changed_config_is_refused_with_a_diff_and_safe_keys_only_warn(tmp_path:
     assert passed.returncode == 0, passed.stderr
     assert "config changed in operational keys: save_every: 2 -> 1; steps: 4 -> 6" in passed.stderr
     assert "config changed, allowed by allow_config_changes: lr: 0.003 -> 0.01" in passed.stderr
+    # The restored optimizer put 0.003 back; the trainer applies 0.01, and dckpt sees it did.
+    assert "lr changed 0.003 -> 0.01, but the optimizer's param_groups came back" in passed.stderr
+    assert "dckpt: lr 0.01 is applied (the optimizer's param_groups)" in passed.stderr
     assert "train: --steps 4 -> 6: the warmup-cosine LR schedule now decays to step 6" in (
         passed.stdout + passed.stderr
     )

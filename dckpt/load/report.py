@@ -77,6 +77,10 @@ class ResumeReport:
     restart_loops: list[tuple[int, str]] = field(default_factory=list)
     """Steps quarantined before they were loaded: their last two resumes failed the loss
     watch (dckpt.root.resume_record), with the reason."""
+    replay: str = ""
+    """What the replay check compares (dckpt.load.replay), or why it compares nothing."""
+    foreign: list[str] = field(default_factory=list)
+    """A fresh start: what the root holds that is not dckpt's (rank 0's report)."""
 
     @classmethod
     def of(
@@ -115,6 +119,13 @@ class ResumeReport:
     def format(self) -> str:
         if not self.resumed and not self.skipped and not self.restart_loops:
             head = "dckpt resume: no committed checkpoint; starting from scratch"
+            if self.foreign:
+                head = (
+                    "dckpt resume: no dckpt checkpoint; files that are not dckpt checkpoints: "
+                    f"{'; '.join(self.foreign)}; starting from scratch (dckpt resumes only "
+                    "from the step-N directories it wrote: load another checkpointer's files "
+                    "into the model yourself, before the first save)"
+                )
             return "\n".join([head, *(f"  warning: {w}" for w in self.warnings)])
         lines = [
             f"dckpt resume: step {self.step} from {self.origin or self.path}"
@@ -130,6 +141,8 @@ class ResumeReport:
             lines.append(f"  [{mark}] {c.name}" + (f": {c.detail}" if c.detail else ""))
         if self.rng:
             lines.append(f"  rng           {self.rng}")
+        if self.replay:
+            lines.append(f"  replay        {self.replay}")
         for step, why in self.restart_loops:
             instead = f"; resumed from step {self.step} instead" if self.resumed else ""
             lines.append(f"  restart loop: step {step} quarantined, {why}{instead}")

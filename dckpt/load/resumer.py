@@ -56,13 +56,19 @@ are proven) with a reader (how a proven candidate gets into the state), built by
    with no resume passing in between, is refused instead (a cause outside the checkpoints:
    quarantining the next would only walk the run back);
 7. **warmup**: an all-reduce on the training group, whose result every rank checks;
-8. **loss watch**: armed with the loss recorded at save time (a checkpoint without one: only
+8. **replay and loss watch**: rank 0 reads the replay journal of the step resumed from
+   (dckpt.root.replay_journal), and its ``observe()`` compares the steps the resumed run
+   replays with the run that stopped (dckpt.load.replay; no collective); the loss watch is
+   armed with the loss recorded at save time (a checkpoint without one: only
    a non-finite loss fails); ``observe()`` compares the next losses with it, and rank 0
    records the verdict, passed or failed, in the root (``.dckpt-resumes/step-N.json``; the
    bucket for an s3:// root; a memory step's beside the root's, with its tier) before it is
    logged or raised. A record that cannot be written is logged, never raised;
 9. the ``ResumeReport`` (the chosen candidate's checks and warnings, plus what was skipped) is
-   logged as one block on rank 0 and returned. Nothing loaded while a tier held this run's
+   logged as one block on rank 0 and returned. It names each config change that passed but
+   that the restored state overrides (the optimizer's learning rate: dckpt.load.overrides),
+   checked again at the first optimizer step; a fresh start names what the root holds that
+   is not dckpt's (another checkpointer's files). Nothing loaded while a tier held this run's
    newer work it could not restore, or while quarantine holds checkpoints, is refused rather
    than a fresh start.
 """
@@ -89,17 +95,28 @@ from ..errors import (
     ManifestError,
     StorageError,
 )
-from ..root.layout import step_dir_name
+from ..root.layout import foreign_entries, step_dir_name
 from ..root.resume_record import ResumeRecord, failed_in_a_row, restart_loop, this_start
 from ..root.source import CheckpointSource
 from ..tiers.memory_commit import Lineage
+from ..train.state import TrainState
 from ..units import human_bytes
+from .config_check import HORIZON_KEYS, OPERATIONAL_KEYS, is_allowed
 from .loss_watch import LossVerdict, LossWatch
+from .overrides import Override, find_overrides
+from .replay import Replay
 from .report import CandidateReport, LoadResult, ResumeReport
 
 __all__ = ["LoadResult", "Reader", "ResumeTier", "Resumer"]
 
 log = logging.getLogger("dckpt")
+
+
+def _versions(state: TrainState) -> tuple[int, ...]:
+    """The version counters of the model's parameters and buffers (a DTensor's local
+    shard's): every in-place change bumps one."""
+    tensors = [*state.model.parameters(), *state.model.buffers()]
+    return tuple(getattr(t, "_local_tensor", t)._version for t in tensors)
 
 
 class Reader(Protocol):
@@ -144,6 +161,8 @@ class Resumer:
         tiers: list[ResumeTier],
         loss_watch: LossWatch,
         lineage: Lineage,
+        replay: Replay,
+        state: TrainState,
         run_id: str | None = None,
     ) -> None:
         self._ctl = ctl
@@ -162,6 +181,53 @@ class Resumer:
             run_id or os.environ.get("DCKPT_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
         )
         self._watched: _Watched | None = None
+        self.replay = replay
+        self._state = state
+        self._overrides: list[Override] = []
+        self._loaded: tuple[int, ...] = ()
+        self._untouched: tuple[int, str] | None = None
+        """The step just loaded and its tier's save route ("durable", "memory"), until the
+        first optimizer step after it (or, for a state without an optimizer, ``observe()``):
+        the same on every rank, so the re-save it skips is skipped on every rank."""
+
+    def unchanged_since(self, step: int, tier: str) -> bool:
+        """Whether ``step`` is the step just loaded from ``tier`` and nothing trained since:
+        no optimizer step, and no in-place change of a parameter or buffer (version
+        counters, the same on every rank for the same code; a write through ``.data`` is not
+        seen)."""
+        return self._untouched == (step, tier) and _versions(self._state) == self._loaded
+
+    def _mark_loaded(self, step: int, tier: str) -> None:
+        self._untouched = (step, tier)
+        self._loaded = _versions(self._state)
+
+    def saved(self, step: int, save_id: str, committed: int | None) -> None:
+        """A save started: its journal begins (rank 0); a replay still running ends."""
+        verdict = self.replay.saved(step, save_id, committed)
+        if verdict is not None and self.rank == 0:
+            log.info("%s", verdict.line())
+
+    def touched(self) -> None:
+        """A step of training (the optimizer's step pre-hook): the loaded state is changing.
+        The first after a resume checks the overrides the report named (rank 0 logs)."""
+        self._untouched = None
+        overrides, self._overrides = self._overrides, []
+        if self.rank != 0:
+            return
+        for o in overrides:
+            c = o.change
+            if o.still_restored():
+                log.warning(
+                    "dckpt: %s is still %r (%s) at the first optimizer step after the resume: "
+                    "the change to %r does nothing. Apply it after resume(): %s",
+                    c.key,
+                    c.saved,
+                    o.where,
+                    c.current,
+                    "; ".join(o.fix),
+                )
+            else:
+                log.info("dckpt: %s %r is applied (%s)", c.key, c.current, o.where)
 
     def latest_step(self) -> int | None:
         """The newest committed step under the root (as rank 0 sees it), or None."""
@@ -191,6 +257,8 @@ class Resumer:
         report = CandidateReport(chosen, self._path(self.durable, chosen))
         result = self.durable.reader.load(chosen, report, with_config=False)
         self._lineage.resumed(result.manifest)
+        self._mark_loaded(result.step, "durable")
+        self.replay.reset()
         if self.rank == 0:
             log.info(
                 "dckpt: loaded step %d | %s | %d of %d files verified (%s), ranks agree | "
@@ -246,6 +314,7 @@ class Resumer:
             try:
                 result = tier.reader.load(step, candidate, with_config=True)  # 2-5
                 chosen = candidate
+                self._mark_loaded(step, "durable" if tier is self.durable else "memory")
                 self._watched = _Watched(step, tier.name, result.manifest.save_id)
                 break
             except CheckpointNotFoundError as exc:  # 6: this tier cannot restore it here
@@ -265,6 +334,8 @@ class Resumer:
             self._nothing_loaded(report, len(candidates), passed)
             return report
         self._lineage.resumed(result.manifest)
+        self._overrides = find_overrides(report.config_changes, self._state)
+        report.warnings.extend(o.describe() for o in self._overrides)
         t_loaded = time.perf_counter()
         if self._config.warmup and self._ctl.distributed:  # 7
             mine = warmup_collective(result.manifest.save_id, self._config.timeout_s)
@@ -275,26 +346,41 @@ class Resumer:
             "warmup": time.perf_counter() - t_loaded,
             "total": time.perf_counter() - t0,
         }
-        self._arm_loss_watch(result, report)  # 8
+        report.replay = self._arm_replay(result, report)  # 8
+        self._arm_loss_watch(result, report)
         if self.rank == 0:  # 9
             log.info("%s", report.format())
         return report
 
-    def observe(self, loss: float) -> None:
-        """Record this step's loss: kept for the manifest, and checked after a resume."""
-        verdict = self._loss_watch.judge(float(loss))
-        if verdict is None:
-            return
-        raising = not verdict.ok and self._config.loss_watch == "raise"
-        self._tell(verdict, logged=not raising)  # recorded before anything is raised
-        if raising:
-            raise LossDeviationError(verdict.line())
+    def observe(self, loss: float, step: int | None = None) -> None:
+        """Record this step's loss: kept for the manifest and the replay journal, and
+        checked after a resume (the replay, then the loss watch)."""
+        value = float(loss)
+        if self._state.optimizer is None:  # nothing else tells that the state is training
+            self._untouched = None
+        raising = self._config.loss_watch == "raise"
+        replayed = self.replay.observe(value, step)  # rank 0's verdict, None on the others
+        replay_failed = replayed is not None and not replayed.ok and raising
+        if replayed is not None and not replay_failed:
+            (log.info if replayed.ok else log.warning)("%s", replayed.line())
+        verdict = self._loss_watch.judge(value)
+        if verdict is not None:
+            failing = not verdict.ok and raising
+            self._tell(verdict, logged=not failing)  # recorded before anything is raised
+            if failing:
+                raise LossDeviationError(verdict.line())
+        if replay_failed:
+            assert replayed is not None
+            raise LossDeviationError(replayed.line())
 
     def finish(self) -> None:
         """At close: the loss watch's verdict on fewer losses than its window, if any. It is
         logged, not recorded: a run that ends a few steps after its resume (a preemption, a
         short job) judged too few losses to count towards a restart loop (a non-finite loss
-        gave its verdict, recorded, when it was seen)."""
+        gave its verdict, recorded, when it was seen). The replay's, likewise."""
+        replayed = self.replay.finish()
+        if replayed is not None:  # rank 0's
+            log.info("%s", replayed.line())
         verdict = self._loss_watch.finish()
         if verdict is not None:
             self._tell(verdict, recorded=False)
@@ -495,6 +581,17 @@ class Resumer:
             f"anyway once the cause is fixed, restore it and remove its resume records ({where})",
         )
 
+    def _arm_replay(self, result: LoadResult, report: ResumeReport) -> str:
+        """Step 8: rank 0 reads the journal of the step resumed from and arms the replay."""
+        changed = None
+        neutral = OPERATIONAL_KEYS - HORIZON_KEYS  # where logs and saves go, not the math
+        shaping = [c.key for c in report.config_changes if not is_allowed(c, neutral)]
+        if report.world_size_saved not in (None, self.world_size):
+            changed = f"the world size changed ({report.world_size_saved} -> {self.world_size})"
+        elif shaping:
+            changed = f"the config changed ({', '.join(shaping)})"
+        return self.replay.resumed(result.step, result.manifest.save_id, changed)
+
     def _arm_loss_watch(self, result: LoadResult, report: ResumeReport) -> None:
         if self._config.loss_watch == "off":
             self._watched = None  # no verdict: nothing to record
@@ -544,6 +641,8 @@ class Resumer:
                 "records (dckpt memory clear ROOT --records) to really start over."
             )
         quarantined = self._ctl.broadcast(self._quarantined_count() if self.rank == 0 else 0)
+        if self.rank == 0 and self._config.remote is None and self.root.is_dir():
+            report.foreign = foreign_entries(self.root)
         if quarantined:
             raise CheckpointError(
                 f"{self.source} has no committed checkpoint but {quarantined} in quarantine/: "

@@ -9,6 +9,9 @@
       quarantine/step-00001100/     failed verification, kept for forensics
       pins/step-00001000            an empty file: that step is pinned (retention keeps it)
       .dckpt-lock                   the run lock (dckpt.root.lock)
+      .dckpt-resumes/ .dckpt-replay/ .dckpt-verified/   resume records, replay journals,
+                                    verification records (each module's docstring)
+      memory/                       the memory tier's records (dckpt.root.memory_ledger)
 
 Only names that match these patterns are dckpt's; nothing else under ROOT is ever touched.
 This module reads; dckpt.root.commit and dckpt.root.upkeep are the only writers of these names.
@@ -30,6 +33,7 @@ __all__ = [
     "QUARANTINE_DIR",
     "CheckpointEntry",
     "committed_steps",
+    "foreign_entries",
     "list_checkpoints",
     "read_latest",
     "read_small_file",
@@ -151,3 +155,46 @@ def is_dckpt_root(root: str | os.PathLike[str]) -> bool:
         STEP_RE.fullmatch(c.name) or TMP_RE.fullmatch(c.name) or c.name == QUARANTINE_DIR
         for c in base.iterdir()
     )
+
+
+_OURS = frozenset({LATEST_FILE, QUARANTINE_DIR, PINS_DIR, "memory"})
+_TORCH_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".tar"})
+FOREIGN_LISTED = 8
+
+
+def _is_ours(name: str) -> bool:
+    return (
+        name in _OURS
+        or name == "lost+found"  # a mounted volume's, not another checkpointer's
+        or name.startswith((".dckpt", f"{LATEST_FILE}.", ".nfs"))  # ours, or NFS's
+        or any(r.fullmatch(name) for r in (STEP_RE, TMP_RE, REPLACED_RE, TRASH_RE))
+    )
+
+
+def _what(path: Path) -> str:
+    """A foreign entry, named with what it looks like (another checkpointer's files)."""
+    if _is_real_dir(path):
+        if (path / ".metadata").is_file():
+            return f"{path.name}/ (a DCP checkpoint: .metadata, no dckpt manifest)"
+        return f"{path.name}/"
+    if path.name == ".metadata":
+        return ".metadata (the root itself is a DCP checkpoint, not dckpt's)"
+    head = read_small_file(path, 4) or b""
+    if path.suffix == ".safetensors":
+        return f"{path.name} (safetensors)"
+    if head.startswith(b"PK\x03\x04") or (head[:1] == b"\x80" and path.suffix in _TORCH_SUFFIXES):
+        return f"{path.name} (a torch.save file)"
+    return path.name
+
+
+def foreign_entries(root: str | os.PathLike[str]) -> list[str]:
+    """What ``root`` holds that dckpt did not write (at most ``FOREIGN_LISTED``, then a
+    count), each named with what it looks like; for a fresh start's report."""
+    try:
+        names = sorted(c.name for c in Path(root).iterdir() if not _is_ours(c.name))
+    except OSError:
+        return []
+    shown = [_what(Path(root) / n) for n in names[:FOREIGN_LISTED]]
+    if len(names) > FOREIGN_LISTED:
+        shown.append(f"and {len(names) - FOREIGN_LISTED} more")
+    return shown

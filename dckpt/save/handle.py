@@ -7,8 +7,9 @@ rank learned the commit; ``stall_s`` by ``save()`` (when it returns) and ``wait_
 adds); the outcome by the save thread, or first by the watchdog, which cancels it. ``fate``
 changes under a lock, so a save that committed never reads as cancelled. The handle reads.
 
-A save's fate is one of ``Fate``: pending until it ends, then committed, failed, skipped (with
-``if_busy="skip"``, it never started) or cancelled (called off: the watchdog gave up on it, or
+A save's fate is one of ``Fate``: pending until it ends, then committed, failed, skipped (it never
+started: ``if_busy="skip"``, rank 0's ``when`` said no, or it would only have written the step
+just resumed from again) or cancelled (called off: the watchdog gave up on it, or
 ``wait_staged`` gave up waiting for its copy; a cancelled save never takes a copy nor commits).
 """
 
@@ -69,6 +70,9 @@ class SaveTicket:
         self._done = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
+        self._why = ""
+        self.save_id = ""
+        """The save's id (its manifest's ``save_id``), once the save is prepared."""
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -97,9 +101,10 @@ class SaveTicket:
         if error is not None:
             self.finish(None, error)
 
-    def skip(self) -> None:
+    def skip(self, why: str = "") -> None:
         with self._lock:
             self.fate = Fate.SKIPPED
+            self._why = why
         self.finish(None, None)
 
     def wait(self, timeout: float | None) -> bool:
@@ -109,7 +114,8 @@ class SaveTicket:
         if self._error is not None:
             raise self._error
         if self._result is None:
-            raise CheckpointError(f"save of step {self.step} was skipped")
+            why = f": {self._why}" if self._why else ""
+            raise CheckpointError(f"save of step {self.step} was skipped{why}")
         return self._result
 
 
@@ -122,6 +128,11 @@ class SaveHandle:
     @property
     def step(self) -> int:
         return self._ticket.step
+
+    @property
+    def save_id(self) -> str:
+        """The id its manifest will record ("" for a save that never started)."""
+        return self._ticket.save_id
 
     @property
     def started(self) -> float:

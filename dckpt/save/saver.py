@@ -135,6 +135,7 @@ class Saver:
             asynchronous=asynchronous,
         )
         ticket = SaveTicket(step, t0)
+        ticket.save_id = job.save_id
         handle = SaveHandle(ticket)
         self._clock.save_started(t0)
         self._thread.start(
@@ -156,16 +157,16 @@ class Saver:
         return handle
 
     def _skip(self, step: int, busy: list[bool]) -> SaveHandle:
-        ticket = SaveTicket(step, time.perf_counter())
-        ticket.skip()
+        ranks = [r for r, b in enumerate(busy) if b]
+        why = f"the previous save is still writing on rank(s) {ranks} (if_busy='skip')"
         if self.rank == 0:
-            ranks = [r for r, b in enumerate(busy) if b]
-            log.warning(
-                "dckpt: skipped the save of step %d: the previous save is still writing on "
-                "rank(s) %s (if_busy='skip')",
-                step,
-                ranks,
-            )
+            log.warning("dckpt: skipped the save of step %d: %s", step, why)
+        return self.skipped(step, why)
+
+    def skipped(self, step: int, why: str) -> SaveHandle:
+        """A save that does not run (``result()`` raises, saying ``why``); nothing logged."""
+        ticket = SaveTicket(step, time.perf_counter())
+        ticket.skip(why)
         return SaveHandle(ticket)
 
     def on_optimizer_step(self) -> None:
