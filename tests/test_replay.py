@@ -96,6 +96,11 @@ def test_journal_is_capped_and_pruned_below_the_newest_committed_step(tmp_path: 
         writer.append(2 + i, 1.0)
     journal = read_journal(tmp_path, 1)
     assert journal is not None and len(journal.entries) == MAX_ENTRIES
+    lines = journal_path(tmp_path, 1).read_text().splitlines()
+    assert len(lines) == 1 + MAX_ENTRIES  # the writer stops at the cap, not the reader only
+    idle = JournalWriter(tmp_path / "idle")
+    idle.append(1, 1.0)  # never started (or stopped by a full disk): nothing, no error
+    assert not (tmp_path / "idle").exists()
     writer.start(9, "s9", "run")
     writer.start(12, "s12", "run")
     (tmp_path / ".dckpt-replay" / "notes.txt").write_text("not ours")
@@ -296,9 +301,32 @@ def test_an_lr_change_keeps_each_group_s_multiple_and_the_schedule_s_point() -> 
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # no-decay kept
 
 
+class _Plateau:
+    """A scheduler-like state object with a string setting (``mode``)."""
+
+    def __init__(self) -> None:
+        self.mode = "min"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode}
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        self.mode = state_dict["mode"]
+
+
+def test_a_scheduler_s_string_setting_is_named_by_its_value() -> None:
+    state = dckpt.TrainState(nn.Linear(2, 2), scheduler=_Plateau())
+    found = find_overrides([ConfigChange("sched.mode", "min", "max")], state)
+    assert [o.fix for o in found] == [("scheduler.mode = 'max'",)]
+    assert find_overrides([ConfigChange("mode", "max", "min")], state) == []  # holds neither
+
+
 def test_a_scaler_setting_is_named_when_the_checkpoint_brings_it_back() -> None:
     scaler = torch.amp.GradScaler("cpu", growth_interval=100)
     state = dckpt.TrainState(nn.Linear(2, 2), scaler=scaler)
+    # The running scale is the scaler's own, not a setting: a changed "scale" is not named.
+    held = scaler.state_dict()["scale"]
+    assert find_overrides([ConfigChange("scale", held, held * 2)], state) == []
     found = find_overrides([ConfigChange("amp.growth_interval", 100, 500)], state)
     assert [o.where for o in found] == ["the GradScaler's growth_interval"]
     exec(found[0].fix[0], {"scaler": scaler})  # the line shown, as a user would run it
