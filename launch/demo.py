@@ -50,7 +50,8 @@ def torchrun(ckpt: Path, log: Path, *extra: str, save_every: int = SAVE_EVERY) -
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
     )
     for line in proc.stdout.splitlines():
-        if line.startswith(("dckpt", "train:", "  [", "  rng", "  world", "  timings", "  skip")):
+        shown = ("dckpt", "train:", "  [", "  rng", "  replay", "  world", "  timings", "  skip")
+        if line.startswith(shown):
             print("  " + line)
     return proc.returncode
 
