@@ -95,8 +95,9 @@ def main() -> None:
         f"train step {r['train_step_s'] * 1e3:.2f} ms | fault hook (unset) "
         f"{r['fault_hook_s'] * 1e9:.0f} ns/phase = {doc['fault_hook_per_save_over_step']:.1e} "
         f"of a step per save | preempted() {r['preempted_s'] * 1e6:.0f} us = "
-        f"{doc['preempted_over_step']:.3f} of a step | observe() {r['observe_journal_s'] * 1e6:.1f} "
-        f"us with the replay journal, {r['observe_off_s'] * 1e6:.1f} us without: the journal "
+        f"{doc['preempted_over_step']:.3f} of a step | observe() "
+        f"{r['observe_journal_s'] * 1e6:.1f} us with the replay journal, "
+        f"{r['observe_off_s'] * 1e6:.1f} us without: the journal "
         f"costs {doc['journal_over_step']:.1e} of a step (rank 0's figures)"
     )
     print(f"wrote {write_json(args.name, doc)}")
