@@ -463,16 +463,6 @@ class CheckpointManager:
             raise ValueError(
                 "save(tier='memory') needs the memory tier: CheckpointConfig(memory=True)"
             )
-        # Every save asks rank 0, whatever this rank's ``when``: a rank that passed none must
-        # not skip the broadcast the others wait in ("when=improved if master else None").
-        if not self._ctl.broadcast((when is None or bool(when)) if self.rank == 0 else None):
-            return self._saver.skipped(step, "rank 0's when= was false")
-        if self._resumer.unchanged_since(step, tier):
-            why = "it is the step just resumed from, and nothing has trained since"
-            if self.rank == 0:
-                log.info("dckpt: save of step %d skipped: %s (no optimizer step, no observe())",
-                         step, why)  # fmt: skip
-            return self._saver.skipped(step, why)
         handle = self._saver.save(
             step,
             epoch=epoch,
@@ -480,6 +470,8 @@ class CheckpointManager:
             metric=metric,
             loss=self._loss_watch.summary(),
             tier=tier,
+            when=when,
+            resumed_unchanged=self._resumer.unchanged_since(step, tier),
         )
         if not handle.skipped:  # from here on, observe() journals the steps after this save
             self._resumer.saved(step, handle.save_id, self._saver.last_committed_step)

@@ -89,14 +89,29 @@ class Saver:
         metric: float | None,
         loss: dict[str, Any],
         tier: str = "durable",
+        when: object = None,
+        resumed_unchanged: bool = False,
     ) -> SaveHandle:
         """Steps 1-3 of the save protocol, then the hand-off to the save thread. A route that
         cannot block (the memory tier's: its copy in ``save()`` is the snapshot) always runs
-        in the background."""
+        in the background.
+
+        Before any of it, once this rank knows it may save at all (an unusable group or an
+        earlier failure is raised here first, with no collective): rank 0's ``when``, one
+        broadcast made at every save whatever this rank's ``when`` (a rank that passed None
+        must not leave the others waiting); then ``resumed_unchanged``, the same on every
+        rank: the step just resumed from, with nothing trained since, is not written again."""
         route = self._routes[tier]
         self._refuse_if_unusable()
         t0 = time.perf_counter()
         self._thread.raise_if_failed()
+        if not self._ctl.broadcast((when is None or bool(when)) if self.rank == 0 else None):
+            return self.skipped(step, "rank 0's when= was false")
+        if resumed_unchanged:
+            why = "it is the step just resumed from, and nothing has trained since"
+            if self.rank == 0:
+                log.info("dckpt: save of step %d skipped: %s (no optimizer step)", step, why)
+            return self.skipped(step, why)
         in_flight = self._thread.current
         if self._config.if_busy == "skip" and self._mode.asynchronous:
             busy = self._ctl.all_gather(in_flight is not None)
