@@ -438,8 +438,9 @@ class CheckpointManager:
         is True), without a log line; None (the default) saves.
 
         A ``save(N)`` right after resuming from N (from the same tier), with no optimizer
-        step since (for a state without an optimizer: no ``observe()``), is skipped with one
-        log line: it would write the same state again under the same step.
+        step (for a state without an optimizer: no ``observe()``) and no in-place change of a
+        parameter or buffer since, is skipped with one log line: it would write the same
+        state again under the same step.
 
         ``tier="memory"`` (with ``CheckpointConfig(memory=True)``) keeps it in host memory
         and on the partner node instead of the durable root (dckpt.save.memory): seconds to
