@@ -85,11 +85,6 @@ class ReplayCheck:
     def armed(self) -> bool:
         return bool(self._expected)
 
-    @property
-    def last(self) -> int:
-        """The last step the run that stopped journaled (-1 when not armed)."""
-        return self._last if self.armed else -1
-
     def arm(self, resumed: int, entries: list[tuple[int, str]]) -> list[int]:
         """Compare the steps after ``resumed`` with ``entries``; returns those steps."""
         self._expected = {s: h for s, h in entries if s > resumed}
@@ -158,12 +153,10 @@ class Replay:
     def __init__(
         self, *, rank: int, root: Path, mode: ReplayMode | None, rtol: float, run_id: str
     ) -> None:
-        self.enabled = mode is not None
-        self.judges = self.enabled and rank == 0
-        """Whether this rank reads, writes and compares the journal: rank 0."""
         self.root = Path(root)
         self.check = ReplayCheck(mode or "exact", rtol)
-        self._writer = JournalWriter(root) if self.judges else None
+        # Only rank 0 reads, writes and compares the journal (None: replay_check="off").
+        self._writer = JournalWriter(root) if mode is not None and rank == 0 else None
         self._run_id = run_id
         self._base: int | None = None
         self._count = 0
