@@ -37,7 +37,7 @@ _EXPORTS = {
     "StorageError": "errors",
     "TrainState": "train.state",
     "WorldError": "errors",
-    "init_distributed": "dist.world",
+    "init_distributed": "collective.world",
     "peek": "tiers.peek",
     "read_config": "tiers.peek",
 }
@@ -73,8 +73,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .collective.world import init_distributed as init_distributed
     from .config import CheckpointConfig as CheckpointConfig
-    from .dist.world import init_distributed as init_distributed
     from .errors import CheckpointError as CheckpointError
     from .errors import CheckpointNotFoundError as CheckpointNotFoundError
     from .errors import ConfigMismatchError as ConfigMismatchError

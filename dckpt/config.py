@@ -15,7 +15,7 @@ import xxhash
 
 from .root.retention import BestMode, RetentionPolicy
 from .storage.digest import ALGORITHMS
-from .tiers.url import default_mirror, is_url, parse_url, refuse_mangled_url
+from .tiers.url import ObjectURL, default_mirror, parse_root, parse_url
 
 __all__ = ["CheckpointConfig", "IfBusy", "LossWatchAction", "ReplayCheckMode", "ReplicaCheck"]
 
@@ -175,6 +175,11 @@ class CheckpointConfig:
         return Path(self.root)
 
     @property
+    def where(self) -> str | Path:
+        """The root as a user names it: the directory, or the s3:// URL."""
+        return self.remote or Path(self.root)
+
+    @property
     def memory_root(self) -> Path:
         """Where this run's memory tier lives (``node-<n>/`` under it, one per node)."""
         if self.memory_dir is not None:
@@ -202,11 +207,10 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ValueError(f"root must be a directory path or an s3:// URL, got {self.root!r}")
-        refuse_mangled_url(self.root)
-        if is_url(self.root):
-            url = parse_url(str(self.root))
-            object.__setattr__(self, "remote", str(url))
-            object.__setattr__(self, "root", Path(self.mirror or default_mirror(url)))
+        where = parse_root(self.root)
+        if isinstance(where, ObjectURL):
+            object.__setattr__(self, "remote", str(where))
+            object.__setattr__(self, "root", Path(self.mirror or default_mirror(where)))
         elif self.remote is not None:  # a copy of a config that was given a URL
             object.__setattr__(self, "remote", str(parse_url(self.remote)))
         elif self.mirror is not None:

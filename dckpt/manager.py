@@ -11,10 +11,12 @@ to collaborators built here with explicit parts:
 - ``watch_preemption``, ``preempted`` -> ``dckpt.preemption.PreemptionStop``.
 
 Each tier is built here from its parts and handed down, so nothing below asks which tier it
-runs: the root (a ``DurableRoute`` with ``RenameCommit`` or ``ObjectCommit``; a
-``LocalSource`` or ``ObjectSource`` with a ``DurableReader``) and, with ``memory=True``, the
-memory tier (a ``MemoryRoute`` with ``MemoryCommit``; a ``MemorySource`` with a
-``MemoryReader``), with the ``Lineage`` they share.
+runs: the root, opened once by ``open_root`` and asked only through the ``Root`` protocol
+(dckpt.root.protocol) for its locks, recovery, commit strategy and source (a
+``DurableRoute`` with the strategy; a ``DurableReader`` over the source), and, with
+``memory=True``, the memory tier (a ``MemoryRoute`` with ``MemoryCommit`` over the root's
+memory ledger; a ``MemorySource`` with a ``MemoryReader``), with the ``Lineage`` they share.
+Nothing here asks which kind of root it holds.
 
 Two groups, created in the same order on every rank: *ctl* for foreground calls (load, skip
 and mode decisions, preemption) and *io* for the background save, so they never interleave.
@@ -36,9 +38,9 @@ from typing import Any, Literal
 
 import torch
 
+from .collective.comm import Comm
+from .collective.progress import Progress
 from .config import CheckpointConfig
-from .dist.comm import Comm
-from .dist.progress import Progress
 from .errors import CheckpointError, LockError
 from .load.checks import CandidateChecks
 from .load.config_check import ConfigPolicy
@@ -49,11 +51,8 @@ from .load.replay import Replay, ReplayMode
 from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer, ResumeTier
 from .preemption import DEFAULT_SIGNALS, Preemption, PreemptionStop
-from .root.commit import CommitStrategy, RenameCommit
-from .root.lock import RunLock
-from .root.memory_ledger import DirectoryLedger, MemoryLedger
-from .root.source import CheckpointSource, LocalSource
-from .root.upkeep import recover
+from .root.protocol import Lock, Root
+from .root.source import CheckpointSource
 from .save.durable import DurableRoute
 from .save.handle import SaveHandle, SaveResult
 from .save.memory import MemoryRoute
@@ -65,13 +64,7 @@ from .save.stager import Stager
 from .save.step_clock import StepClock
 from .tiers import memory_layout
 from .tiers.memory_commit import Lineage, MemoryCommit
-from .tiers.object_commit import ObjectCommit
-from .tiers.object_ledger import ObjectLedger
-from .tiers.object_lock import ObjectLock
-from .tiers.object_root import ObjectRoot
-from .tiers.object_source import ObjectSource, local_share
-from .tiers.s3_store import S3Store
-from .tiers.url import parse_url
+from .tiers.roots import open_root
 from .train.precision import PrecisionPolicy
 from .train.state import TrainState
 from .units import human_bytes
@@ -194,9 +187,14 @@ class CheckpointManager:
                 or uuid.uuid4().hex
             )
         )
-        strategy, source, self._objects = self._root_kind()
-        self._commit = strategy
+        try:
+            self._root: Root = open_root(config.where, mirror=config.directory)
+        except (CheckpointError, ValueError):  # boto3 missing, a bad DCKPT_S3_* setting
+            self._ctl.close()
+            self._io.close()
+            raise
         self._locks = self._open_root()
+        strategy, source = self._root.commit_strategy(), self._root.source()
         lineage = Lineage()
         if config.memory and self.rank == 0:  # until a resume says otherwise: the root's newest
             lineage.anchor = max(source.steps(), default=None)
@@ -281,67 +279,32 @@ class CheckpointManager:
         self._resumer.touched()
         self._saver.on_optimizer_step()
 
-    def _root_kind(self) -> tuple[CommitStrategy, CheckpointSource, ObjectRoot | None]:
-        """A directory root commits by rename and is read in place; an s3:// root commits by
-        writing the manifest last and is read through its local mirror (dckpt.tiers)."""
-        if self.config.remote is None:
-            return RenameCommit(), LocalSource(self.root), None
-        try:
-            objects = ObjectRoot(S3Store(parse_url(self.config.remote)))
-        except (CheckpointError, ValueError):  # boto3 missing, a bad DCKPT_S3_* setting
-            self._ctl.close()
-            self._io.close()
-            raise
-        return ObjectCommit(objects), ObjectSource(objects, self.root), objects
-
-    def _open_root(self) -> list[RunLock | ObjectLock]:
-        """Rank 0 makes the root, takes the run lock and recovers from crashed saves; every
-        rank raises rank 0's failure (after releasing dckpt's groups). An s3:// root takes
-        the lock in the bucket too, and recovers there: its mirror is only a local copy."""
+    def _open_root(self) -> list[Lock]:
+        """Every rank prepares its local directory (the root, or its node's mirror of an
+        s3:// root); rank 0 then takes the run locks and recovers from crashed saves. Every
+        rank raises the first failure (after releasing dckpt's groups and any lock taken)."""
         failure: CheckpointError | None = None
-        locks: list[RunLock | ObjectLock] = []
-        where = self.config.remote or self.root
-        if self.rank == 0:
-            try:
-                if self.root.exists() and not self.root.is_dir():
-                    raise CheckpointError(f"{self.root} exists and is not a directory")
-                self.root.mkdir(parents=True, exist_ok=True)
-                if self.config.lock:
-                    # A second job on one s3:// root meets the mirror's lock first, on one
-                    # host: its refusal names the root the user gave, not only the mirror.
-                    name = self.config.remote and f"{where} (its local mirror {self.root})"
-                    lease_s = self.config.lock_lease_s
-                    locks.append(RunLock(self.root, self.run_id, lease_s, name=name))
-                    locks[-1].acquire()
-                    if self._objects is not None:
-                        store = self._objects.store
-                        remote_lock = ObjectLock(store, self.run_id, self.config.lock_lease_s)
-                        locks.append(remote_lock)
-                        remote_lock.acquire()
-                        if isinstance(self._commit, ObjectCommit):  # checked before each PUT
-                            self._commit.lock = remote_lock
-                recover(self.root)
-                if self._objects is not None:
-                    self._objects.recover()
-            except LockError as exc:
-                failure = exc
-            except (OSError, CheckpointError) as exc:
-                failure = CheckpointError(f"cannot use checkpoint root {where}: {exc}")
-            if failure is not None:
-                # Each lock removes only a record it wrote: one whose acquire was refused (a
-                # bucket that does not exist, a live owner) is left alone, without a word.
-                for lock in reversed(locks):
-                    lock.release()
-        elif self._objects is not None:  # every node has its own mirror, unless shared
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                if local_share()[0] == 0:  # the node's first rank tidies its mirror
-                    recover(self.root)
-            except OSError as exc:
-                failure = CheckpointError(f"cannot use the local mirror {self.root}: {exc}")
-        failures = self._ctl.all_gather(failure)
-        failure = next((f for f in failures if f is not None), None)
+        locks: list[Lock] = []
+        coordinator = self.rank == 0
+        try:
+            self._root.prepare(coordinator=coordinator)
+            if coordinator and self.config.lock:
+                for lock in self._root.locks(self.run_id, self.config.lock_lease_s):
+                    locks.append(lock)
+                    lock.acquire()
+            if coordinator:
+                self._root.recover()
+        except LockError as exc:
+            failure = exc
+        except (OSError, CheckpointError) as exc:
+            failure = CheckpointError(f"cannot use checkpoint root {self._root}: {exc}")
+        failure = next((f for f in self._ctl.all_gather(failure) if f is not None), None)
         if failure is not None:
+            # Released on every failure, another rank's too (its node's mirror). Each lock
+            # removes only a record it wrote: one whose acquire was refused (a bucket that
+            # does not exist, a live owner) is left alone, without a word.
+            for lock in reversed(locks):
+                lock.release()
             self._ctl.close()
             self._io.close()
             raise failure
@@ -361,7 +324,7 @@ class CheckpointManager:
         each node's first rank makes the node's memory directory private (0700) and removes
         what the last workers left half-written; rank 0 tidies the ledger's saves in flight.
         Fails on every rank if any node fails. Nothing listens: replicas move over dckpt's
-        gloo groups (dckpt.dist.transfer)."""
+        gloo groups (dckpt.collective.transfer)."""
         found = _node_indices(
             self._ctl.all_gather((os.environ.get("GROUP_RANK"), socket.gethostname()))
         )
@@ -371,10 +334,7 @@ class CheckpointManager:
         topology = memory_layout.Topology(found)
         node = topology.node_of[self.rank]
         memory_dir = self.config.memory_root
-        ledger: MemoryLedger = DirectoryLedger(self.root)
-        if self._objects is not None:
-            held = next((k.check_held for k in self._locks if isinstance(k, ObjectLock)), None)
-            ledger = ObjectLedger(self._objects, held)
+        ledger = self._root.memory_ledger()
         commit = MemoryCommit(ledger, self.config.memory_keep, str(memory_dir))
         failure: CheckpointError | None = None
         try:

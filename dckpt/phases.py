@@ -4,7 +4,7 @@ Every phase names a point of the protocol (stated in ``dckpt.save.pipeline`` for
 ``dckpt.load.resumer`` for a resume). The same names serve three readers:
 
 - the fault hook (``DCKPT_FAULT="phase=<value>,..."``, dckpt.faults) fires *at* the point;
-- the progress markers (dckpt.dist.progress) record that a rank got *past* it, so a failed
+- the progress markers (dckpt.collective.progress) record that a rank got *past* it, so a failed
   wait names the ranks that are behind and the phase they did not complete;
 - the docs (docs/ARCHITECTURE.md) and the fault tests, which iterate over the phases by side.
 

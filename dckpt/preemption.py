@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from .dist.comm import Comm
+from .collective.comm import Comm
 from .errors import CheckpointError, SaveError
 from .save.handle import SaveHandle, SaveResult
 from .save.saver import Saver

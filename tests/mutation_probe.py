@@ -67,7 +67,7 @@ MUTANTS = (
     ),
     Mutant(
         "resume: the warmup sum is never checked",
-        "dckpt/dist/world.py",
+        "dckpt/collective/world.py",
         "        return self.value == self.expected",
         "        return True",
         (f"{VR}::test_a_warmup_that_sums_wrong_on_one_rank_is_refused_on_every_rank",),
@@ -224,7 +224,7 @@ MUTANTS = (
     ),
     Mutant(
         "memory: a received file is renamed in without comparing its digest",
-        "dckpt/dist/transfer.py",
+        "dckpt/collective/transfer.py",
         "if actual != item.digest:",
         "if False:",
         ("tests/test_transfer.py::test_bytes_that_do_not_hash_right_are_never_named",),

@@ -14,7 +14,9 @@ from dckpt.root.durable import publish_latest
 from dckpt.root.layout import (
     LATEST_FILE,
     QUARANTINE_DIR,
+    TMP_RE,
     committed_steps,
+    is_committed_dir,
     list_checkpoints,
     read_latest,
     step_dir_name,
@@ -88,12 +90,12 @@ def test_committed_dir_appears_only_after_commit(tmp_path: Path) -> None:
     assert read_latest(tmp_path) is None
     assert [(e.step, e.status) for e in list_checkpoints(tmp_path)] == [(1, "incomplete")]
     strategy = RenameCommit()
-    assert strategy.is_temporary(tmp.name) and not strategy.is_committed(tmp)
+    assert TMP_RE.fullmatch(tmp.name) and not is_committed_dir(tmp)
 
     result = strategy.finalize(tmp_path, tmp, 1)
 
     assert result == final
-    assert strategy.is_committed(final) and not strategy.is_temporary(final.name)
+    assert is_committed_dir(final) and not TMP_RE.fullmatch(final.name)
     assert not tmp.exists()
     assert sorted(p.name for p in final.iterdir()) == ["__0_0.distcp", MANIFEST_FILE]
     assert (final / "__0_0.distcp").read_bytes() == b"one"

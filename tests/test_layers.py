@@ -30,7 +30,7 @@ def layer_of(module: str, *, importer: bool = False) -> str:
         "storage",
         "root",
         "tiers",
-        "dist",
+        "collective",
         "train",
         "save",
         "load",
@@ -69,12 +69,12 @@ ALLOWED: dict[str, set[str]] = {
         "dckpt.storage.verified_files",
     },
     "config": {"base", "dckpt.root.retention", "dckpt.storage.digest", "dckpt.tiers.url"},
-    # dist moves bytes between ranks and hashes them as they arrive (transfer.py)
-    "dist": {"base", "dckpt.storage.digest"},
+    # collective moves bytes between ranks and hashes them as they arrive (transfer.py)
+    "collective": {"base", "dckpt.storage.digest"},
     "train": {"base"},
-    "save": {"base", "storage", "root", "tiers", "config", "dist", "train"},
-    "load": {"base", "storage", "root", "tiers", "config", "dist", "train"},
-    "top": {"base", "storage", "root", "tiers", "config", "dist", "train", "save", "load"},
+    "save": {"base", "storage", "root", "tiers", "config", "collective", "train"},
+    "load": {"base", "storage", "root", "tiers", "config", "collective", "train"},
+    "top": {"base", "storage", "root", "tiers", "config", "collective", "train", "save", "load"},
     "cli": {"base", "storage", "root", "tiers", "config", "load", "dckpt.save.step_clock"},
 }
 
@@ -139,19 +139,74 @@ def test_the_rules_are_not_vacuous() -> None:
     """The reader finds what is there: the manager imports the pipeline, the pipeline the
     commit strategy, and a made-up upward import would be refused."""
     found = dckpt_imports(PACKAGE / "manager.py")
-    assert {"dckpt.save.pipeline", "dckpt.load.resumer", "dckpt.root.upkeep"} <= found
+    assert {"dckpt.save.pipeline", "dckpt.load.resumer", "dckpt.tiers.roots"} <= found
     assert "dckpt.root.commit" in dckpt_imports(PACKAGE / "save" / "coordinator.py")
     assert "dckpt.train.rng" in dckpt_imports(PACKAGE / "save" / "pipeline.py")
     assert not allowed("dckpt.root.commit", "dckpt.save.pipeline")
-    assert not allowed("dckpt.storage.hashing_writer", "dckpt.dist.progress")
+    assert not allowed("dckpt.storage.hashing_writer", "dckpt.collective.progress")
     assert not allowed("dckpt.load.resumer", "dckpt.save.handle")
     assert allowed("dckpt.save.pipeline", "dckpt.root.commit")
+
+
+# What only the root kinds and ``open_root`` may name: a module outside them that imports one
+# of these, or tests a root with isinstance, is branching on which kind of root it holds.
+KIND_MODULES = {
+    "dckpt.root.directory",
+    "dckpt.root.commit",
+    "dckpt.root.upkeep",
+    "dckpt.root.lock",
+    "dckpt.root.layout",
+    "dckpt.tiers.object_root",
+    "dckpt.tiers.object_commit",
+    "dckpt.tiers.object_lock",
+    "dckpt.tiers.object_ledger",
+    "dckpt.tiers.object_source",
+    "dckpt.tiers.s3_store",
+    "dckpt.tiers.url",
+}
+KIND_NAMES = {"DirectoryRoot", "ObjectRoot", "ObjectCommit", "ObjectLock", "RenameCommit",
+              "RunLock", "LocalSource", "ObjectSource", "DirectoryLedger", "ObjectLedger",
+              "is_url", "parse_url", "parse_root", "S3Store"}  # fmt: skip
+# The CLI may still use the directory layout's names and small readers for what it shows.
+CLI_MAY = {"dckpt.root.layout"}
+
+
+def kind_branches(path: Path, may: set[str]) -> list[str]:
+    """Where ``path`` imports a root kind's own module or names a kind (see KIND_MODULES)."""
+    found = [f"imports {m}" for m in sorted(dckpt_imports(path) & (KIND_MODULES - may))]
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in KIND_NAMES:
+            found.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in ("remote", "_objects"):
+            found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_the_manager_and_the_cli_never_ask_which_kind_of_root_they_hold() -> None:
+    """One shape for every root: manager.py, the CLI and peek open a root with ``open_root``
+    and talk to the ``Root`` protocol; no kind's module, class or URL test appears in them."""
+    checked = [PACKAGE / "manager.py", PACKAGE / "tiers" / "peek.py"]
+    checked += sorted((PACKAGE / "cli").glob("*.py"))
+    branches = {
+        module_name(p): b
+        for p in checked
+        if (b := kind_branches(p, CLI_MAY if p.parent.name == "cli" else set()))
+    }
+    assert not branches, f"a branch on the root's kind: {branches}"
+    # and the check can fail: what the old manager held is caught
+    planted = PACKAGE.parent / "build" / "planted_manager.py"
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_text(
+        "from dckpt.tiers.object_root import ObjectRoot\nisinstance(x, ObjectRoot)\n"
+    )
+    assert len(kind_branches(planted, set())) == 2
 
 
 def test_the_folders_are_the_layers_in_the_architecture_doc() -> None:
     doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
     folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert folders == ["cli", "dist", "load", "root", "save", "storage", "tiers", "train"]
+    assert folders == ["cli", "collective", "load", "root", "save", "storage", "tiers", "train"]
     for folder in folders:
         assert f"{folder}/" in doc, f"docs/ARCHITECTURE.md does not show {folder}/"
     for path in modules():

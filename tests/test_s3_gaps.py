@@ -256,7 +256,7 @@ def test_a_resave_replaces_the_step_and_a_crash_halfway_never_commits_a_mix(
     saved = run_world(_saves, 2, root, str(tmp_path), env=s3_env)
     assert saved[0][2] != saved[0]["2 again"]
     objects = _objects(bucket, "again")
-    verified, problems = objects.verify(2)
+    verified, problems = objects.check_objects(2)
     assert problems == [], problems
     assert verified
 
@@ -279,7 +279,7 @@ def test_a_resave_replaces_the_step_and_a_crash_halfway_never_commits_a_mix(
     # After the crash, step 2 is either uncommitted or one whole save: its objects verify.
     committed = objects.committed_steps()
     if 2 in committed:
-        verified, problems = objects.verify(2)
+        verified, problems = objects.check_objects(2)
         assert problems == [], f"step 2 is committed with objects of two saves: {problems}"
     restarted = run_world(_restart, 2, root, str(tmp_path), env=s3_env)
     for rank, (step, weights, report) in enumerate(restarted):

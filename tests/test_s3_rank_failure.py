@@ -326,7 +326,7 @@ class _UnrebuildableError(Exception):
 
 
 def _agree(rank: int, world: int) -> Any:
-    from dckpt.dist.comm import Comm
+    from dckpt.collective.comm import Comm
     from dckpt.errors import StorageError
 
     comm = Comm(timeout_s=30)

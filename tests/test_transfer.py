@@ -1,4 +1,4 @@
-"""Files moved between real gloo ranks over dckpt's own group (dckpt.dist.transfer): the
+"""Files moved between real gloo ranks over dckpt's own group (dckpt.collective.transfer): the
 memory tier's replicas and a lost node's files at a resume.
 
 Each test spawns 2 ranks; rank 0 sends a file of several chunks from its mapping, rank 1
@@ -37,8 +37,8 @@ def _exchange(
 
     import torch
 
-    from dckpt.dist.comm import Comm
-    from dckpt.dist.transfer import CHUNK, Incoming, Outgoing, TransferError, move
+    from dckpt.collective.comm import Comm
+    from dckpt.collective.transfer import CHUNK, Incoming, Outgoing, TransferError, move
     from dckpt.storage.digest import format_digest, new_hasher
     from dckpt.tiers.memory_layout import Slots
 

@@ -15,7 +15,7 @@ import torch
 from dist_harness import run_world
 from torch import nn
 
-from dckpt.dist.world import backends_by_device, training_device
+from dckpt.collective.world import backends_by_device, training_device
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,13 @@
 """The ``dckpt`` command: look at, check, inspect and manage checkpoints without Python.
 
 Commands: ``ls``, ``verify``, ``inspect`` (reading.py); ``gc``, ``pin``, ``unpin``
-(manage.py); ``diff``, ``export`` (tensors.py); ``plan`` (planning.py); ``memory clear``
-(memory_tier.py); each but ``memory clear`` also on an s3:// root (remote.py). Exit codes: 0 ok; 2
-bad usage, or a root/step that does not exist or is not dckpt's; 3 an integrity failure.
-Importing this package does not import torch.
+(manage.py); ``diff``, ``export`` (tensors.py); ``plan`` (planning.py, with plan_model.py);
+``memory clear`` (memory_tier.py). Every command takes a directory or an s3:// root and reads
+it through the ``Root`` protocol (``common.cli_root``): none asks which kind it has; ``diff``
+and ``export`` read tensors from local step directories (``common.step_dirs``: an object
+store's steps fetched, verified, into a temporary directory). Exit codes: 0 ok; 2 bad usage,
+or a root/step that does not exist or is not dckpt's; 3 an integrity failure; 4 a checkpoint
+this torch cannot read. Importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import warnings
 from collections.abc import Sequence
 
 from .. import __version__
-from ..tiers.url import is_url, refuse_mangled_url
-from .common import EXIT_USAGE, CliError, err
+from ..errors import CheckpointError, IntegrityError, ManifestError
+from .common import EXIT_INTEGRITY, EXIT_USAGE, CliError, err, fail
 
 __all__ = ["main"]
 
@@ -167,18 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # DCP warns at every single-process load that it assumes one process: it does here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
-        root = getattr(args, "root", None)
-        if isinstance(root, str):
-            try:
-                refuse_mangled_url(root)
-            except ValueError as exc:
-                raise CliError(EXIT_USAGE, str(exc)) from None
-        if is_url(getattr(args, "root", None)) and args.command != "memory":
-            from .remote import run_remote
-
-            code: int = run_remote(args)
-        else:
-            code = args.func(args)
+        try:
+            code: int = args.func(args)
+        except (IntegrityError, ManifestError) as exc:  # a damaged or hostile manifest
+            fail(EXIT_INTEGRITY, str(exc))
+        except CheckpointError as exc:  # a missing bucket, refused credentials, no network
+            fail(EXIT_USAGE, str(exc))
     except CliError as exc:
         err.print(f"dckpt {args.command}: {exc}")
         return exc.code

@@ -21,10 +21,10 @@ from rich.table import Table
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..root.manifest import Manifest, parse_manifest
-from ..root.memory_ledger import DirectoryLedger, MemoryLedger
+from ..root.memory_ledger import MemoryLedger
 from ..tiers import memory_layout as layout
 from ..units import human_bytes
-from .common import EXIT_OK, EXIT_USAGE, fail, out, root_arg
+from .common import EXIT_OK, EXIT_USAGE, cli_root, fail, out
 
 __all__ = [
     "cmd_memory_clear",
@@ -156,22 +156,8 @@ def cmd_memory_clear(args: argparse.Namespace) -> int:
     """``dckpt memory clear ROOT``: free this host's memory tier of a root (every node
     directory under its memory directory here); with ``--records``, also remove the root's
     ledger, so no resume looks for that memory again."""
-    from ..tiers.url import is_url
-    from .manage import live_lock_owner
-
-    ledger: MemoryLedger
-    if is_url(args.root):  # the records are in the bucket; the memory is on this host
-        from ..tiers.object_ledger import ObjectLedger
-        from ..tiers.object_lock import ObjectLock
-        from .common import open_root
-
-        objects = open_root(args.root)
-        owner = ObjectLock(objects.store, "dckpt-memory-clear").holder()
-        ledger, root_name = ObjectLedger(objects), args.root
-    else:
-        root = root_arg(args.root)
-        owner = live_lock_owner(args)
-        ledger, root_name = DirectoryLedger(root), str(root)
+    root = cli_root(args.root)
+    owner, ledger, root_name = root.lock_holder(), root.memory_ledger(), str(root)
     if owner is not None and not args.force:
         fail(
             EXIT_USAGE,

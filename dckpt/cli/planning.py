@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 import psutil
 
 from ..errors import IntegrityError, ManifestError
-from ..root.manifest import read_manifest
-from ..root.memory_ledger import DirectoryLedger
 from ..units import plural
-from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, committed_dir, fail, human, out, root_arg
+from .common import EXIT_INTEGRITY, EXIT_OK, EXIT_USAGE, cli_root, committed_step, fail, human, out
 from .memory_tier import memory_costs, memory_dir_for
 from .plan_model import PlanInputs, PlanResult, plan
 
@@ -37,9 +34,9 @@ def _duration(seconds: float) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     measured: dict[str, float] = {}
     if args.root is not None:
-        step_dir = committed_dir(root_arg(args.root), args.step)
+        root = cli_root(args.root)
         try:
-            manifest = read_manifest(step_dir)
+            manifest = root.read_manifest(committed_step(root, args.step))
         except (ManifestError, IntegrityError) as exc:
             fail(EXIT_INTEGRITY, str(exc))
         t = manifest.timings
@@ -129,8 +126,8 @@ def _memory_plan(
     has memory checkpoints on this host; None otherwise."""
     if args.root is None:
         return None
-    root = Path(args.root)
-    costs = memory_costs(DirectoryLedger(root), memory_dir_for(args.root, args.memory_dir))
+    root = cli_root(args.root)
+    costs = memory_costs(root.memory_ledger(), memory_dir_for(str(root), args.memory_dir))
     if costs is None:
         return None
     inputs = dataclasses.replace(

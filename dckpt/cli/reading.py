@@ -1,5 +1,8 @@
-"""``dckpt ls``, ``verify`` and ``inspect``: look at and check checkpoints (a read-only view,
-except that ``verify`` records its result under ``.dckpt-verified/`` for ``ls``).
+"""``dckpt ls``, ``verify`` and ``inspect``: look at and check checkpoints of any root kind,
+through the ``Root`` protocol (a read-only view, except that ``verify`` records its result
+beside the steps, ``.dckpt-verified/``, for ``ls``). On an s3:// root ``verify`` streams every
+object through its digest, downloading nothing to disk unless ``--deep``; ``inspect`` reads
+the manifest alone.
 
 Output contract (tests and scripts read it):
 - ``ls --json``: one object per checkpoint with ``step`` (int), ``status`` (``committed``,
@@ -25,15 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
 from ..errors import IntegrityError, ManifestError
-from ..root.layout import CheckpointEntry, list_checkpoints, pinned_steps
-from ..root.manifest import Manifest, read_manifest
-from ..root.memory_ledger import DirectoryLedger
-from ..root.resume_record import DirectoryRecords, ResumeRecord, ResumeRecords, summary
-from ..root.verify import VerifyResult, read_verification, record_verification, verify_checkpoint
+from ..root.manifest import Manifest
+from ..root.protocol import Entry, Root
+from ..root.resume_record import ResumeRecord, ResumeRecords, summary
+from ..root.verify import VerifyResult
 from ..save.step_clock import describe_cost
 from ..units import describe_staging
 from .common import (
@@ -41,14 +42,13 @@ from .common import (
     EXIT_INTEGRITY,
     EXIT_OK,
     EXIT_USAGE,
-    committed_dir,
-    dir_bytes,
-    err,
+    bar,
+    cli_root,
+    committed_step,
     fail,
     human,
     out,
     plural,
-    root_arg,
 )
 from .memory_tier import memory_dir_for, memory_records, print_memory_ls
 
@@ -122,28 +122,31 @@ def _marks(integrity: dict[str, Any]) -> str:
 
 
 def _ls_record(
-    entry: CheckpointEntry, now: float, pins: set[int], resumes: dict[int, list[ResumeRecord]]
+    root: Root,
+    entry: Entry,
+    now: float,
+    pins: set[int],
+    resumes: dict[int, list[ResumeRecord]],
 ) -> dict[str, Any]:
-    record = ls_record(entry.step, entry.status, str(entry.path), 0, pins)
+    record = ls_record(entry.step, entry.status, entry.where, 0, pins)
     if entry.status == "quarantined" and entry.step in resumes:  # why it is there, maybe
         with contextlib.suppress(ManifestError, IntegrityError):
-            with_resumes(record, resumes, read_manifest(entry.path).save_id)
-    if entry.status == "committed":
-        try:
-            manifest = read_manifest(entry.path)
-        except (ManifestError, IntegrityError) as exc:
-            record["error"] = str(exc)
-            record["bytes"] = dir_bytes(entry.path)
-            return record
-        check = read_verification(entry.path, manifest.files_digest)
-        record.update(
-            verified=None if check is None else ("ok" if check["ok"] else "failed"),
-            verified_at=None if check is None else check["time"],
-        )
-        with_manifest(record, manifest, now)
-        with_resumes(record, resumes, manifest.save_id)
-    else:
-        record["bytes"] = dir_bytes(entry.path)
+            with_resumes(record, resumes, root.manifest_of(entry).save_id)
+    if entry.status != "committed":
+        record["bytes"] = root.measure(entry)
+        return record
+    try:
+        manifest = root.read_manifest(entry.step)
+    except (ManifestError, IntegrityError) as exc:
+        record.update(error=str(exc), bytes=root.measure(entry))
+        return record
+    check = root.verification(entry.step, manifest.files_digest)
+    record.update(
+        verified=None if check is None else ("ok" if check["ok"] else "failed"),
+        verified_at=None if check is None else check.get("time"),
+    )
+    with_manifest(record, manifest, now)
+    with_resumes(record, resumes, manifest.save_id)
     return record
 
 
@@ -157,13 +160,13 @@ def _age(seconds: float | None) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    root = root_arg(args.root)
+    root = cli_root(args.root)
     now = time.time()
-    pins = pinned_steps(root)
-    resumes = read_resumes(DirectoryRecords(root))
-    records = [_ls_record(e, now, pins, resumes) for e in list_checkpoints(root)]
+    pins = root.pinned_steps()
+    resumes = read_resumes(root.resume_records())
+    records = [_ls_record(root, e, now, pins, resumes) for e in root.entries()]
     memory_root = memory_dir_for(str(root), args.memory_dir)
-    memory = memory_records(DirectoryLedger(root), memory_root)
+    memory = memory_records(root.memory_ledger(), memory_root)
     return print_ls_with_memory(args, records, str(root), memory, memory_root)
 
 
@@ -246,31 +249,19 @@ def _verify_json(result: VerifyResult) -> dict[str, Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    root = root_arg(args.root)
-    if args.step is not None:
-        dirs = [committed_dir(root, args.step)]
-    else:
-        dirs = [e.path for e in list_checkpoints(root) if e.status == "committed"]
-        if not dirs:
-            fail(EXIT_USAGE, f"no committed checkpoint under {root} (see `dckpt ls {root}`)")
-    total = sum(dir_bytes(d) for d in dirs)
+    root = cli_root(args.root)
+    steps = [committed_step(root, args.step)] if args.step is not None else root.committed_steps()
+    if not steps:
+        fail(EXIT_USAGE, f"no committed checkpoint under {root} (see `dckpt ls {root}`)")
+    total = 0
+    for step in steps:  # the bar's total; a manifest that cannot be read is the step's problem
+        with contextlib.suppress(ManifestError, IntegrityError):
+            total += root.read_manifest(step).total_bytes
     results: list[VerifyResult] = []
-    show_bar = not args.json and err.is_terminal
-    with Progress(
-        TextColumn("verifying"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=err,
-        disable=not show_bar,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("verify", total=total)
-        for d in dirs:
-            result = verify_checkpoint(
-                d, threads=args.threads, progress=lambda n: bar.advance(task, n), deep=args.deep
-            )
-            record_verification(result)
+    with bar("verifying", total, args.json) as advance:
+        for step in steps:
+            result = root.verify(step, threads=args.threads, deep=args.deep, progress=advance)
+            root.record_verification(result)
             results.append(result)
     return print_verify(args, results)
 
@@ -346,16 +337,13 @@ def _print_config(config: dict[str, Any]) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-
-    root = root_arg(args.root)
-    step_dir = committed_dir(root, args.step)
+    root = cli_root(args.root)
+    step = committed_step(root, args.step)
     try:
-        manifest = read_manifest(step_dir)
+        manifest = root.read_manifest(step)
     except (ManifestError, IntegrityError) as exc:
         fail(EXIT_INTEGRITY, str(exc))
-    # A step fetched from an s3:// root is shown by its URL, not the temporary copy's path.
-    shown = getattr(args, "shown_root", None)
-    where = f"{shown}/{step_dir.name}" if shown else str(step_dir)
+    where = str(root.where(step))
     obj = manifest.to_json_obj()
     obj["path"] = where
     if args.json:

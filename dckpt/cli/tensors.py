@@ -32,12 +32,11 @@ from .common import (
     EXIT_INTEGRITY,
     EXIT_OK,
     EXIT_USAGE,
-    committed_dir,
     fail,
     human,
     out,
     plural,
-    root_arg,
+    step_dirs,
 )
 
 __all__ = ["cmd_diff", "cmd_export", "rank_rows"]
@@ -93,10 +92,9 @@ def rank_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def cmd_diff(args: argparse.Namespace) -> int:
     import torch
 
-    root = root_arg(args.root)
-    dirs = [committed_dir(root, args.a), committed_dir(root, args.b)]
-    configs = [_manifest(d).config for d in dirs]
-    a, b = (_load(d, "") for d in dirs)
+    with step_dirs(args, [args.a, args.b]) as (dirs, _shown):
+        configs = [_manifest(d).config for d in dirs]
+        a, b = (_load(d, "") for d in dirs)
     rows: list[dict[str, Any]] = []
     for key in sorted(a.keys() | b.keys()):
         x, y = a.get(key), b.get(key)
@@ -154,14 +152,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    root = root_arg(args.root)
-    step_dir = committed_dir(root, args.step)
     out_path = Path(args.out)
     if out_path.exists() and not args.force:
         fail(EXIT_USAGE, f"{out_path} exists; pass --force to replace it")
-    flat = _load(step_dir, "model.")
+    with step_dirs(args, [args.step]) as (dirs, shown):
+        step_dir = dirs[0]
+        flat = _load(step_dir, "model.")
+        manifest = _manifest(step_dir)
     if not flat:
-        fail(EXIT_USAGE, f"{step_dir} holds no model state")
+        fail(EXIT_USAGE, f"{shown}/{step_dir.name} holds no model state")
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     tensors: dict[str, torch.Tensor] = {}
     for key, value in flat.items():
@@ -169,7 +168,6 @@ def cmd_export(args: argparse.Namespace) -> int:
             continue
         t = value.to(dtype) if dtype is not None and value.is_floating_point() else value
         tensors[key.removeprefix("model.")] = t.contiguous()
-    manifest = _manifest(step_dir)
     _write(out_path, tensors, manifest, with_config=args.with_config)
     params = sum(t.numel() for t in tensors.values())
     out.print(

@@ -3,5 +3,6 @@ states the resume protocol), the tiers' readers (``durable``: fetch, prove, DCP 
 ``memory``: the memory tier's source and reader), the checks, the report, the config check,
 the loss watch, and offline reading for the CLI.
 
-Reaches down into ``train``, ``dist``, ``tiers``, ``root`` and ``storage``; never into ``save``.
+Reaches down into ``train``, ``collective``, ``tiers``, ``root`` and ``storage``; never into
+``save``.
 """

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import __version__
-from ..dist.comm import Comm, Failed
+from ..collective.comm import Comm, Failed
 from ..errors import (
     CheckpointError,
     ConfigMismatchError,

@@ -32,7 +32,7 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from ..dist.comm import Comm
+from ..collective.comm import Comm
 from ..errors import CheckpointError, unwrap_dcp_error
 from ..root.manifest import Manifest
 from ..root.source import CheckpointSource

@@ -16,7 +16,7 @@ takes these steps, on every rank, each failure said on every rank:
    before it on the ring) is hashed where it lies against the manifest's digest;
 3. **exchange**: every rank learns every proof (an all-gather, with what each node holds);
    each file no copy of which proved on a node that needs it is sent by a rank of a node
-   that holds one, over dckpt's gloo group (dckpt.dist.transfer), into the node's memory
+   that holds one, over dckpt's gloo group (dckpt.collective.transfer), into the node's memory
    (its ``own/`` or ``replica/`` place, so a replaced node gets its memory back), hashed as
    it arrives and renamed in only if it matched; a node that holds no copy makes the step
    unavailable (``CheckpointNotFoundError``: the resume goes on with the next candidate and
@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..dist.comm import Comm
-from ..dist.transfer import CHUNK, Incoming, Outgoing, TransferError, move
+from ..collective.comm import Comm
+from ..collective.transfer import CHUNK, Incoming, Outgoing, TransferError, move
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -83,9 +83,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ..collective.comm import Comm
+from ..collective.world import check_warmup, warmup_collective
 from ..config import CheckpointConfig
-from ..dist.comm import Comm
-from ..dist.world import check_warmup, warmup_collective
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,

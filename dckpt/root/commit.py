@@ -1,10 +1,12 @@
 """The commit: how a save's files become a checkpoint, atomically and durably, as a strategy.
 
-A ``CommitStrategy`` says where a save in flight lives (``tmp_location``), how it becomes a
-checkpoint (``finalize``), and how to tell the two apart by name (``is_temporary``) or by
-content (``is_committed``). The save pipeline only talks to this protocol, so a second root
-kind (an object store, committed by a manifest written last) is a second strategy, not a fork
-of the pipeline. Upkeep (recovery, quarantine, deletes, pins) lives in dckpt.root.upkeep.
+A ``CommitStrategy`` says where a save in flight lives (``tmp_location``), what each rank
+does with its files before the commit (``tee``, ``publish``), and how they become a
+checkpoint (``begin``, ``finalize``, ``retain``). The save pipeline only talks to this
+protocol, so a second root kind (an object store, committed by a manifest written last) is a
+second strategy, not a fork of the pipeline. What *is* committed is the root's to say (its
+listing, dckpt.root.protocol.Root; for a directory ``layout.is_committed_dir``), once per
+kind. Upkeep (recovery, quarantine, deletes, pins) lives in dckpt.root.upkeep.
 
 ``RenameCommit.finalize``, run by the coordinator (rank 0) once every rank's files and the
 manifest are written into ``step-XXXXXXXX.tmp-<hex>/``:
@@ -40,7 +42,7 @@ from ..phases import Phase, Trace
 from ..storage.records import FileRecord
 from ..storage.sink import Tee
 from .durable import fsync_dir, fsync_file, publish_latest
-from .layout import STEP_RE, TMP_RE, committed_steps, step_dir_name
+from .layout import TMP_RE, committed_steps, step_dir_name
 from .manifest import MANIFEST_FILE
 from .retention import RetentionPolicy
 from .upkeep import apply_retention, quarantine
@@ -59,8 +61,6 @@ class Flag(Protocol):
 class CommitStrategy(Protocol):
     """How a root turns a save in flight into a checkpoint; see the module docstring."""
 
-    name: str
-
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         """Where one save of ``step`` writes before its commit (not created here)."""
         ...
@@ -69,14 +69,6 @@ class CommitStrategy(Protocol):
         """Make ``tmp`` (holding every file and the manifest) the committed ``step``; returns
         its final location. Raises, committing nothing, if ``cancelled`` is set before the
         commit point."""
-        ...
-
-    def is_temporary(self, name: str) -> bool:
-        """Whether ``name`` under the root is a save in flight or abandoned (never loaded)."""
-        ...
-
-    def is_committed(self, path: Path) -> bool:
-        """Whether ``path`` is a committed checkpoint."""
         ...
 
     def begin(self, root: Path, step: int) -> None:
@@ -143,20 +135,8 @@ def _replace(base: Path, tmp_dir: Path, final: Path) -> Path:
 class RenameCommit:
     """Commit by atomic rename, for POSIX file systems where rename(2) is atomic."""
 
-    name = "rename"
-
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return Path(root) / f"{step_dir_name(step)}.tmp-{save_id}"
-
-    def is_temporary(self, name: str) -> bool:
-        return TMP_RE.fullmatch(name) is not None
-
-    def is_committed(self, path: Path) -> bool:
-        return (
-            STEP_RE.fullmatch(path.name) is not None
-            and not path.is_symlink()
-            and (path / MANIFEST_FILE).is_file()
-        )
 
     def begin(self, root: Path, step: int) -> None:
         pass  # a re-saved step is swapped in at the commit point: nothing to make room for
@@ -181,7 +161,7 @@ class RenameCommit:
         save its owner gave up on (declared stuck) must not land in a root that may belong to
         the next job by then."""
         base = Path(root)
-        if not self.is_temporary(tmp.name) or tmp.parent != base:
+        if TMP_RE.fullmatch(tmp.name) is None or tmp.parent != base:
             raise ValueError(f"{tmp} is not a dckpt tmp dir under {base}")
         if not (tmp / MANIFEST_FILE).is_file():
             raise ValueError(f"{tmp} has no {MANIFEST_FILE}: refusing to commit it")

@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointEntry",
     "committed_steps",
     "foreign_entries",
+    "is_committed_dir",
     "list_checkpoints",
     "read_latest",
     "read_small_file",
@@ -72,6 +73,16 @@ def _is_real_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
 
 
+def is_committed_dir(path: Path) -> bool:
+    """The one rule of what is committed in a directory root: a real ``step-N/`` directory
+    (never a symlink) holding a ``manifest.json`` file, which the commit rename brought in."""
+    return (
+        STEP_RE.fullmatch(path.name) is not None
+        and _is_real_dir(path)
+        and (path / MANIFEST_FILE).is_file()
+    )
+
+
 def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointEntry]:
     """Every checkpoint-like directory under ``root``, sorted by step then status."""
     base = Path(root)
@@ -80,8 +91,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointEntry]:
         if not _is_real_dir(child):
             continue
         if m := STEP_RE.fullmatch(child.name):
-            has_manifest = (child / MANIFEST_FILE).is_file()
-            status: Status = "committed" if has_manifest else "incomplete"
+            status: Status = "committed" if is_committed_dir(child) else "incomplete"
             entries.append(CheckpointEntry(step=int(m.group(1)), status=status, path=child))
         elif m := TMP_RE.fullmatch(child.name):
             entries.append(CheckpointEntry(step=int(m.group(1)), status="incomplete", path=child))

@@ -22,17 +22,16 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, ManifestError, StorageError
-from .layout import CheckpointEntry, list_checkpoints
-from .manifest import Manifest, read_manifest
+from .manifest import Manifest
+from .protocol import Root
 
-__all__ = ["CheckpointInfo", "info", "peek", "read_config"]
+__all__ = ["CheckpointInfo", "info", "peek", "peek_root", "read_config", "steps_text"]
 
 # How many committed steps an error names: enough to spot a typo, short enough to read.
 _SHOWN_STEPS = 8
@@ -64,10 +63,6 @@ class CheckpointInfo:
     run_id: str
     versions: dict[str, str]
 
-    def at(self, where: str) -> CheckpointInfo:
-        """The same record, located at ``where``."""
-        return dataclasses.replace(self, path=where)
-
 
 def read_config(root: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
     """The run config saved with the newest committed checkpoint under ``root`` (or ``step``).
@@ -82,24 +77,56 @@ def read_config(root: str | os.PathLike[str], step: int | None = None) -> dict[s
 
 
 def peek(root: str | os.PathLike[str], step: int | None = None) -> CheckpointInfo:
-    """What the newest committed checkpoint under ``root`` (or ``step``) records about itself.
+    """What the newest committed checkpoint under the directory ``root`` (or ``step``)
+    records about itself.
 
     Reads and validates ``manifest.json`` only (schema, self-digest, safe paths); the shards
     are not hashed, so a checkpoint that peeks fine can still fail ``dckpt verify ROOT`` and a
     load. Raises ``CheckpointNotFoundError`` when ``root`` does not exist or holds no committed
     checkpoint (for that ``step``), ``ManifestError``/``IntegrityError`` when the manifest is
     damaged (no fallback to an older step: pass an older ``step`` to read that one).
+    ``dckpt.peek`` (dckpt.tiers.peek) takes an s3:// URL too.
     """
-    entry = _committed_entry(Path(root), step)
-    manifest = read_manifest(entry.path)
-    if manifest.step != entry.step:
+    from .directory import DirectoryRoot
+
+    return peek_root(DirectoryRoot(root), step)
+
+
+def peek_root(root: Root, step: int | None = None) -> CheckpointInfo:
+    """``peek`` over any kind of root (dckpt.root.protocol); ``path`` is ``root.where``."""
+    try:
+        committed = root.committed_steps()
+    except (FileNotFoundError, NotADirectoryError):
+        try:
+            root.expect_checkpoints()
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"checkpoint root {exc} (`dckpt ls ROOT` lists what a root holds)"
+            ) from None
+        raise
+    except OSError as exc:
+        raise StorageError(f"cannot list {root}: {exc}; the storage failed, retry") from exc
+    if not committed:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint under {root} (a run that saved nothing yet, or the wrong "
+            f"directory); see `dckpt ls {root}`"
+        )
+    if step is not None and step not in committed:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint for step {step} under {root} (committed: "
+            f"{steps_text(committed)}); see `dckpt ls {root}`"
+        )
+    chosen = committed[-1] if step is None else step
+    manifest = root.read_manifest(chosen)
+    where = root.where(chosen)
+    if manifest.step != chosen:
         # A manifest copied or renamed into another step's directory: its config is not
         # that step's, and a resume refuses it for the same reason.
         raise ManifestError(
-            f"{entry.path}/manifest.json says step {manifest.step}, its directory says "
-            f"{entry.step}; the checkpoint cannot be trusted (see `dckpt verify {root}`)"
+            f"{where}/manifest.json says step {manifest.step}, its directory says {chosen}; "
+            f"the checkpoint cannot be trusted (see `dckpt verify {root}`)"
         )
-    return info(entry.path, manifest)
+    return info(where, manifest)
 
 
 def info(step_dir: Path | str, manifest: Manifest) -> CheckpointInfo:
@@ -124,35 +151,7 @@ def info(step_dir: Path | str, manifest: Manifest) -> CheckpointInfo:
     )
 
 
-def _committed_entry(root: Path, step: int | None) -> CheckpointEntry:
-    """The step directory to read, or CheckpointNotFoundError saying what there is instead."""
-    if not root.is_dir():
-        what = "is not a directory" if root.exists() else "does not exist"
-        raise CheckpointNotFoundError(
-            f"checkpoint root {root} {what}; pass the --ckpt-dir a training run used "
-            f"(`dckpt ls ROOT` lists what a root holds)"
-        )
-    try:
-        committed = [e for e in list_checkpoints(root) if e.status == "committed"]
-    except OSError as exc:
-        raise StorageError(f"cannot list {root}: {exc}; the storage failed, retry") from exc
-    if not committed:
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint under {root} (a run that saved nothing yet, or the wrong "
-            f"directory); see `dckpt ls {root}`"
-        )
-    if step is None:
-        return committed[-1]
-    for entry in committed:
-        if entry.step == step:
-            return entry
-    raise CheckpointNotFoundError(
-        f"no committed checkpoint for step {step} under {root} (committed: "
-        f"{_steps_text([e.step for e in committed])}); see `dckpt ls {root}`"
-    )
-
-
-def _steps_text(steps: list[int]) -> str:
+def steps_text(steps: list[int]) -> str:
     if len(steps) <= _SHOWN_STEPS:
         return ", ".join(map(str, steps))
     half = _SHOWN_STEPS // 2

@@ -54,6 +54,8 @@ class VerifyResult:
     incompatible: str | None = None
     """``deep``: why this torch cannot read the checkpoint's DCP metadata, which another
     torch wrote (not damage: every byte hashed right), else None."""
+    files_digest: str | None = None
+    """The manifest's digest of its file list, which a recorded outcome is bound to."""
 
     @property
     def ok(self) -> bool:
@@ -121,6 +123,7 @@ def verify_checkpoint(
         bytes_checked=manifest.total_bytes,
         problems=problems,
         incompatible=incompatible,
+        files_digest=manifest.files_digest,
     )
 
 

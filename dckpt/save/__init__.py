@@ -4,6 +4,6 @@ write; ``memory``: the copy into the node's memory and the replicas), the stagin
 (``stager``), the background thread (``background``), the foreground policy (``saver``), the
 coordinator, the handle, and what a save costs the training loop (``mode``, ``step_clock``).
 
-Reaches down into ``train``, ``dist``, ``tiers``, ``root`` and ``storage``; nothing below
+Reaches down into ``train``, ``collective``, ``tiers``, ``root`` and ``storage``; nothing below
 imports it.
 """

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..dist.comm import Comm
+from ..collective.comm import Comm
 from ..errors import SaveError, describe_os_error
 from ..faults import fault_point
 from ..phases import Phase

@@ -12,7 +12,7 @@ root (a directory, or an s3:// root through its mirror) does in it:
   ticket's ``staged``; the ``HashingWriter`` writes each shard file with its digest computed
   as the bytes go out (for an object store, the commit strategy's ``tee`` also sends them to
   the store, and ``publish`` checks each arrived whole). An upload that fails for good sets
-  the save's ``StopFlag`` (dckpt.dist.progress), and the other ranks' uploads stop at their
+  the save's ``StopFlag`` (dckpt.collective.progress), and the other ranks' uploads stop at their
   next look at it, so every rank reaches DCP's gather soon after the failure rather than
   after sending a whole shard that cannot commit; each rank then reports its own error, or
   the failing rank's under that rank (``RankReport.error_rank``), so the save's one error
@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from ..collective.comm import Comm
+from ..collective.progress import Progress, StopFlag
 from ..config import CheckpointConfig
-from ..dist.comm import Comm
-from ..dist.progress import Progress, StopFlag
 from ..errors import CheckpointError, StorageError, describe_os_error
 from ..phases import Phase, Trace
 from ..root.commit import CommitStrategy

@@ -17,7 +17,7 @@ one; this route is what differs, step by step:
   step this run follows (``mesh``), and ``MemoryCommit`` puts it into the root's ledger;
 - step 10 (``finish``, once committed): every rank sends its file to its partner node's rank
   and receives the files it keeps for the ranks of the node before it on the ring
-  (dckpt.dist.transfer, over dckpt's gloo group: no socket of dckpt's own), each renamed in
+  (dckpt.collective.transfer, over dckpt's gloo group: no socket of dckpt's own), each renamed in
   only once it hashed to the writer's digest as it arrived; rank 0 gathers the outcomes for
   its log line; then each rank retires its older files to spares. A failed replica is
   logged, never fails the committed save (the node's own copy and the durable tier stand);
@@ -43,8 +43,8 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..dist.comm import Comm
-from ..dist.transfer import Incoming, Outgoing, move
+from ..collective.comm import Comm
+from ..collective.transfer import Incoming, Outgoing, move
 from ..errors import StorageError, describe_os_error
 from ..phases import Phase, Trace
 from ..root.commit import CommitStrategy

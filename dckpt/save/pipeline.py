@@ -74,9 +74,9 @@ import torch
 import xxhash
 
 from .. import __version__
+from ..collective.comm import Comm
+from ..collective.progress import DECIDED, Progress, SaveTrace
 from ..config import CheckpointConfig
-from ..dist.comm import Comm
-from ..dist.progress import DECIDED, Progress, SaveTrace
 from ..errors import SaveError, StorageError, describe_os_error
 from ..phases import Phase
 from ..robust import same_level_margin
@@ -174,9 +174,7 @@ class SavePipeline:
         save_id = xxhash.xxh3_128_hexdigest(f"{self.run_id}:{step}:{self._saves}".encode())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.device = torch.cuda.current_device()
-        self.state.step = step
-        if epoch is not None:
-            self.state.epoch = epoch
+        self.state.at(step, epoch)
         every = self.config.milestone_every
         snapshot: Any = None
         scaler: dict[str, Any] | None = None
@@ -344,7 +342,7 @@ class SavePipeline:
                 len(verdict.unchecked),
                 ", ".join(verdict.unchecked[:5]),
             )
-        self._check_agreement(job, reports)
+        self._warn_if_ranks_disagree(job, reports)
         try:
             # rank 0's stall, and what the save cost its loop, as known at commit time
             now = time.perf_counter()
@@ -366,7 +364,7 @@ class SavePipeline:
             self.committed = (job.step, outcome.path)
         return _Decision(outcome, manifest, cost)
 
-    def _check_agreement(self, job: SaveJob, reports: list[RankReport]) -> None:
+    def _warn_if_ranks_disagree(self, job: SaveJob, reports: list[RankReport]) -> None:
         """Rank 0's manifest records rank 0's metric and losses: say when another rank passed a
         different metric (every save), or losses unlike rank 0's (once a run)."""
         mine = job.metric.get("value")

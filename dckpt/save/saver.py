@@ -16,9 +16,9 @@ import logging
 import time
 from typing import Any
 
+from ..collective.comm import Comm
+from ..collective.progress import Progress
 from ..config import CheckpointConfig
-from ..dist.comm import Comm
-from ..dist.progress import Progress
 from ..errors import SaveError, WorldError
 from .background import SaveThread
 from .handle import SaveHandle, SaveResult, SaveTicket

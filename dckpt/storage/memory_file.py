@@ -217,7 +217,7 @@ class FlatFile:
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         # A read-only mapping (only ever read): torch warns once per process that its tensor
-        # is not writable, and that is left alone (see dckpt.dist.transfer._view).
+        # is not writable, and that is left alone (see dckpt.collective.transfer._view).
         raw = torch.frombuffer(self.buf, dtype=torch.uint8, count=nbytes, offset=offset)
         return raw.view(dtype).view(shape)
 

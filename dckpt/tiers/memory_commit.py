@@ -37,7 +37,7 @@ from pathlib import Path
 from ..faults import fault_point
 from ..phases import Phase, Trace
 from ..root.commit import Flag
-from ..root.layout import STEP_RE, TMP_RE, step_dir_name
+from ..root.layout import TMP_RE, step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest
 from ..root.memory_ledger import LEDGER_DIR, MemoryLedger
 from ..root.retention import RetentionPolicy
@@ -74,8 +74,6 @@ class Lineage:
 class MemoryCommit:
     """Commit a memory save by recording its manifest in the root's ledger."""
 
-    name = "memory-ledger"
-
     def __init__(self, ledger: MemoryLedger, keep: int, where_held: str) -> None:
         self.ledger = ledger
         self.keep = keep
@@ -84,13 +82,6 @@ class MemoryCommit:
 
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return Path(root) / LEDGER_DIR / f"{step_dir_name(step)}.tmp-{save_id}"
-
-    def is_temporary(self, name: str) -> bool:
-        return TMP_RE.fullmatch(name) is not None
-
-    def is_committed(self, path: Path) -> bool:
-        m = STEP_RE.fullmatch(path.name.removesuffix(".json"))
-        return m is not None and int(m.group(1)) in self.ledger.steps()
 
     def begin(self, root: Path, step: int) -> None:
         pass  # a re-saved memory step replaces its record at the commit point
@@ -107,7 +98,7 @@ class MemoryCommit:
         return f"{self.where_held} ({self.ledger.where(step)})"
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
-        if not self.is_temporary(tmp.name) or tmp.parent != Path(root) / LEDGER_DIR:
+        if TMP_RE.fullmatch(tmp.name) is None or tmp.parent != Path(root) / LEDGER_DIR:
             raise ValueError(f"{tmp} is not a memory save's tmp dir under {root}")
         fault_point(Phase.MEMORY_COMMIT, 0, step)
         if cancelled is not None and cancelled.is_set():
@@ -134,5 +125,5 @@ class MemoryCommit:
         """At start (rank 0): memory saves in flight when the last workers died are abandoned."""
         with contextlib.suppress(OSError):
             for entry in (Path(root) / LEDGER_DIR).iterdir():
-                if self.is_temporary(entry.name) and not entry.is_symlink():
+                if TMP_RE.fullmatch(entry.name) is not None and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)

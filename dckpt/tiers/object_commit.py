@@ -41,7 +41,7 @@ from ..errors import IntegrityError, StorageError
 from ..faults import fault_point
 from ..phases import Phase, Trace
 from ..root.commit import Flag, RenameCommit
-from ..root.layout import STEP_RE, step_dir_name
+from ..root.layout import STEP_RE, TMP_RE, step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..root.retention import RetentionPolicy
 from ..storage.records import FileRecord
@@ -96,27 +96,17 @@ def keep_only(mirror: Path, step: int | None) -> None:
 class ObjectCommit:
     """Commit to an object store by writing the manifest last; see the module docstring."""
 
-    name = "manifest-last"
-
-    def __init__(self, root: ObjectRoot) -> None:
+    def __init__(self, root: ObjectRoot, *, lock: ObjectLock | None = None) -> None:
         self.objects = root
         self._local = RenameCommit()  # names of the mirror's tmp dirs
         self._uploaded: dict[str, int] = {}  # this rank's files sent by the tee: name -> bytes
-        self.lock: ObjectLock | None = None
-        """Rank 0's run lock in the bucket, checked right before each commit."""
+        self._lock = lock  # rank 0's run lock in the bucket, checked right before each commit
 
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return self._local.tmp_location(root, step, save_id)
 
-    def is_temporary(self, name: str) -> bool:
-        return self._local.is_temporary(name)
-
-    def is_committed(self, path: Path) -> bool:
-        m = STEP_RE.fullmatch(path.name)
-        return m is not None and int(m.group(1)) in self.objects.committed_steps()
-
     def where(self, root: Path, step: int) -> str:
-        return self.objects.where(step_dir_name(step))
+        return self.objects.url_of(step_dir_name(step))
 
     def begin(self, root: Path, step: int) -> None:
         if self.objects.store.head(self.objects.key(step_dir_name(step), MANIFEST_FILE)) is None:
@@ -166,7 +156,7 @@ class ObjectCommit:
         return time.perf_counter() - t0
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
-        if not self.is_temporary(tmp.name) or tmp.parent != Path(root):
+        if TMP_RE.fullmatch(tmp.name) is None or tmp.parent != Path(root):
             raise ValueError(f"{tmp} is not a dckpt tmp dir under {root}")
         raw = (tmp / MANIFEST_FILE).read_bytes()
         name = step_dir_name(step)
@@ -174,8 +164,8 @@ class ObjectCommit:
         if cancelled is not None and cancelled.is_set():
             raise RuntimeError(f"the save of step {step} was cancelled before its commit")
         self._check_objects(step, parse_manifest(raw, str(tmp / MANIFEST_FILE)))
-        if self.lock is not None:  # a job that lost its lock may have lost its objects too
-            self.lock.check_held()
+        if self._lock is not None:  # a job that lost its lock may have lost its objects too
+            self._lock.check_held()
         self._put_manifest(step, raw)  # the commit point
         final = Path(root) / name
         try:
@@ -203,7 +193,7 @@ class ObjectCommit:
             size = listed.get(self.objects.key(name, record.path))
             if size != record.bytes:
                 raise IntegrityError(
-                    self.objects.where(name, record.path),
+                    self.objects.url_of(name, record.path),
                     f"{record.bytes} bytes, uploaded",
                     "no object" if size is None else f"{size} bytes",
                     detail="an uploaded object is gone or changed before the commit",

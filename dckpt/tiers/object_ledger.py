@@ -30,7 +30,7 @@ class ObjectLedger(Pruning):
         """Raises unless this job still holds the run lock (rank 0, checked before a PUT)."""
 
     def __str__(self) -> str:
-        return self.objects.where(LEDGER_DIR)
+        return self.objects.url_of(LEDGER_DIR)
 
     def _key(self, *parts: str) -> str:
         return self.objects.key(LEDGER_DIR, *parts)
@@ -77,4 +77,4 @@ class ObjectLedger(Pruning):
         return sum(1 for o in self.store.list(prefix) if RECORD_RE.fullmatch(o.key[len(prefix) :]))
 
     def where(self, step: int) -> str:
-        return self.objects.where(LEDGER_DIR, record_name(step))
+        return self.objects.url_of(LEDGER_DIR, record_name(step))

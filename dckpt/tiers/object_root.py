@@ -29,13 +29,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ..errors import IntegrityError, ManifestError, StorageError
+from ..errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from ..root import upkeep
+from ..root.commit import CommitStrategy
 from ..root.layout import (
     LATEST_FILE,
     PINS_DIR,
@@ -45,7 +48,10 @@ from ..root.layout import (
     Status,
     step_dir_name,
 )
+from ..root.lock import RunLock
 from ..root.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ..root.memory_ledger import MemoryLedger
+from ..root.protocol import Entry, Lock
 from ..root.resume_record import (
     KEEP,
     MAX_RECORDS_BYTES,
@@ -57,40 +63,112 @@ from ..root.resume_record import (
     step_of_record_name,
 )
 from ..root.retention import Decision, RetentionPolicy
+from ..root.source import CheckpointSource
 from ..root.upkeep import decide_for, log_retention
-from ..root.verify import MAX_RECORD_BYTES, VERIFIED_DIR, FileProblem
+from ..root.verify import (
+    MAX_RECORD_BYTES,
+    VERIFIED_DIR,
+    FileProblem,
+    VerifyResult,
+    verify_checkpoint,
+)
 from .s3_store import ListedObject, S3Store, UnsupportedError
 
-__all__ = ["ObjectEntry", "ObjectRecords", "ObjectRoot"]
+if TYPE_CHECKING:
+    from .object_lock import ObjectLock
+
+__all__ = ["ObjectRecords", "ObjectRoot"]
 
 log = logging.getLogger("dckpt")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ObjectEntry:
-    """A checkpoint-like prefix in the bucket (``dckpt ls``)."""
-
-    step: int
-    status: Status
-    name: str  # step-N, or quarantine/step-N[-hex]
-    bytes: int
-    objects: int
-
-
 class ObjectRoot:
-    """The checkpoints under one ``s3://bucket/prefix``; see the module docstring."""
+    """The checkpoints under one ``s3://bucket/prefix``: the ``Root`` (dckpt.root.protocol)
+    of an object store; see the module docstring.
 
-    def __init__(self, store: S3Store) -> None:
+    ``mirror``: the local directory a job's saves are written into before they go up, and
+    a resume fetches into (each node its own); a job needs one, the CLI does not."""
+
+    def __init__(self, store: S3Store, *, mirror: Path | None = None) -> None:
         self.store = store
         self.url = store.url
+        self._mirror = mirror
+        self._lock: ObjectLock | None = None  # the bucket's run lock, once ``locks`` made it
 
     def __str__(self) -> str:
         return str(self.url)
 
+    def expect_checkpoints(self) -> None:
+        pass  # a missing bucket or refused credentials fail the first listing, by name
+
+    # --- a job's parts ----------------------------------------------------------------------
+
+    def _local(self) -> Path:
+        if self._mirror is None:
+            raise ValueError(f"{self.url} was opened without a local mirror: a job needs one")
+        return self._mirror
+
+    def prepare(self, *, coordinator: bool) -> None:
+        """Every node has its own mirror (unless shared): each rank makes it; the node's
+        first rank tidies it (the coordinator's ``recover`` does its own)."""
+        from .object_source import local_share
+
+        mirror = self._local()
+        if mirror.exists() and not mirror.is_dir():
+            raise CheckpointError(f"the local mirror {mirror} exists and is not a directory")
+        mirror.mkdir(parents=True, exist_ok=True)
+        if not coordinator and local_share()[0] == 0:
+            upkeep.recover(mirror)
+
+    def locks(self, run_id: str, lease_s: float) -> list[Lock]:
+        """The mirror's lock, then the bucket's. A second job on one s3:// root meets the
+        mirror's first, on one host: its refusal names the root the user gave, too."""
+        from .object_lock import ObjectLock
+
+        mirror = self._local()
+        self._lock = ObjectLock(self.store, run_id, lease_s)
+        return [RunLock(mirror, run_id, lease_s, name=f"{self} (its local mirror {mirror})"),
+                self._lock]  # fmt: skip
+
+    def commit_strategy(self) -> CommitStrategy:
+        from .object_commit import ObjectCommit
+
+        return ObjectCommit(self, lock=self._lock)
+
+    def source(self) -> CheckpointSource:
+        from .object_source import ObjectSource
+
+        return ObjectSource(self, self._local())
+
+    def memory_ledger(self) -> MemoryLedger:
+        from .object_ledger import ObjectLedger
+
+        return ObjectLedger(self, None if self._lock is None else self._lock.check_held)
+
+    def lock_holder(self) -> str | None:
+        from .object_lock import ObjectLock
+
+        return ObjectLock(self.store, "dckpt-cli").holder()
+
+    @contextlib.contextmanager
+    def local_steps(
+        self, steps: Sequence[int], progress: Callable[[int], None], note: Callable[[str], None]
+    ) -> Iterator[Path]:
+        """The steps fetched into a temporary directory, each object hashed as it arrives
+        (dckpt.tiers.object_source); one ``note`` per step."""
+        from .object_source import ObjectSource
+
+        with tempfile.TemporaryDirectory(prefix="dckpt-fetch-") as tmp:
+            source = ObjectSource(self, Path(tmp), (0, 1), keep_one=False)
+            for step in steps:
+                report = source.fetch(step, progress=progress)
+                note(f"step {step}: {report.line()}")
+            yield Path(tmp)
+
     def key(self, *parts: str) -> str:
         return self.url.key(*parts)
 
-    def where(self, *parts: str) -> str:
+    def url_of(self, *parts: str) -> str:
         return f"s3://{self.url.bucket}/{self.key(*parts)}"
 
     # --- reading ----------------------------------------------------------------------------
@@ -107,9 +185,10 @@ class ObjectRoot:
             groups.setdefault(head, []).append(obj)
         return groups
 
-    def entries(self) -> list[ObjectEntry]:
-        """Every step prefix (committed or incomplete) and every quarantined one."""
-        found: list[ObjectEntry] = []
+    def entries(self) -> list[Entry]:
+        """Every step prefix (committed or incomplete) and every quarantined one. Committed:
+        ``step-N/manifest.json`` exists (the one rule, for an object store)."""
+        found: list[Entry] = []
         for head, objects in self._grouped().items():
             size = sum(o.size for o in objects)
             if m := STEP_RE.fullmatch(head):
@@ -122,8 +201,12 @@ class ObjectRoot:
             else:
                 continue
             found.append(
-                ObjectEntry(
-                    step=int(m.group(1)), status=status, name=head, bytes=size, objects=len(objects)
+                Entry(
+                    step=int(m.group(1)),
+                    status=status,
+                    name=head,
+                    where=self.url_of(head),
+                    bytes=size,
                 )
             )
         return sorted(found, key=lambda e: (e.step, e.status, e.name))
@@ -138,33 +221,40 @@ class ObjectRoot:
         got = self.store.get_small(self.key(name, MANIFEST_FILE), MAX_MANIFEST_BYTES)
         if got is None:
             raise ManifestError(
-                f"{self.where(name, MANIFEST_FILE)} does not exist: step {step} is not committed"
+                f"{self.url_of(name, MANIFEST_FILE)} does not exist: step {step} is not committed"
             )
         raw = got[0]
         if len(raw) > MAX_MANIFEST_BYTES:
             raise ManifestError(
-                f"{self.where(name, MANIFEST_FILE)} is over {MAX_MANIFEST_BYTES} bytes"
+                f"{self.url_of(name, MANIFEST_FILE)} is over {MAX_MANIFEST_BYTES} bytes"
             )
         return raw
 
     def read_manifest(self, step: int) -> Manifest:
         """``step``'s manifest, validated exactly as one on disk."""
         raw = self.manifest_raw(step)
-        manifest = parse_manifest(raw, self.where(step_dir_name(step), MANIFEST_FILE))
+        manifest = parse_manifest(raw, self.url_of(step_dir_name(step), MANIFEST_FILE))
         if manifest.step != step:
             raise ManifestError(
-                f"{self.where(step_dir_name(step), MANIFEST_FILE)} says step {manifest.step}"
+                f"{self.url_of(step_dir_name(step), MANIFEST_FILE)} says step {manifest.step}"
             )
         return manifest
 
-    def manifest_at(self, name: str) -> Manifest:
-        """The manifest under the prefix ``name`` (an entry's: ``quarantine/step-N`` too),
-        validated as one on disk."""
-        where = self.where(name, MANIFEST_FILE)
+    def manifest_of(self, entry: Entry) -> Manifest:
+        """The manifest under the entry's prefix (``quarantine/step-N`` too), validated as
+        one on disk."""
+        name = entry.name
+        where = self.url_of(name, MANIFEST_FILE)
         got = self.store.get_small(self.key(name, MANIFEST_FILE), MAX_MANIFEST_BYTES)
         if got is None or len(got[0]) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{where} does not exist or is over {MAX_MANIFEST_BYTES} bytes")
         return parse_manifest(got[0], where)
+
+    def measure(self, entry: Entry) -> int:
+        return entry.bytes or 0
+
+    def where(self, step: int) -> str:
+        return self.url_of(step_dir_name(step))
 
     def resume_records(self) -> ObjectRecords:
         """Where resumes of this root's steps are recorded (``.dckpt-resumes/``)."""
@@ -179,6 +269,34 @@ class ObjectRoot:
         }
 
     def verify(
+        self, step: int, *, threads: int, deep: bool, progress: Callable[[int], None]
+    ) -> VerifyResult:
+        """Stream every object through its digest (``check_objects``); ``deep``: once they
+        hash right, fetch the step and read DCP's metadata as a load would."""
+        name = step_dir_name(step)
+        try:
+            manifest, problems = self.check_objects(step, progress)
+        except (ManifestError, IntegrityError) as exc:
+            problem = FileProblem(path=self.url_of(name, MANIFEST_FILE), error=str(exc))
+            return VerifyResult(step_dir=Path(name), step=step, problems=[problem],
+                                where=self.url_of(name))  # fmt: skip
+        incompatible = None
+        if deep and not problems:
+            with self.local_steps([step], lambda _n: None, lambda _line: None) as local:
+                deeper = verify_checkpoint(local / name, threads=threads, deep=True)
+            problems, incompatible = deeper.problems, deeper.incompatible
+        return VerifyResult(
+            step_dir=Path(name),
+            step=step,
+            files_checked=len(manifest.files),
+            bytes_checked=manifest.total_bytes,
+            problems=problems,
+            where=self.url_of(name),
+            incompatible=incompatible,
+            files_digest=manifest.files_digest,
+        )
+
+    def check_objects(
         self, step: int, progress: Callable[[int], None] | None = None
     ) -> tuple[Manifest, list[FileProblem]]:
         """Stream every object of ``step`` through its digest and compare it with the
@@ -218,32 +336,31 @@ class ObjectRoot:
                 )
         return manifest, problems
 
-    def record_verification(self, step: int, ok: bool, files_digest: str) -> None:
+    def record_verification(self, result: VerifyResult) -> None:
         """Remember a ``dckpt verify`` outcome in the bucket, as a directory root does beside
         its steps (``.dckpt-verified/step-N.json``); ``ls`` shows it while the step's files
         digest is unchanged (a re-save makes it stale). Best effort: a store that refuses
         the write loses the record, not the verification."""
-        record = {"ok": ok, "time": time.time(), "files_digest": files_digest}
-        key = self.key(VERIFIED_DIR, f"{step_dir_name(step)}.json")
+        if result.step is None or result.files_digest is None:  # no manifest to bind it to
+            return
+        record = {"ok": result.ok, "time": time.time(), "files_digest": result.files_digest}
+        key = self.key(VERIFIED_DIR, f"{step_dir_name(result.step)}.json")
         with contextlib.suppress(StorageError):
             self.store.put_small(key, json.dumps(record).encode())
 
-    def verifications(self) -> dict[int, dict[str, Any]]:
-        """Every step's last recorded verification (one listing, one small GET each)."""
-        prefix = self.key(VERIFIED_DIR) + "/"
-        found: dict[int, dict[str, Any]] = {}
-        for obj in self.store.list(prefix):
-            m = STEP_RE.fullmatch(obj.key[len(prefix) :].removesuffix(".json"))
-            got = self.store.get_small(obj.key, MAX_RECORD_BYTES) if m else None
-            if m is None or got is None or len(got[0]) > MAX_RECORD_BYTES:
-                continue
-            try:
-                record = json.loads(got[0])
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(record, dict) and isinstance(record.get("ok"), bool):
-                found[int(m.group(1))] = record
-        return found
+    def verification(self, step: int, files_digest: str) -> dict[str, Any] | None:
+        """The last recorded verification of that very checkpoint (same files digest)."""
+        key = self.key(VERIFIED_DIR, f"{step_dir_name(step)}.json")
+        got = self.store.get_small(key, MAX_RECORD_BYTES)
+        if got is None or len(got[0]) > MAX_RECORD_BYTES:
+            return None
+        try:
+            record = json.loads(got[0])
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(record, dict) or not isinstance(record.get("ok"), bool):
+            return None
+        return record if record.get("files_digest") == files_digest else None
 
     # --- changing ---------------------------------------------------------------------------
 
@@ -290,21 +407,22 @@ class ObjectRoot:
         self.delete_steps([step])
         log.warning(
             "dckpt: moved %s to %s: %s",
-            self.where(name),
-            self.where(target),
+            self.url_of(name),
+            self.url_of(target),
             reason.split(". ", maxsplit=1)[0],
         )
-        return self.where(target)
+        return self.url_of(target)
 
     def recover(self) -> list[str]:
-        """At a job's start, under the run lock: remove step prefixes without a manifest (a
-        save cut short) and abort multipart uploads left open. Returns one line per action.
+        """At a job's start, under the run lock: tidy the mirror as a directory root is
+        tidied, then remove step prefixes without a manifest (a save cut short) and abort
+        multipart uploads left open. Returns one line per action.
 
         A store that cannot list open uploads (501 to ListMultipartUploads: s3rver, some
         gateways) skips that part with one warning: the parts of an upload a crash left open
         are invisible and never committed, so they cost storage, not correctness, and the
         store's lifecycle rule can reap them instead."""
-        actions: list[str] = []
+        actions = [] if self._mirror is None else upkeep.recover(self._mirror)
         try:
             uploads = self.store.open_uploads(self.url.under())
         except UnsupportedError as exc:
@@ -322,10 +440,9 @@ class ObjectRoot:
             actions.append(f"aborted the unfinished upload of {upload.key}")
         for entry in self.entries():
             if entry.status == "incomplete":
-                self.store.delete(self._keys(entry.name))
-                actions.append(
-                    f"removed {entry.objects} object(s) of the uncommitted {self.where(entry.name)}"
-                )
+                keys = self._keys(entry.name)
+                self.store.delete(keys)
+                actions.append(f"removed {len(keys)} object(s) of the uncommitted {entry.where}")
         self.publish_latest()  # a crash between the manifest and `latest` left it behind
         for line in actions:
             log.warning("dckpt recover: %s", line)
@@ -335,7 +452,7 @@ class ObjectRoot:
         if step not in self.committed_steps():
             raise FileNotFoundError(f"no committed checkpoint for step {step} under {self.url}")
         self.store.put_small(self.key(PINS_DIR, step_dir_name(step)), b"")
-        return self.where(PINS_DIR, step_dir_name(step))
+        return self.url_of(PINS_DIR, step_dir_name(step))
 
     def unpin(self, step: int) -> bool:
         key = self.key(PINS_DIR, step_dir_name(step))
@@ -373,10 +490,10 @@ class ObjectRecords:
         self.root = root
 
     def __str__(self) -> str:
-        return self.root.where(RESUMES_DIR)
+        return self.root.url_of(RESUMES_DIR)
 
     def where(self, step: int) -> str:
-        return self.root.where(RESUMES_DIR, record_name(step))
+        return self.root.url_of(RESUMES_DIR, record_name(step))
 
     def read(self, step: int) -> list[ResumeRecord]:
         got = self.root.store.get_small(

@@ -111,7 +111,7 @@ class ObjectSource:
         return self.objects.committed_steps()
 
     def origin(self, step: int) -> str:
-        return f"{self.objects.where(step_dir_name(step))} (via the mirror {self.local})"
+        return f"{self.objects.url_of(step_dir_name(step))} (via the mirror {self.local})"
 
     partial = True
 
@@ -159,7 +159,7 @@ class ObjectSource:
         got = self.objects.store.check(key, record.bytes, record.digest)
         if got != record.digest:  # read twice, twice the same: the object is not its writer's
             raise IntegrityError(
-                self.objects.where(step_dir_name(step), name),
+                self.objects.url_of(step_dir_name(step), name),
                 record.digest,
                 got,
                 detail="the object's bytes differ from the digest its writer computed",
@@ -169,7 +169,7 @@ class ObjectSource:
     def _manifest(self, step: int, *, fresh: bool = False) -> Manifest:
         if fresh or self._read is None or self._read[0] != step:  # complete reuses fetch's
             raw = self.objects.manifest_raw(step)
-            where = self.objects.where(step_dir_name(step), MANIFEST_FILE)
+            where = self.objects.url_of(step_dir_name(step), MANIFEST_FILE)
             self._read = (step, raw, parse_manifest(raw, where))
         return self._read[2]
 
@@ -231,13 +231,13 @@ class ObjectSource:
         raised, so an intact checkpoint is never quarantined for a local fault."""
         if not isinstance(exc, IntegrityError) or exc.path.startswith("s3://"):
             return
-        _, problems = self.objects.verify(step)
+        _, problems = self.objects.check_objects(step)
         if problems:
             return
         shutil.rmtree(self.local / step_dir_name(step), ignore_errors=True)
         raise StorageError(
             f"step {step} failed verification in the local mirror ({exc.detail or exc}: "
-            f"{exc.path}), but every object of it in {self.objects.where(step_dir_name(step))} "
+            f"{exc.path}), but every object of it in {self.objects.url_of(step_dir_name(step))} "
             "matches its digest: the local copy was damaged after it was downloaded (the "
             "disk, or a mirror shared by ranks that should not share it). It was not "
             "quarantined and the mirror's copy was removed; start the job again."

@@ -18,7 +18,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ObjectURL", "default_mirror", "is_url", "parse_url", "refuse_mangled_url"]
+__all__ = [
+    "ObjectURL",
+    "default_mirror",
+    "is_url",
+    "parse_root",
+    "parse_url",
+    "refuse_mangled_url",
+]
 
 _SCHEME_RE = re.compile(r"([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
 # A scheme of two letters or more and one slash or none: a URL that lost a slash on the way
@@ -104,6 +111,16 @@ def parse_url(root: str) -> ObjectURL:
     if any(p in ("", ".", "..") for p in parts) or "\\" in prefix or "\0" in prefix:
         raise ValueError(f"{root!r}: the prefix may not hold empty, '.' or '..' parts")
     return ObjectURL(bucket, prefix)
+
+
+def parse_root(root: str | os.PathLike[str]) -> ObjectURL | Path:
+    """What a root names: an object store (``ObjectURL``) or a directory (``Path``); the one
+    place that tells the two apart. ValueError for a URL that cannot be one of dckpt's, or a
+    path that reads like a mangled URL (``refuse_mangled_url``)."""
+    refuse_mangled_url(root)
+    if is_url(root):
+        return parse_url(str(root))
+    return Path(root)
 
 
 def default_mirror(url: ObjectURL) -> Path:

@@ -90,6 +90,13 @@ class TrainState:
         self.samples_seen = 0
         self._options = StateDictOptions(strict=True)
 
+    def at(self, step: int, epoch: int | None = None) -> None:
+        """The progress the next ``state_dict`` records: ``step`` (and ``epoch``, when given);
+        a save calls it with the step it saves."""
+        self.step = step
+        if epoch is not None:
+            self.epoch = epoch
+
     def categories(self) -> list[str]:
         cats = ["model"]
         if self.optimizer is not None:
