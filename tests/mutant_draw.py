@@ -103,7 +103,12 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_s3.py",
         "tests/test_lock_refusals.py",
     ),
-    "dckpt/tiers/object_root.py": ("tests/test_s3.py", "tests/test_s3_gaps.py"),
+    "dckpt/tiers/object_root.py": (
+        "tests/tiers/test_root_contract.py",
+        "tests/test_s3.py",
+        "tests/test_s3_gaps.py",
+    ),
+    "dckpt/root/directory.py": ("tests/tiers/test_root_contract.py", "tests/test_cli.py"),
     "dckpt/tiers/object_source.py": ("tests/test_s3.py", "tests/test_s3_gaps.py"),
     "dckpt/tiers/s3_store.py": (
         "tests/test_s3_wire.py",
