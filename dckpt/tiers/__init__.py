@@ -1,9 +1,14 @@
 """Where a checkpoint lives beyond a local directory: an object store (s3:// roots) and the
 memory tier's torch-free parts.
 
-Object store: ``url`` (parsing a root URL, no dependencies), ``s3_store`` (the S3 client:
-retries, multipart, digests while the bytes move), ``object_root`` (listing, reading,
-deleting, pinning and quarantining checkpoints in a bucket), ``object_lock`` (the run lock as
+Any root: ``roots`` (``open_root``: the one place a path or a URL becomes the ``Root`` of its
+kind, dckpt.root.protocol) and ``url`` (``parse_root``: the one test of path vs URL; root
+URLs and the local mirror, no dependencies).
+
+Object store: ``s3_store`` (the S3 client: retries, multipart, digests while the bytes
+move), ``object_root`` (``ObjectRoot``, the bucket's ``Root``: listing, reading, verifying
+in place, deleting, pinning and quarantining checkpoints, recovery, and the locks, commit
+strategy, source and ledger of a job on it), ``object_lock`` (the run lock as
 a conditional put), ``object_commit`` (the manifest-last commit strategy), ``object_source``
 (fetching a committed checkpoint into the local mirror, verified, for a load), ``object_ledger``
 (the memory tier's ledger in a bucket), ``peek`` (a checkpoint's config for any root).
