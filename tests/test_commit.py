@@ -106,6 +106,18 @@ def test_committed_dir_appears_only_after_commit(tmp_path: Path) -> None:
     assert names(tmp_path) == {"step-00000001", LATEST_FILE}  # no latest.tmp-* left behind
 
 
+def test_a_step_directory_dckpt_did_not_name_is_never_listed_committed(tmp_path: Path) -> None:
+    """``step-000000003`` (nine digits) holds a manifest, but every reader rebuilds step 3's
+    directory as ``step-00000003``: listed committed, it would be read from another place."""
+    RenameCommit().finalize(tmp_path, stage(tmp_path, 2, b"two"), 2)
+    odd = tmp_path / "step-000000003"
+    shutil.copytree(tmp_path / "step-00000002", odd)
+    assert not is_committed_dir(odd)
+    assert committed_steps(tmp_path) == [2]
+    listed = {(e.step, e.status, e.path.name) for e in list_checkpoints(tmp_path)}
+    assert listed == {(2, "committed", "step-00000002"), (3, "incomplete", odd.name)}
+
+
 def test_latest_names_newest_committed_step(tmp_path: Path) -> None:
     commit(tmp_path, 1)
     assert read_latest(tmp_path) == "step-00000001"

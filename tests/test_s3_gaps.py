@@ -403,6 +403,29 @@ def test_ls_of_a_bucket_shows_what_verify_recorded(
     assert [(c["step"], c["verified"]) for c in after] == [(1, "ok"), (2, "ok")]
 
 
+def test_a_start_logs_each_piece_of_mirror_debris_once(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save cut short leaves a tmp dir in the node's mirror; the next start removes it and
+    says so in one line, not once for the mirror's tidy-up and again for the bucket's."""
+    import logging
+
+    root = f"s3://{s3.bucket()}/debris"
+    mirror = tmp_path / "mirror"
+    mgr, _ = _one_rank(root, mirror)
+    with mgr:
+        mgr.save(1).result()
+    debris = mirror / f"{step_dir_name(2)}.tmp-{'ab' * 16}"
+    debris.mkdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dckpt"):
+        mgr, _ = _one_rank(root, mirror)
+        mgr.close()
+    lines = [r.getMessage() for r in caplog.records if debris.name in r.getMessage()]
+    assert lines == [f"dckpt recover: removed abandoned save {debris.name}"]
+    assert not debris.exists()
+
+
 def test_a_job_whose_bucket_lock_was_taken_commits_no_more_steps(
     s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
 ) -> None:

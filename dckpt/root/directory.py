@@ -76,7 +76,7 @@ class DirectoryRoot:
     def expect_checkpoints(self) -> None:
         if not self.path.exists():
             raise CheckpointNotFoundError(
-                f"{self.path} does not exist; pass the --ckpt-dir of a training run"
+                f"{self.path} does not exist; pass the --ckpt-dir a training run used"
             )
         if not self.path.is_dir():
             raise CheckpointNotFoundError(

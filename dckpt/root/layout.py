@@ -75,9 +75,13 @@ def _is_real_dir(path: Path) -> bool:
 
 def is_committed_dir(path: Path) -> bool:
     """The one rule of what is committed in a directory root: a real ``step-N/`` directory
-    (never a symlink) holding a ``manifest.json`` file, which the commit rename brought in."""
+    (never a symlink) holding a ``manifest.json`` file, which the commit rename brought in,
+    named exactly as dckpt names that step (``step-000000003`` is not step 3's directory:
+    every reader rebuilds the path from the step number, and would read another one)."""
+    m = STEP_RE.fullmatch(path.name)
     return (
-        STEP_RE.fullmatch(path.name) is not None
+        m is not None
+        and path.name == step_dir_name(int(m.group(1)))
         and _is_real_dir(path)
         and (path / MANIFEST_FILE).is_file()
     )

@@ -27,8 +27,10 @@ Knows keys and manifests, never tensors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import os
 import tempfile
 import time
 import uuid
@@ -116,9 +118,15 @@ class ObjectRoot:
         mirror = self._local()
         if mirror.exists() and not mirror.is_dir():
             raise CheckpointError(f"the local mirror {mirror} exists and is not a directory")
-        mirror.mkdir(parents=True, exist_ok=True)
-        if not coordinator and local_share()[0] == 0:
-            upkeep.recover(mirror)
+        try:
+            mirror.mkdir(parents=True, exist_ok=True)
+            if not coordinator and local_share()[0] == 0:
+                upkeep.recover(mirror)
+        except OSError as exc:  # this node's disk, not the bucket: say which
+            raise CheckpointError(
+                f"cannot use the local mirror {mirror} of {self.url}: {exc}; give this node a "
+                "writable directory (CheckpointConfig(mirror=...))"
+            ) from exc
 
     def locks(self, run_id: str, lease_s: float) -> list[Lock]:
         """The mirror's lock, then the bucket's. A second job on one s3:// root meets the
@@ -277,14 +285,12 @@ class ObjectRoot:
         try:
             manifest, problems = self.check_objects(step, progress)
         except (ManifestError, IntegrityError) as exc:
-            problem = FileProblem(path=self.url_of(name, MANIFEST_FILE), error=str(exc))
+            problem = FileProblem(path=MANIFEST_FILE, error=str(exc))  # `where` names the step
             return VerifyResult(step_dir=Path(name), step=step, problems=[problem],
                                 where=self.url_of(name))  # fmt: skip
         incompatible = None
         if deep and not problems:
-            with self.local_steps([step], lambda _n: None, lambda _line: None) as local:
-                deeper = verify_checkpoint(local / name, threads=threads, deep=True)
-            problems, incompatible = deeper.problems, deeper.incompatible
+            problems, incompatible = self._deep(step, threads)
         return VerifyResult(
             step_dir=Path(name),
             step=step,
@@ -295,6 +301,26 @@ class ObjectRoot:
             incompatible=incompatible,
             files_digest=manifest.files_digest,
         )
+
+    def _deep(self, step: int, threads: int) -> tuple[list[FileProblem], str | None]:
+        """Fetch ``step`` (verified) into a temporary copy and read DCP's metadata as a load
+        would. Problems name the object's path within the step, never the temporary copy
+        (gone when this returns); a fetch that finds damage is a problem of this step, so
+        the other steps of the same ``verify`` are still checked."""
+        name = step_dir_name(step)
+        try:
+            with self.local_steps([step], lambda _n: None, lambda _line: None) as local:
+                deeper = verify_checkpoint(local / name, threads=threads, deep=True)
+                base = str(local / name)
+        except (IntegrityError, ManifestError) as exc:
+            return [FileProblem(path=name, error=f"fetching it to read: {exc}")], None
+        problems = [
+            dataclasses.replace(p, path=os.path.relpath(p.path, base))
+            if os.path.isabs(p.path) and p.path.startswith(base)
+            else p
+            for p in deeper.problems
+        ]
+        return problems, deeper.incompatible
 
     def check_objects(
         self, step: int, progress: Callable[[int], None] | None = None
@@ -422,7 +448,9 @@ class ObjectRoot:
         gateways) skips that part with one warning: the parts of an upload a crash left open
         are invisible and never committed, so they cost storage, not correctness, and the
         store's lifecycle rule can reap them instead."""
-        actions = [] if self._mirror is None else upkeep.recover(self._mirror)
+        # upkeep.recover logs its own lines; only the bucket's actions are logged below.
+        mirrored = [] if self._mirror is None else upkeep.recover(self._mirror)
+        actions: list[str] = []
         try:
             uploads = self.store.open_uploads(self.url.under())
         except UnsupportedError as exc:
@@ -446,7 +474,7 @@ class ObjectRoot:
         self.publish_latest()  # a crash between the manifest and `latest` left it behind
         for line in actions:
             log.warning("dckpt recover: %s", line)
-        return actions
+        return mirrored + actions
 
     def pin(self, step: int) -> str:
         if step not in self.committed_steps():

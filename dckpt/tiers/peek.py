@@ -3,7 +3,8 @@
 The root is opened by ``open_root`` and read through the ``Root`` protocol
 (dckpt.root.peek.peek_root): only the step's ``manifest.json`` is read, validated exactly as
 one on disk (for an s3:// root, one GET); nothing else is opened or downloaded.
-``CheckpointInfo.path`` is the step's directory, or its URL.
+``CheckpointInfo.path`` is the step's directory, or its URL. A root that is neither a path
+nor a well-formed URL (``s3:/bucket``) raises ``ValueError`` saying how to write it.
 """
 
 from __future__ import annotations
