@@ -19,7 +19,10 @@ memory ledger; a ``MemorySource`` with a ``MemoryReader``), with the ``Lineage``
 Nothing here asks which kind of root it holds.
 
 Two groups, created in the same order on every rank: *ctl* for foreground calls (load, skip
-and mode decisions, preemption) and *io* for the background save, so they never interleave.
+and mode decisions, preemption) and *io* for the background save, so they never interleave
+(two threads issuing collectives on one group could pair them differently on two ranks). Both
+connect lazily (dckpt.collective.comm): a rank connects only to the peers its collectives
+use, and building a group costs it a few store calls at any world size.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from .load.memory import MemoryReader, MemorySource
 from .load.replay import Replay, ReplayMode
 from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer, ResumeTier
-from .preemption import DEFAULT_SIGNALS, Preemption, PreemptionStop
+from .preemption import CHECK_EVERY_S, DEFAULT_SIGNALS, Preemption, PreemptionStop
 from .root.protocol import Lock, Root
 from .root.source import CheckpointSource
 from .save.durable import DurableRoute
@@ -298,8 +301,8 @@ class CheckpointManager:
             failure = exc
         except (OSError, CheckpointError) as exc:
             failure = CheckpointError(f"cannot use checkpoint root {self._root}: {exc}")
-        failure = next((f for f in self._ctl.all_gather(failure) if f is not None), None)
-        if failure is not None:
+        failed = self._ctl.first_failure(failure)  # the lowest failing rank's, on every rank
+        if failed is not None:
             # Released on every failure, another rank's too (its node's mirror). Each lock
             # removes only a record it wrote: one whose acquire was refused (a bucket that
             # does not exist, a live owner) is left alone, without a word.
@@ -307,7 +310,7 @@ class CheckpointManager:
                 lock.release()
             self._ctl.close()
             self._io.close()
-            raise failure
+            raise failed.error
         return locks
 
     def _close_on_failure(self) -> None:
@@ -347,10 +350,10 @@ class CheckpointManager:
             failure = CheckpointError(
                 f"the memory tier cannot start on node {node} ({memory_dir}): {exc}"
             )
-        failure = next((f for f in self._ctl.all_gather(failure) if f is not None), None)
-        if failure is not None:
+        failed = self._ctl.first_failure(failure)
+        if failed is not None:
             self._close_on_failure()
-            raise failure
+            raise failed.error
         slots = memory_layout.Slots(memory_layout.node_dir(memory_dir, node))
         route = MemoryRoute(
             io=self._io,
@@ -498,19 +501,28 @@ class CheckpointManager:
     # --- preemption -------------------------------------------------------------------------
 
     def watch_preemption(
-        self, signals: Sequence[str] = DEFAULT_SIGNALS, *, deadline_s: float = 120.0
+        self,
+        signals: Sequence[str] = DEFAULT_SIGNALS,
+        *,
+        deadline_s: float = 120.0,
+        check_every_s: float = CHECK_EVERY_S,
     ) -> Preemption:
         """Make ``signals`` request a final save instead of killing the process; see
         ``preempted``. ``deadline_s``: the longest the final save may take (leave it below the
-        scheduler's grace period, e.g. SLURM's ``--signal=USR1@120``). Main thread only."""
+        scheduler's grace period, e.g. SLURM's ``--signal=USR1@120``). ``check_every_s``: about
+        how much training passes between two agreements of the ranks (0: at every step); a
+        signal is acted on within about two of them. Main thread only."""
         self._check_open()
-        return self._stop.watch(signals, deadline_s)
+        return self._stop.watch(signals, deadline_s, check_every_s)
 
     def preempted(self, step: int) -> bool:
-        """True once any rank received a preemption signal, after ``step`` was saved.
+        """True once the ranks agreed that some rank received a preemption signal, after
+        ``step`` was saved.
 
-        A collective: every rank calls it after every step. When it returns True the step is
-        committed (SaveError otherwise) and the script should close the manager and exit 0.
+        Every rank calls it after every step, with the same ``step``. Most calls return at
+        once; about every ``check_every_s`` one reads the ranks' agreement, which was issued
+        at the check before without waiting (dckpt.preemption). When it returns True the step
+        is committed (SaveError otherwise) and the script should close the manager and exit 0.
         """
         self._check_open()  # after close() the collective would land on the training group
         return self._stop.preempted(step, self.save)

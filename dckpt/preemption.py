@@ -8,21 +8,34 @@ collective half the manager delegates ``watch_preemption`` and ``preempted`` to.
    no collective, no lock. A second signal while the first is pending is taken as "now":
    the previous handler is restored and the signal delivered again (for SIGTERM, the process
    ends), so a loop that never calls ``preempted`` can still be stopped.
-2. Every rank calls ``manager.preempted(step)`` after each training step. It all-reduces the
-   flag (MAX) on dckpt's control group, so the ranks agree on the same step even when only
-   one of them received the signal (SLURM signals one task, a scheduler may signal one pod).
+2. Every rank calls ``manager.preempted(step)`` after each training step. Most calls make no
+   collective at all. Every K-th call is a *check*: it reads the agreement issued at the
+   previous check (an all-reduce, MAX, of every rank's flag on dckpt's control group, issued
+   without waiting) and issues the next one. The ranks read the same agreement at the same
+   call, so they agree on the same step even when only one of them received the signal
+   (SLURM signals one task, a scheduler may signal one pod); the training steps between two
+   checks hide the all-reduce's latency, which grows with the world (a ring of 2(N-1) hops).
+   The very first call is a blocking check (a signal that came before the first step is
+   acted on at once). K is rank 0's proposal, carried in the same all-reduce (every rank reads
+   the same K): about ``check_every_s`` of training between checks, more when an agreement
+   was still in flight at its read, never so many that two intervals exceed a quarter of the
+   final save's deadline. A signal is acted on at most two intervals after it came.
 3. Once they agree, every rank waits for the save in flight, saves ``step`` synchronously
    (unless that step is already saved), bounded by the deadline counted from the agreement,
    and ``preempted`` returns True; the script closes the manager and exits 0. A final save that
    fails or misses the deadline raises ``SaveError``, so the job exits non-zero and the last
    committed checkpoint is what the next start resumes from.
 
+Invariants: every rank issues the same agreements at the same calls (the schedule depends
+only on what the agreements carried), so none is left unmatched; ``uninstall`` (the manager's
+``close``) waits for the one still in flight, which every rank issued too.
 The handlers are restored by ``uninstall`` (the manager's ``close`` calls it).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -30,6 +43,9 @@ import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from .collective.comm import Comm
 from .errors import CheckpointError, SaveError
@@ -41,6 +57,8 @@ __all__ = ["Preemption", "PreemptionStop"]
 log = logging.getLogger("dckpt")
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+CHECK_EVERY_S = 1.0
+"""Seconds of training between two agreements, by default (``watch_preemption``)."""
 
 
 class Preemption:
@@ -92,6 +110,43 @@ class Preemption:
         return self._flag
 
 
+class _Schedule:
+    """When the next check comes, and what rank 0 proposes for the interval after it.
+
+    Only rank 0's proposal counts (the others send 0 into the MAX); rank 0 measures the time
+    between calls. The interval starts at 1 call: the first checks come one step apart, the
+    following ones about ``every_s`` apart."""
+
+    def __init__(self, every_s: float, deadline_s: float) -> None:
+        self.every_s = every_s
+        self.longest_s = deadline_s / 8  # two intervals stay within a quarter of the deadline
+        self.calls = 0
+        self.next_check = 1
+        self._last: float | None = None
+        self._step_s: float | None = None
+
+    def tick(self) -> bool:
+        """Count this call; whether it is a check."""
+        self.calls += 1
+        now = time.perf_counter()
+        if self._last is not None:
+            took = now - self._last
+            # a smoothed step time: one slow step (a save, an evaluation) moves it a little
+            self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+        self._last = now
+        return self.calls >= self.next_check
+
+    def propose(self, interval: int, late: bool) -> int:
+        """Rank 0: the calls between the next two checks. ``late``: the agreement just read
+        had not completed by its read (the interval did not hide its latency)."""
+        if self._step_s is None or self._step_s <= 0 or self.every_s <= 0:
+            return 1
+        k = max(1, math.ceil(self.every_s / self._step_s))
+        if late:
+            k = max(k, 2 * interval)
+        return max(1, min(k, math.floor(self.longest_s / self._step_s)))
+
+
 class PreemptionStop:
     """The collective half: agree on a step, save it once, within the deadline."""
 
@@ -100,30 +155,47 @@ class PreemptionStop:
         self._saver = saver
         self.rank = ctl.rank
         self._preemption: Preemption | None = None
+        self._schedule: _Schedule | None = None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._interval = 1
+        self.checks = 0
+        """Checks made so far (each one all-reduce), for the benchmarks' counts."""
 
-    def watch(self, signals: Sequence[str], deadline_s: float) -> Preemption:
+    def watch(
+        self, signals: Sequence[str], deadline_s: float, check_every_s: float = CHECK_EVERY_S
+    ) -> Preemption:
         """Install the handlers (main thread only), replacing earlier ones."""
+        if check_every_s < 0:
+            raise ValueError(f"check_every_s must be >= 0, got {check_every_s}")
+        preemption = Preemption(signals, deadline_s)
+        self._drain()
         if self._preemption is not None:
             self._preemption.uninstall()
-        self._preemption = Preemption(signals, deadline_s)
+        self._preemption = preemption
         self._preemption.install()
+        self._schedule = _Schedule(check_every_s, deadline_s)
+        self._interval = 1
         return self._preemption
 
     def uninstall(self) -> None:
+        self._drain()
         if self._preemption is not None:
             self._preemption.uninstall()
 
     def preempted(self, step: int, save: Callable[[int], SaveHandle]) -> bool:
-        """Steps 2-3 of the protocol: True once any rank received a signal, after ``step``
-        was saved with ``save`` (the manager's, so the final save is an ordinary one)."""
-        watch = self._preemption
-        if watch is None:
+        """Steps 2-3 of the protocol: True once the ranks agreed that some rank received a
+        signal, after ``step`` was saved with ``save`` (the manager's, so the final save is an
+        ordinary one)."""
+        watch, schedule = self._preemption, self._schedule
+        if watch is None or schedule is None:
             return False
-        if not self._ctl.any(watch.requested):
+        if not schedule.tick():
+            return False
+        if not self._check(watch, schedule):
             return False
         t0 = time.perf_counter()
-        who = self._ctl.all_gather(watch.received)
-        senders = ", ".join(f"{name} on rank {r}" for r, name in enumerate(who) if name)
+        who = self._ctl.gather(watch.received)  # only rank 0 names them
+        senders = ", ".join(f"{name} on rank {r}" for r, name in enumerate(who or []) if name)
         result = self._final_save(step, t0 + watch.deadline_s, save)
         took = time.perf_counter() - t0
         if self.rank == 0:
@@ -137,6 +209,45 @@ class PreemptionStop:
                 watch.deadline_s,
             )
         return True
+
+    def _check(self, watch: Preemption, schedule: _Schedule) -> bool:
+        """Read the agreement issued at the previous check (the first check makes one and
+        waits for it), then issue the next one unless the ranks agreed to stop."""
+        self.checks += 1
+        pending, self._pending = self._pending, None
+        first = pending is None
+        if pending is None:
+            pending = self._issue(watch, schedule, late=False)
+        work, box = pending
+        late = not first and work is not None and not work.is_completed()
+        if work is not None:
+            work.wait()
+        stop, interval = bool(box[0].item()), max(1, int(box[1].item()))
+        if stop:
+            return True
+        self._interval = interval
+        schedule.next_check = schedule.calls + interval
+        self._pending = self._issue(watch, schedule, late=late)
+        return False
+
+    def _issue(
+        self, watch: Preemption, schedule: _Schedule, late: bool
+    ) -> tuple[Any, torch.Tensor]:
+        proposal = schedule.propose(self._interval, late) if self.rank == 0 else 0
+        box = torch.tensor([int(watch.requested), proposal], dtype=torch.int64)
+        if not self._ctl.distributed:
+            return None, box
+        work = dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._ctl.group, async_op=True)
+        return work, box
+
+    def _drain(self) -> None:
+        """Wait for the agreement still in flight (every rank issued it at the same call)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is not None:
+            try:
+                pending[0].wait()
+            except RuntimeError as exc:  # a rank that is gone: nothing more to agree on
+                log.warning("dckpt: the last preemption check did not complete: %s", exc)
 
     def _final_save(
         self, step: int, deadline: float, save: Callable[[int], SaveHandle]

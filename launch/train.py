@@ -172,6 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--preempt-deadline", type=float, default=120.0, help="seconds for the final save"
     )
     p.add_argument(
+        "--preempt-check-every",
+        type=float,
+        default=1.0,
+        help="seconds of training between two agreements on a signal (0: every step)",
+    )
+    p.add_argument(
         "--lock",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -232,6 +238,7 @@ NOT_CONFIG = (
     "memory_keep",
     "preemption",
     "preempt_deadline",
+    "preempt_check_every",
     "allow_config_change",
 )
 
@@ -317,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     except dckpt.CheckpointError as exc:
         refused(rank, exc)
     if args.preemption:  # SIGTERM/SIGUSR1: agree on a step, save it, exit 0
-        manager.watch_preemption(deadline_s=args.preempt_deadline)
+        manager.watch_preemption(
+            deadline_s=args.preempt_deadline, check_every_s=args.preempt_check_every
+        )
     try:
         report = manager.resume()  # logs the report; a fresh start when there is nothing to resume
     except dckpt.CheckpointError as exc:

@@ -70,7 +70,8 @@ def test_a_signal_to_one_rank_saves_the_agreed_step_and_exits_0(
     # The reference shares nothing with the preempted run (its own root and log): it runs beside.
     with torchrun_train_beside(tmp_path / "ref", *args, "--loss-log", ref_log) as ref:
         root, log = tmp_path / "run", tmp_path / "run.jsonl"
-        out = _signal_one_rank_midway(root, log, sig, rank, *args)
+        # agreements every ~0.1 s: a few steps apart, so the signal lands between two checks
+        out = _signal_one_rank_midway(root, log, sig, rank, *args, "--preempt-check-every", "0.1")
 
         name = signal.Signals(sig).name
         assert f"preempted ({name} on rank {rank})" in out, out[-2000:]
@@ -97,7 +98,15 @@ def test_a_signal_to_one_rank_saves_the_agreed_step_and_exits_0(
     assert [got[s] for s in after] == [want[s] for s in after]  # bit-identical
 
 
-def _deadline_world(rank: int, world: int, root: str, signal_at: int, deadline: float) -> Any:
+def _deadline_world(
+    rank: int,
+    world: int,
+    root: str,
+    signal_at: int,
+    deadline: float,
+    check_every_s: float = 0.0,
+    step_s: float = 0.0,
+) -> Any:
     import torch
 
     import dckpt
@@ -106,26 +115,42 @@ def _deadline_world(rank: int, world: int, root: str, signal_at: int, deadline: 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     config = dckpt.CheckpointConfig(root=Path(root), timeout_s=20)
     with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
-        mgr.watch_preemption(deadline_s=deadline)
-        for step in range(1, 20):
+        mgr.watch_preemption(deadline_s=deadline, check_every_s=check_every_s)
+        for step in range(1, 60):
             model(torch.randn(2, 8)).sum().backward()
             opt.step()
+            time.sleep(step_s)
             if rank == 1 and step == signal_at:
                 os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, to this rank only
             try:
                 if mgr.preempted(step):
-                    return {"stopped_at": step}
+                    return {"stopped_at": step, "checks": mgr._stop.checks}
             except dckpt.SaveError as exc:
                 return {"error": str(exc), "step": step}
     return {"stopped_at": None}
 
 
 def test_the_ranks_agree_on_the_step_and_a_missed_deadline_raises(tmp_path: Path) -> None:
+    # checks at every step: each reads the agreement the step before issued, so a signal
+    # after step 4 is agreed on after step 5, by both ranks
     out = run_world(_deadline_world, 2, str(tmp_path / "a"), 4, 30.0)
-    assert out == [{"stopped_at": 4}, {"stopped_at": 4}]
-    assert committed_steps(tmp_path / "a") == [4]
+    assert [r["stopped_at"] for r in out] == [5, 5], out
+    assert committed_steps(tmp_path / "a") == [5]
 
     slow = {"DCKPT_FAULT": "phase=write_shards,rank=0,action=sleep,seconds=4"}
     out = run_world(_deadline_world, 2, str(tmp_path / "b"), 2, 1.0, env=slow, timeout=120)
     for r in out:
-        assert r["step"] == 2 and "did not commit before the deadline" in r["error"]
+        assert r["step"] == 3 and "did not commit before the deadline" in r["error"]
+
+
+def test_checks_come_about_check_every_s_apart_and_still_agree_on_one_step(
+    tmp_path: Path,
+) -> None:
+    # 20 ms steps, an agreement every ~0.1 s: about one collective every 5 steps, not every
+    # step; a signal to rank 1 after step 20 is still agreed on by both, within two intervals
+    out = run_world(_deadline_world, 2, str(tmp_path), 20, 30.0, 0.1, 0.02)
+    stopped = [r.get("stopped_at") for r in out]
+    assert stopped[0] == stopped[1] and stopped[0] is not None, out
+    assert 20 < stopped[0] <= 20 + 2 * 10, out  # at most two intervals (of <= 10 steps here)
+    assert out[0]["checks"] == out[1]["checks"] <= stopped[0] // 2, out
+    assert committed_steps(tmp_path) == [stopped[0]]

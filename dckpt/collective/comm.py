@@ -2,7 +2,9 @@
 
 dckpt never runs collectives on the training process group: it creates a dedicated gloo group
 (CPU, works beside NCCL) at construction, on the main thread, and every collective it issues
-goes there. With no process group initialised, the same calls work for a single process.
+goes there. The group connects lazily (a pair of ranks on its first message), so building it
+costs each rank the same few store calls at any world size. With no process group
+initialised, the same calls work for a single process.
 
 ``first_failure`` is how ranks agree on whether a step failed anywhere, and on which error
 they all raise: one all-reduce of an int when nothing failed (the common case costs every
@@ -13,13 +15,17 @@ and no rank's message depends on which ranks it happened to hear from.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from ..errors import CheckpointError
 
@@ -51,6 +57,26 @@ def _portable(exc: BaseException) -> BaseException:
     return exc
 
 
+LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
+
+
+@contextlib.contextmanager
+def _lazy_gloo() -> Iterator[None]:
+    """Build gloo groups that connect a pair of ranks on its first message, not all pairs at
+    construction: an eager group costs each rank N address exchanges through the job's store
+    (minutes at thousands of ranks), a lazy one a few store calls at any N, and each rank then
+    connects only to the peers its collectives use. gloo reads the variable when the group is
+    made; a value the user set is left as it is."""
+    if LAZY_INIT_ENV in os.environ:
+        yield
+        return
+    os.environ[LAZY_INIT_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_INIT_ENV, None)
+
+
 class Comm:
     """Object collectives on dckpt's own gloo group (or a single process)."""
 
@@ -62,7 +88,10 @@ class Comm:
             return
         if group is None:
             # Same ranks as the default group; gloo so it carries CPU objects beside NCCL.
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            with _lazy_gloo():
+                group = dist.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+                )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -99,6 +128,28 @@ class Comm:
         box = torch.tensor([int(flag)], dtype=torch.int32)
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
         return bool(box.item())
+
+    def lowest(self, flag: bool) -> int | None:
+        """The lowest rank whose ``flag`` is true (None when none is): one all-reduce of an
+        int, so a caller can name a rank without every rank receiving every rank's flag."""
+        if not self.distributed:
+            return 0 if flag else None
+        box = torch.tensor([self.rank if flag else self.world_size], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
+        first = int(box.item())
+        return None if first >= self.world_size else first
+
+    def all_equal(self, value: str | bytes) -> bool:
+        """Whether every rank passed the same ``value``: one all-reduce of two ints (the
+        value's 64-bit xxh3, and its negation, reduced by MAX give the largest and the
+        smallest), whatever its length and the world's size."""
+        if not self.distributed:
+            return True
+        raw = value.encode() if isinstance(value, str) else value
+        h = xxhash.xxh3_64_intdigest(raw) - (1 << 63)  # into int64's range
+        box = torch.tensor([h, -h - 1], dtype=torch.int64)  # -h-1: no overflow at int64 min
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+        return int(box[0].item()) == -int(box[1].item()) - 1
 
     def first_failure(self, error: BaseException | None) -> Failed | None:
         """Every rank's ``error`` (None: this rank succeeded) agreed on: None on every rank

@@ -3,9 +3,10 @@
 Used by the save pipeline in this order (the pipeline's docstring states the whole protocol):
 
 - ``agree``: all ranks learn whether any rank failed to prepare; all raise together if so;
-- ``gather``: all ranks all-gather their ``RankReport`` (files with digests, or the error that
-  stopped them: a rank stopped by another rank's failure reports that one, under that
-  rank, so the save's error names the rank and the object that failed, once);
+- ``gather``: rank 0 gathers every rank's ``RankReport`` (files with digests, or the error
+  that stopped them: a rank stopped by another rank's failure reports that one, under that
+  rank, so the save's error names the rank and the object that failed, once); a route that
+  needs them on every rank (the memory tier's replicas) has them all-gathered instead;
 - on rank 0, ``refusal``: the reports' errors, if any (the tmp location is removed, nothing is
   committed); else the pipeline builds the manifest from the reports and ``commit`` writes it
   into the tmp location and runs the commit strategy;
@@ -13,6 +14,9 @@ Used by the save pipeline in this order (the pipeline's docstring states the who
   ``SaveError``, which names each failed rank and its error.
 
 A commit happens only after every rank finished writing. This layer knows files, not tensors.
+What a rank other than 0 receives in these steps does not grow with the world's size (but for
+a route that asks for every report): an agreement is an all-reduce, a report goes to rank 0
+alone, and the outcome comes back in one broadcast.
 """
 
 from __future__ import annotations
@@ -104,23 +108,42 @@ class Coordinator:
     def agree(self, error: str | None, what: str, step: int | str | None = None) -> None:
         """All ranks learn whether any rank failed ``what``, or (``step``, which names the
         tier too: ``"5 (memory)"``) was asked to save another step or tier than the others;
-        all raise together if so."""
-        told = self.comm.all_gather((error, step))
-        failed = [RankReport(rank=r, error=e) for r, (e, _) in enumerate(told) if e is not None]
-        if failed:
-            raise SaveError(f"{what} failed, nothing was committed: {_describe(failed)}")
-        steps = [s for _, s in told]
-        if len(set(steps)) > 1:  # each rank would write another step's files: refuse
-            listed = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-            raise SaveError(
-                f"save() was called with different steps or tiers on different ranks ({listed}); "
-                "nothing was committed. Every rank must call save() with the same step, in "
-                "the same order."
-            )
+        all raise together if so.
 
-    def gather(self, report: RankReport) -> list[RankReport]:
-        """Every rank's report, on every rank."""
-        return self.comm.all_gather(report)
+        What a rank receives does not grow with the world: one all-reduce of an int says
+        whether any rank failed (the lowest failing rank's error is then broadcast), one of a
+        hash whether every rank names the same step; only when they differ does rank 0
+        gather the steps, to name the ranks in the error every rank raises."""
+        failed = self.comm.first_failure(None if error is None else SaveError(error))
+        if failed is not None:
+            more = f"; and {failed.count - 1} more rank(s) failed" if failed.count > 1 else ""
+            raise SaveError(
+                f"{what} failed, nothing was committed: rank {failed.rank}: {failed.error}{more}"
+            )
+        if self.comm.all_equal(repr(step)):
+            return
+        steps = self.comm.gather(step)
+        listed = None
+        if steps is not None:  # rank 0: each rank's step, the first few that differ from 0's
+            odd = [r for r, s in enumerate(steps) if s != steps[0]]
+            shown = ", ".join(f"rank {r}: {steps[r]}" for r in [0, *odd[:_LISTED]])
+            listed = shown + (f", and {len(odd) - _LISTED} more" if len(odd) > _LISTED else "")
+        listed = self.comm.broadcast(listed)
+        # each rank would write another step's files: refuse
+        raise SaveError(
+            f"save() was called with different steps or tiers on different ranks ({listed}); "
+            "nothing was committed. Every rank must call save() with the same step, in "
+            "the same order."
+        )
+
+    def gather(self, report: RankReport, *, everywhere: bool) -> list[RankReport]:
+        """Every rank's report on rank 0; on the other ranks, every rank's when the route
+        needs them there (``everywhere``: the memory tier's replicas), else their own alone
+        (a report costs rank 0 one receive per rank, and no other rank N of them)."""
+        if everywhere:
+            return self.comm.all_gather(report)
+        told = self.comm.gather(report)
+        return told if told is not None else [report]
 
     def refusal(
         self, tmp: Path, reports: list[RankReport], refused: str | None = None

@@ -7,7 +7,8 @@ root (a directory, or an s3:// root through its mirror) does in it:
   CUDA tensors queued on the training stream, non-tensor values deep-copied), or, for a
   synchronous save, hands over the live state; rank 0 first warns when the root's file system
   cannot hold the save;
-- step 5 (``write``): ``dcp.save`` plans on dckpt's *io* group; the ``StagingSavePlanner``
+- step 5 (``write``): ``dcp.save`` plans on dckpt's *io* group, reusing the last save's plan
+  while no rank's layout changed (``PlanCache``: one all-reduce says so); the ``StagingSavePlanner``
   drains device buffers to pinned host memory (and takes deferred copies), then sets the
   ticket's ``staged``; the ``HashingWriter`` writes each shard file with its digest computed
   as the bytes go out (for an object store, the commit strategy's ``tee`` also sends them to
@@ -48,6 +49,7 @@ from ..units import describe_staging, human_bytes
 from .coordinator import RankReport
 from .findings import Findings
 from .handle import SaveTicket
+from .plan_cache import PlanCache
 from .route import DURABLE, Finished, SaveJob
 from .stager import (
     Snapshot,
@@ -74,6 +76,7 @@ class DurableRoute:
     """A durable save may be synchronous (``async_save``), and the automatic mode learns from
     what its saves cost the loop."""
     soft = False
+    reports_everywhere = False  # settle needs none, finish only the committed size
     """A failed durable save is raised by the next ``save()``, ``wait()`` or ``close()``."""
 
     def __init__(
@@ -94,6 +97,8 @@ class DurableRoute:
         self.rank, self.world_size = io.rank, io.world_size
         self.progress = Progress(io)
         """The job's store, for a save's ``StopFlag``."""
+        self.plans = PlanCache(io)
+        """The key of DCP's plan cache, agreed by every rank at each save."""
         self.last_bytes = 0
         """The previous committed save's size: the next one's estimate."""
         self._snapshots = 0
@@ -164,11 +169,23 @@ class DurableRoute:
             direct=self.config.direct_io,
             trace=trace,
             tee=uploads.tee(self.strategy.tee(tmp, ticket.step, trace)),
-        )
-        planner = StagingSavePlanner(
-            self.stager, snapshot, ticket.staged, cancelled=ticket.cancelled, trace=trace
+            slim_return=True,  # the planner hands it a copy; dckpt never reads dcp.save's return
         )
         error: str | None = None
+        try:  # one all-reduce: whether any rank's layout changed since DCP last planned
+            key, cached = self.plans.key_for(snapshot.state_dict)
+        except Exception as exc:  # the group failed: this save cannot go on anywhere
+            ticket.staged.set()
+            self.plans.forget()
+            return dataclasses.replace(report, error=f"agreeing on the save plan failed: {exc}")
+        planner = StagingSavePlanner(
+            self.stager,
+            snapshot,
+            ticket.staged,
+            cancelled=ticket.cancelled,
+            trace=trace,
+            cache_key=key,
+        )
         error_rank: int | None = None
         findings: Findings | None = None
         check_s = 0.0
@@ -191,6 +208,8 @@ class DurableRoute:
             error = f"writing shards failed: {self._describe(failed)}"
         finally:
             ticket.staged.set()
+        if error is not None:  # what DCP cached may be half made: every rank re-plans next
+            self.plans.forget()
         publish_s = 0.0
         if error is None:
             try:  # an object store: every file this rank wrote must be complete there
@@ -210,6 +229,8 @@ class DurableRoute:
                 "prepare_s": t_staging - ticket.started,
                 "write_s": time.perf_counter() - t_staging - publish_s - check_s,
                 "check_s": check_s,
+                "plan_s": planner.plan_s,
+                "plan_cached": float(cached),
                 **({"upload_s": publish_s} if publish_s else {}),
                 **planner.stats.as_timings(),
             },
@@ -252,10 +273,15 @@ class DurableRoute:
         return {}
 
     def finish(
-        self, job: SaveJob, reports: list[RankReport], timings: dict[str, float], trace: Trace
+        self,
+        job: SaveJob,
+        reports: list[RankReport],
+        timings: dict[str, float],
+        trace: Trace,
+        total_bytes: int,
     ) -> Finished:
         """Nothing follows the commit; the save line says which path the bytes took."""
-        self.last_bytes = sum(rec.bytes for rep in reports for rec in rep.records)
+        self.last_bytes = total_bytes
         return Finished(describe_staging(timings) if job.asynchronous else "live state written")
 
     def abandon(self, snapshot: Snapshot | None, step: int) -> None:

@@ -118,6 +118,9 @@ class MemoryRoute:
     """A memory save is never synchronous (its copy in ``save()`` is its snapshot), and the
     automatic save mode never learns from it."""
     soft = True
+    # settle and finish read every rank's report (owners, replica sizes and digests): an
+    # all-gather per memory save, whose size grows with the world
+    reports_everywhere = True
     """A failure every rank agreed on fails the handle only: training goes on."""
 
     def __init__(
@@ -338,7 +341,12 @@ class MemoryRoute:
     # --- step 10, once committed ---------------------------------------------------------------
 
     def finish(
-        self, job: SaveJob, reports: list[RankReport], timings: dict[str, float], trace: Trace
+        self,
+        job: SaveJob,
+        reports: list[RankReport],
+        timings: dict[str, float],
+        trace: Trace,
+        total_bytes: int,
     ) -> Finished:
         """The replicas, their outcomes on every rank, retirement, the spares; never raises
         past the other ranks' waits: every rank takes part in the exchange it was given,

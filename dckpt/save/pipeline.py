@@ -259,7 +259,7 @@ class SavePipeline:
         self._agree(job, trace, tmp, coordinator)  # 4
         mine = RankReport(rank=self.rank, loss=job.loss, metric=job.metric)
         report = route.write(job.snapshot, ticket, trace, tmp, mine)  # 5
-        reports = coordinator.gather(report)  # 6
+        reports = coordinator.gather(report, everywhere=route.reports_everywhere)  # 6
         refused = route.settle(reports)
         decision = None
         if self.rank == 0:  # 7
@@ -274,7 +274,7 @@ class SavePipeline:
         ticket.decided = True
         result = self._result(job, ticket, outcome)  # committed: its time is taken now
         timings = decision.manifest.timings if decision and decision.manifest else {}
-        finished = route.finish(job, reports, timings, trace)  # 10
+        finished = route.finish(job, reports, timings, trace, outcome.total_bytes)  # 10
         if finished.lost is not None:
             self.group_lost = finished.lost
         result = dataclasses.replace(result, replicas_s=finished.replicas_s)

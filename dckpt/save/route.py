@@ -6,10 +6,12 @@ pipeline calls the route at the steps its docstring names and never asks which t
 
 - step 3, ``snapshot`` (foreground): this rank's copy of the state, as the tier keeps it;
 - step 5, ``write`` (background): this rank's files, with their digests, as its report;
-- step 6, ``settle`` (every rank, after the gather): why the save must be refused, if it must;
+- step 6, ``settle`` (every rank, after the gather): why the save must be refused, if it must
+  (it sees every rank's report on rank 0, and on the other ranks only when
+  ``reports_everywhere``: their own otherwise);
 - step 7, ``mesh`` (rank 0): what the manifest's ``mesh`` records besides the world size;
-- step 10, ``finish`` (every rank, once committed): what follows a commit (the memory tier's
-  replicas), and rank 0's words for the save's log line;
+- step 10, ``finish`` (every rank, once committed, told the committed step's bytes): what
+  follows a commit (the memory tier's replicas), and rank 0's words for the save's log line;
 - ``abandon`` (every rank, after a failure every rank agreed on): this rank's leftovers.
 """
 
@@ -81,6 +83,9 @@ class SaveRoute(Protocol):
     """Whether a failure every rank agreed on fails its handle only (logged, training goes
     on) instead of being raised by the next ``save()``."""
     strategy: CommitStrategy
+    reports_everywhere: bool
+    """Whether ``settle`` and ``finish`` need every rank's report on every rank (an
+    all-gather whose size grows with the world); else rank 0 alone gathers them."""
 
     def snapshot(
         self, state_dict: dict[str, Any], *, step: int, save_id: str, asynchronous: bool,
@@ -97,7 +102,12 @@ class SaveRoute(Protocol):
     def mesh(self) -> dict[str, Any]: ...
 
     def finish(
-        self, job: SaveJob, reports: list[RankReport], timings: dict[str, float], trace: Trace
+        self,
+        job: SaveJob,
+        reports: list[RankReport],
+        timings: dict[str, float],
+        trace: Trace,
+        total_bytes: int,
     ) -> Finished: ...
 
     def abandon(self, snapshot: Any, step: int) -> None: ...

@@ -1,9 +1,10 @@
 """The foreground of a save: ``Saver`` decides whether and how a save runs, and hands it off.
 
 It owns the save thread, the busy policy (``if_busy``), the save mode (``async_save``, with
-"auto" decided by rank 0 and broadcast on the control group), the step clock's hooks, and the
-waits the caller makes (``wait``, ``before_optimizer_step``). The ordered steps of a save are
-``dckpt.save.pipeline.SavePipeline``, whose docstring states the protocol (steps 1-3 run here).
+"auto" decided by rank 0 and broadcast on the control group with rank 0's ``when``), the step
+clock's hooks, and the waits the caller makes (``wait``, ``before_optimizer_step``). The
+ordered steps of a save are ``dckpt.save.pipeline.SavePipeline``, whose docstring states the
+protocol (steps 1-3 run here).
 
 Invariants: at most one save in flight; a save's error is raised once, by the next ``save()``,
 ``wait()`` or ``close()``; after a failed collective or a save the watchdog gave up on, every
@@ -99,13 +100,25 @@ class Saver:
         Before any of it, once this rank knows it may save at all (an unusable group or an
         earlier failure is raised here first, with no collective): rank 0's ``when``, one
         broadcast made at every save whatever this rank's ``when`` (a rank that passed None
-        must not leave the others waiting); then ``resumed_unchanged``, the same on every
+        must not leave the others waiting), which also carries rank 0's ``async_save="auto"``
+        plan while it decides (so the decision costs no collective of its own, and lags the
+        save still in flight by one save); then ``resumed_unchanged``, the same on every
         rank: the step just resumed from, with nothing trained since, is not written again."""
         route = self._routes[tier]
         self._refuse_if_unusable()
         t0 = time.perf_counter()
         self._thread.raise_if_failed()
-        if not self._ctl.broadcast((when is None or bool(when)) if self.rank == 0 else None):
+        mine = None
+        if self.rank == 0:
+            mine = (when is None or bool(when), self._mode.plan() if self._mode.deciding else None)
+        told = self._ctl.broadcast(mine)
+        assert told is not None  # rank 0 always sends one
+        go, plan = told
+        if plan is not None:  # async_save="auto": rank 0 measured, every rank follows
+            self._mode.apply(plan)
+            if self.rank == 0 and plan.message:
+                log.info("dckpt: %s", plan.message)
+        if not go:
             return self.skipped(step, "rank 0's when= was false")
         if resumed_unchanged:
             why = "it is the step just resumed from, and nothing has trained since"
@@ -114,8 +127,8 @@ class Saver:
             return self.skipped(step, why)
         in_flight = self._thread.current
         if self._config.if_busy == "skip" and self._mode.asynchronous:
-            busy = self._ctl.all_gather(in_flight is not None)
-            if any(busy):
+            busy = self._ctl.lowest(in_flight is not None)  # one all-reduce, not N flags
+            if busy is not None:
                 return self._skip(step, busy)
         if in_flight is not None:
             t_wait = time.perf_counter()
@@ -130,13 +143,6 @@ class Saver:
                     in_flight.step,
                 )
             self._thread.raise_if_failed()
-        if self._mode.deciding:  # async_save="auto", first saves: rank 0 measured, all follow
-            mine = self._mode.plan() if self.rank == 0 else None
-            plan = self._ctl.broadcast(mine)
-            assert plan is not None  # rank 0 always sends one
-            self._mode.apply(plan)
-            if self.rank == 0 and plan.message:
-                log.info("dckpt: %s", plan.message)
         asynchronous = self._mode.asynchronous or not route.can_block
 
         job = self._pipeline.prepare(
@@ -171,9 +177,9 @@ class Saver:
         self._clock.save_returned(t0, now)
         return handle
 
-    def _skip(self, step: int, busy: list[bool]) -> SaveHandle:
-        ranks = [r for r, b in enumerate(busy) if b]
-        why = f"the previous save is still writing on rank(s) {ranks} (if_busy='skip')"
+    def _skip(self, step: int, busy: int) -> SaveHandle:
+        # ``busy`` is the lowest rank still writing: naming one costs one all-reduce, not N flags
+        why = f"the previous save is still writing on rank {busy} (if_busy='skip')"
         if self.rank == 0:
             log.warning("dckpt: skipped the save of step %d: %s", step, why)
         return self.skipped(step, why)

@@ -54,6 +54,7 @@ writing; no side-stream copy is still running once ``staged`` is set, even after
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -64,7 +65,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
@@ -412,10 +413,19 @@ class StagingSavePlanner(DefaultSavePlanner):
         staged: threading.Event,
         cancelled: threading.Event,
         trace: Trace | None = None,
+        cache_key: str | None = None,
     ) -> None:
-        # No plan caching: DCP's cache compares plans without dtypes, so a model cast between
-        # two saves would commit metadata with the old dtype. Planning is cheap next to I/O.
-        super().__init__()
+        # DCP's plan cache only under a key dckpt.save.plan_cache agreed on: DCP's own
+        # comparison of plans ignores dtypes, so its cache alone could commit stale metadata.
+        if cache_key is not None:
+            super().__init__(enable_plan_caching=True)
+            self._cached_plans_key = cache_key
+        else:
+            super().__init__()
+        self.plan_s = 0.0
+        """Seconds from DCP's set-up to the final plan: local plan, rank 0's global plan and
+        the collectives between them."""
+        self._planning_from: float | None = None
         self._stager = stager
         self._snap = snapshot
         self._staged = staged
@@ -431,8 +441,20 @@ class StagingSavePlanner(DefaultSavePlanner):
     def stats(self) -> StagingStats:
         return self._snap.stats
 
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        # A copy for DCP to write and broadcast: the writer empties it once written
+        # (``slim_return``), and the one DCP's plan cache keeps must stay whole.
+        return plans, dataclasses.replace(metadata)
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        self._planning_from = time.perf_counter()
+        super().set_up_planner(*args, **kwargs)
+
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
+        if self._planning_from is not None:
+            self.plan_s = time.perf_counter() - self._planning_from
         self.written = {i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO}
         try:
             if self._cancelled.is_set():

@@ -21,8 +21,9 @@ Invariants:
 
 Call order (DCP drives it): ``set_up_storage_writer`` → ``prepare_local_plan`` →
 ``prepare_global_plan`` (coordinator) → ``write_data`` (every rank) → ``finish`` (coordinator,
-writes ``.metadata``). After ``dcp.save`` returns, ``records()`` on each rank holds the files that
-rank wrote; the coordinator (dckpt.save.coordinator) gathers them.
+writes ``.metadata``; with ``slim_return``, then empties the copy DCP broadcasts to every
+rank). After ``dcp.save`` returns, ``records()`` on each rank holds the files that rank wrote;
+the coordinator (dckpt.save.coordinator) gathers them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -196,6 +198,7 @@ class HashingWriter(FileSystemWriter):
         direct: bool = True,
         trace: Trace | None = None,
         tee: Tee | None = None,
+        slim_return: bool = False,
     ) -> None:
         # per_thread_copy_ahead=0: DCP's serial loader. The overlapping one (chosen whenever
         # CUDA is available) synchronizes the writer thread's stream every 10 MB, which on the
@@ -212,6 +215,18 @@ class HashingWriter(FileSystemWriter):
             path, algorithm, rank, direct=direct, tee=tee
         )
         self._trace = trace
+        self._slim_return = slim_return
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        if self._slim_return:
+            # DCP broadcasts the object ``finish`` was given to every rank, as dcp.save's
+            # return value: under FSDP every rank's chunk of every tensor, a payload that
+            # grows with the world. With ``slim_return`` the caller reads only the committed
+            # ``.metadata`` and hands this writer a copy of its own: emptied once written.
+            metadata.state_dict_metadata = {}
+            metadata.storage_data = {}
+            metadata.planner_data = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         # DCP serialises each tensor with torch.save, which computes a zip CRC-32 of its bytes
