@@ -24,6 +24,7 @@ import contextlib
 import copy
 import datetime
 import os
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -113,9 +114,27 @@ class Comm:
         others one send each, not the whole world's objects."""
         if not self.distributed:
             return [obj]
-        assert self.group is not None
-        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        group = self.group
+        assert group is not None
+        # Point to point, not ``gather_object``: that one first all-gathers every rank's size,
+        # so each rank would still receive N of them (and wait on a ring of N hops).
+        if self.rank != dst:
+            raw = bytearray(pickle.dumps(obj))
+            to = dist.get_global_rank(group, dst)
+            dist.send(torch.tensor([len(raw)], dtype=torch.int64), dst=to, group=group)
+            dist.send(torch.frombuffer(raw, dtype=torch.uint8), dst=to, group=group)
+            return None
+        out: list[Any] = [None] * self.world_size
+        out[dst] = obj
+        for rank in range(self.world_size):
+            if rank == dst:
+                continue
+            src = dist.get_global_rank(group, rank)
+            size = torch.empty(1, dtype=torch.int64)
+            dist.recv(size, src=src, group=group)
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(buf, src=src, group=group)
+            out[rank] = pickle.loads(buf.numpy().tobytes())  # the job's own rank sent it
         return out
 
     def broadcast(self, obj: T, src: int = 0) -> T:
