@@ -39,6 +39,7 @@ AD = "tests/test_adoption.py"
 S3 = "tests/test_s3.py"
 MT = "tests/test_memory_tier.py"
 ML = "tests/test_memory_ledger.py"
+RS = "tests/test_resume_share.py"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ MUTANTS = (
     Mutant(
         "resume: the cross-rank manifest agreement always passes",
         "dckpt/load/checks.py",
-        "agree = len(set(digests)) == 1",
+        "agree = comm.all_equal(digest)",
         "agree = True",
         (f"{VR}::test_ranks_that_read_different_roots_refuse_and_name_the_rank",),
     ),
@@ -82,8 +83,8 @@ MUTANTS = (
     Mutant(
         "resume: files no rank read are never hashed",
         "dckpt/load/checks.py",
-        "for name in unread[comm.rank :: comm.world_size]:",
-        "for name in unread[:0]:",
+        "    for owned in share:\n",
+        "    for owned in share[:0]:\n",
         (f"{VR}::test_a_damaged_file_no_rank_reads_is_still_caught",),
     ),
     Mutant(
@@ -100,9 +101,75 @@ MUTANTS = (
     Mutant(
         "load: the layout check (sizes before reading) is skipped",
         "dckpt/load/checks.py",
-        "laid_out = check_layout(path, manifest)",
-        "laid_out = len(manifest.files)",
+        "laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size))",
+        "laid_out = len(share)",
         (f"{VR}::test_a_truncated_file_is_refused_before_any_tensor_is_filled",),
+    ),
+    Mutant(
+        "resume: each rank stats rank 0's share of the layout (the rest is never checked)",
+        "dckpt/load/checks.py",
+        "laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size))",
+        "laid_out = check_layout(path, manifest, part=(0, comm.world_size))",
+        (f"{VR}::test_a_truncated_file_is_refused_before_any_tensor_is_filled",),
+    ),
+    Mutant(
+        "resume: each rank hashes rank 0's share of the files nobody read",
+        "dckpt/load/checks.py",
+        "    share = manifest.share(comm.rank, comm.world_size)\n    failure",
+        "    share = manifest.share(0, comm.world_size)\n    failure",
+        (f"{RS}::test_a_flipped_bit_in_a_file_no_rank_reads_is_found_by_its_owner",),
+    ),
+    Mutant(
+        "resume: damage seen by some ranks only is not called divergent",
+        "dckpt/load/checks.py",
+        "        and failed.count < comm.world_size\n",
+        "        and False\n",
+        (f"{VR}::test_a_step_missing_from_one_ranks_root_is_refused_not_fallen_back_past",),
+    ),
+    Mutant(
+        "resume: a warmup that summed wrong on a rank passes (the agreement is skipped)",
+        "dckpt/load/resumer.py",
+        "if self._ctl.lowest(not mine.ok) is None:",
+        "if True:",
+        (f"{VR}::test_a_warmup_that_sums_wrong_on_one_rank_is_refused_on_every_rank",),
+    ),
+    Mutant(
+        "load: overlapping chunks in DCP's metadata are let through",
+        "dckpt/storage/verifying_reader.py",
+        "            if pair is not None:\n",
+        "            if False:\n",
+        (
+            "tests/test_storage.py::test_chunks_side_by_side_fit_and_overlapping_chunks_are_refused",
+            f"{RS}::test_chunks_that_tile_a_tensor_fit_and_one_moved_into_a_neighbour_is_refused",
+        ),
+    ),
+    Mutant(
+        "load: the 2-D sweep compares a chunk with no open neighbour",
+        "dckpt/storage/verifying_reader.py",
+        "if before and meet(i, across[before - 1][2]):",
+        "if False:",
+        (f"{RS}::test_chunks_that_tile_a_tensor_fit_and_one_moved_into_a_neighbour_is_refused",),
+    ),
+    Mutant(
+        "memory: a node that lacks a copy is not noticed (the exchange is skipped)",
+        "dckpt/load/memory.py",
+        'if not manifest.mesh.get("shared") and not self.ctl.any(bool(bad)):',
+        'if not manifest.mesh.get("shared"):',
+        (f"{RS}::test_a_damaged_memory_copy_no_node_can_replace_is_not_used",),
+    ),
+    Mutant(
+        "memory: the files a node lacks are never sent (the exchange takes its shortcut)",
+        "dckpt/load/memory.py",
+        "        if not plan:  # the same on every rank",
+        "        if True:  # the same on every rank",
+        ("tests/test_memory_layouts.py::test_layouts_restore_exactly",),
+    ),
+    Mutant(
+        "memory: steps a node holds without a record are never said (the agreement is skipped)",
+        "dckpt/load/memory.py",
+        "if not self.ctl.any(bool(notes)):",
+        "if True:",
+        (f"{MT}::test_no_listener_private_files_and_planted_steps",),
     ),
     Mutant(
         "resume: NumPy's RNG is not restored",

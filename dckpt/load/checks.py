@@ -201,15 +201,39 @@ def read_candidate(
     files: frozenset[str] | None = None,
 ) -> tuple[Manifest, VerifyingReader]:
     """The manifest (schema, safe paths, self-digest), the layout (regular files of the
-    recorded sizes; of ``files`` only, when the rest is not on this node yet) and the
-    verified ``.metadata``, on every rank; any rank's failure is raised on every rank."""
+    recorded sizes) and the verified ``.metadata``, on every rank; any rank's failure is
+    raised on every rank.
+
+    The layout is split: each rank stats its share of the files (``Manifest.share``: the
+    files its rank wrote, in the same world), and one agreement says all shares passed, so a
+    rank's cost does not grow with the world. A failure found there is one rank's by design,
+    never a sign that the ranks see different checkpoints. With ``files`` (the few this
+    node holds before the load plan, for a source that brings only what a rank reads) every
+    rank checks those, with the manifest, as each node holds its own copies.
+    """
     manifest: Manifest | None = None
-    reader: VerifyingReader | None = None
     failure: CheckpointError | None = None
+    manifest_path = path / MANIFEST_FILE
     laid_out = 0
     try:
         manifest = read_manifest(path)
-        laid_out = check_layout(path, manifest, only=files)
+        if files is not None:
+            laid_out = check_layout(path, manifest, only=files)
+    except IncompatibleCheckpointError as exc:
+        failure = _newer_format(path, step, exc)
+    except CheckpointError as exc:
+        failure = exc
+    raise_first(comm, failure, manifest_path)
+    assert manifest is not None
+    share = manifest.share(comm.rank, comm.world_size)
+    if files is None:
+        try:  # this rank's share; every rank learns whether all passed (one all-reduce)
+            laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size))
+        except CheckpointError as exc:
+            failure = exc
+        raise_first(comm, failure)
+    reader: VerifyingReader | None = None
+    try:
         # Given who wrote it: .metadata another torch release cannot read is incompatible.
         reader = VerifyingReader(path, manifest.file_map(), versions=manifest.versions)
         reader.load_metadata()
@@ -217,19 +241,18 @@ def read_candidate(
             raise ManifestError(
                 f"{path}/manifest.json says step {manifest.step}, its directory says {step}"
             )
-    except IncompatibleCheckpointError as exc:
-        failure = exc if manifest is not None else _newer_format(path, step, exc)
     except CheckpointError as exc:
         failure = exc
-    raise_first(comm, failure, path / "manifest.json")
-    assert manifest is not None and reader is not None
+    raise_first(comm, failure, manifest_path)
+    assert reader is not None
     check_versions(manifest.versions, report)
     report.world_size_saved = manifest.world_size
-    if files is None:
-        laid = (
-            f"{laid_out} of {plural(len(manifest.files), 'file')} laid out at their recorded sizes"
+    if files is None:  # every share passed the agreement above: every file is laid out
+        total = len(manifest.files)
+        laid = f"{total} of {plural(total, 'file')} laid out at their recorded sizes" + (
+            f" (each of {comm.world_size} ranks checked its share)" if comm.world_size > 1 else ""
         )
-        ok = laid_out == len(manifest.files)
+        ok = laid_out == len(share)
     else:  # the others come to the node that reads them, each checked as it arrives
         laid = f"{plural(laid_out, 'file')} here before the load plan, at their sizes"
         ok = laid_out == len(files & set(manifest.file_map()))
@@ -285,20 +308,43 @@ def _newer_format(
 
 def agree_on_manifest(comm: Comm, manifest: Manifest, path: Path, report: CandidateReport) -> None:
     """Every rank read the same manifest (its digest of digests), or all refuse, naming who
-    differs: ranks that see different roots must never train on."""
-    digests = comm.all_gather(manifest.files_digest)
-    agree = len(set(digests)) == 1
+    differs: ranks that see different roots must never train on.
+
+    One all-reduce of the digest's hash (``Comm.all_equal``) when they agree, whatever the
+    world's size; only when they do not are the digests gathered to rank 0, which names the
+    ranks that differ from its own, and its words are broadcast, so every rank raises the
+    same error."""
+    digest = manifest.files_digest
+    agree = comm.all_equal(digest)
     if not agree:
-        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        told = comm.gather(digest)
+        words: tuple[str, str] | None = None
+        if told is not None:
+            odd = [r for r, d in enumerate(told) if d != told[0]]
+            words = (told[0], ", ".join(f"rank {r}: {told[r]}" for r in odd[:_NAMED]))
+            if len(odd) > _NAMED:
+                words = (words[0], f"{words[1]} and {len(odd) - _NAMED} more ranks")
+        expected, got = comm.broadcast(words) or ("", "")
         raise IntegrityError(
-            str(path / "manifest.json"),
-            digests[0],
-            ", ".join(f"rank {r}: {digests[r]}" for r in odd),
+            str(path / MANIFEST_FILE),
+            expected,
+            got,
             detail="ranks read different manifests",
             divergent=True,
         )
-    who = "the one rank" if len(digests) == 1 else f"all {len(digests)} ranks"
-    report.check("one manifest", agree, f"{who} read {digests[0]}")
+    who = "the one rank" if comm.world_size == 1 else f"all {comm.world_size} ranks"
+    report.check("one manifest", agree, f"{who} read {digest}")
+
+
+_NAMED = 16
+"""How many ranks an error that names ranks lists (then how many more): at thousands of
+ranks, a list of every one is neither readable nor cheap to send."""
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) <= _NAMED:
+        return str(ranks)
+    return f"{ranks[:_NAMED]} and {len(ranks) - _NAMED} more"
 
 
 def check_config_and_precision(
@@ -443,76 +489,96 @@ def verify_rest(
     reader: VerifyingReader,
     elsewhere: Callable[[str], str] | None = None,
 ) -> tuple[int, int]:
-    """Hash the files no rank read, split over the ranks (``elsewhere``: hashed where they
-    live, for a source whose nodes hold only what they read); then every rank checks every
-    rank's digests (what each one's bytes hashed to) against the manifest. Returns the
-    files hashed and matched, and the ranks whose digests were checked."""
+    """Every file of the step hashed by some rank, and every digest a rank computed matched
+    against the manifest the ranks agreed on; the same error on every rank otherwise.
+
+    Each file is one rank's to prove: the one ``Manifest.share`` gives it to (the rank that
+    wrote it, in the same world), which hashes it unless its load already did (``elsewhere``:
+    hashed where it lives, for a source whose nodes hold only what they read). Each rank
+    then checks everything it hashed, its load's files and its share, against the manifest,
+    whose digest of digests every rank agreed on (``agree_on_manifest``): ranks that each
+    match one agreed manifest agree with each other, and no rank receives another's list.
+    Two agreements (``Comm.first_failure``: one int all-reduced when nothing failed): the
+    hashing, whose failure is damage, then the check, whose failure (a rank that hashed
+    other bytes than the manifest's, though its load let them through) is divergent.
+    Returns the files hashed and matched, and the ranks that checked theirs."""
     records = manifest.file_map()
-    read = comm.all_gather(dict(reader.verified))
-    unread = sorted(set(records).difference(*read))
-    hashed: dict[str, str] = {}
+    mine = dict(reader.verified)
+    share = manifest.share(comm.rank, comm.world_size)
     failure: CheckpointError | None = None
-    for name in unread[comm.rank :: comm.world_size]:
+    for owned in share:
+        if owned.path in mine:  # hashed and matched by this rank's own load
+            continue
         try:  # hashes the whole file, keeps none of it; no symlink or FIFO is followed
             if elsewhere is not None:
-                hashed[name] = elsewhere(name)
+                mine[owned.path] = elsewhere(owned.path)
                 continue
-            with open_verified(str(path / name), records[name]) as f:
-                hashed[name] = f.digest
+            with open_verified(str(path / owned.path), owned) as f:
+                mine[owned.path] = f.digest
         except CheckpointError as exc:
             failure = failure or exc
     raise_first(comm, failure)
-    mine = {**reader.verified, **hashed}
     if fault_point(Phase.VERIFY, comm.rank) and mine:  # act as a rank that read other bytes
         name = min(mine)
         mine[name] = mine[name][:-1] + ("0" if mine[name][-1] != "0" else "1")
-    matched: set[str] = set()
-    for rank, digests in enumerate(comm.all_gather(mine)):
-        for name, digest in sorted(digests.items()):
-            record = records.get(name)
-            if record is None or digest != record.digest:
-                raise IntegrityError(
-                    str(path / name),
-                    record.digest if record is not None else "a file the manifest lists",
-                    f"{digest} on rank {rank}",
-                    detail=f"rank {rank} hashed different bytes",
-                    divergent=True,
-                )
-            matched.add(name)
-    if matched != set(records):
-        missing = sorted(set(records) - matched)
-        raise IntegrityError(
-            str(path / missing[0]),
+    wrong: CheckpointError | None = None
+    for name, digest in sorted(mine.items()):
+        record = records.get(name)
+        if record is None or digest != record.digest:
+            wrong = IntegrityError(
+                str(path / name),
+                record.digest if record is not None else "a file the manifest lists",
+                f"{digest} on rank {comm.rank}",
+                detail=f"rank {comm.rank} hashed different bytes",
+                divergent=True,
+            )
+            break
+    unproven = [r.path for r in share if r.path not in mine]
+    if wrong is None and unproven:  # its share is this rank's alone: nobody else hashes it
+        wrong = IntegrityError(
+            str(path / unproven[0]),
             "hashed by some rank",
-            f"{len(missing)} file(s) hashed by none",
+            f"{len(unproven)} file(s) hashed by none (rank {comm.rank}'s share)",
             detail="file not verified",
         )
-    return len(matched), comm.world_size
+    raise_first(comm, wrong)
+    return len(records), comm.world_size
 
 
 def raise_first(comm: Comm, failure: CheckpointError | None, what: Path | None = None) -> None:
-    """All ranks raise the first rank's failure (so every rank names the same file).
+    """All ranks raise the lowest failing rank's failure (so every rank names the same
+    file); nothing when no rank failed. One int all-reduced when none did
+    (``Comm.first_failure``), whatever the world's size.
 
     With ``what`` (the file every rank just read): when only some ranks failed with evidence
     of damage, the ranks do not see the same checkpoint, and they all raise a divergent
-    ``IntegrityError`` naming both sides instead (never quarantined).
+    ``IntegrityError`` naming both sides instead (never quarantined). Only then are the
+    ranks' outcomes gathered, to rank 0, which words the error for all.
     """
-    failures = comm.all_gather(failure)
-    failed = [r for r, exc in enumerate(failures) if exc is not None]
+    failed = comm.first_failure(failure)
+    if failed is None:
+        return
+    first = failed.error
     damage = (IntegrityError, ManifestError)
-    if what is not None and 0 < len(failed) < len(failures):
-        first = failures[failed[0]]
-        if isinstance(first, damage) and not isinstance(first, IncompatibleCheckpointError):
-            fine = [r for r, exc in enumerate(failures) if exc is None]
-            raise IntegrityError(
-                str(what),
-                f"the same checkpoint on every rank (rank(s) {fine} read it)",
-                f"rank(s) {failed}: {type(first).__name__}: {str(first).split('. ')[0]}",
-                detail="ranks see different checkpoints",
-                divergent=True,
+    if (
+        what is not None
+        and failed.count < comm.world_size
+        and isinstance(first, damage)
+        and not isinstance(first, IncompatibleCheckpointError)
+    ):
+        flags = comm.gather(failure is not None)
+        words: tuple[str, str] | None = None
+        if flags is not None:
+            fine = [r for r, failed_here in enumerate(flags) if not failed_here]
+            odd = [r for r, failed_here in enumerate(flags) if failed_here]
+            words = (
+                f"the same checkpoint on every rank (rank(s) {_ranks(fine)} read it)",
+                f"rank(s) {_ranks(odd)}: {type(first).__name__}: {str(first).split('. ')[0]}",
             )
-    for rank, exc in enumerate(failures):
-        if exc is not None:
-            if rank != comm.rank:
-                add_note(exc, f"(raised on rank {rank})")
-            raise exc
+        expected, got = comm.broadcast(words) or ("", "")
+        raise IntegrityError(
+            str(what), expected, got, detail="ranks see different checkpoints", divergent=True
+        )
+    if failed.rank != comm.rank:
+        add_note(first, f"(raised on rank {failed.rank})")
+    raise first

@@ -5,14 +5,16 @@
    directory; for an object store, ``.metadata`` first, then, once the load plan is made
    (step 4), the files this rank reads, each object hashed as it arrives into the mirror:
    a node holds what its ranks read, not the whole step);
-2. the manifest, the layout and the verified ``.metadata`` on every rank, then the ranks
-   compare the manifest's digest of digests;
+2. the manifest and the verified ``.metadata`` on every rank, the layout split over the
+   ranks (each stats its share), then the ranks compare the manifest's digest of digests
+   (one all-reduce of its hash);
 3. the config, precision, state kinds and GradScaler (``CandidateChecks``), then every
    tensor's shape and dtype against the metadata, before any tensor is read;
 4. DCP loads through the ``VerifyingReader`` (each file hashed whole and matched before a
-   tensor is filled from it); the files no rank read are hashed too (an object store's
-   where they live, streamed), and every rank checks every rank's digests against the
-   manifest;
+   tensor is filled from it); each rank hashes the rest of its share of the files (the ones
+   its rank wrote; an object store's where they live, streamed), so every file is hashed by
+   some rank, and each rank checks what it hashed against the manifest all agreed on (one
+   flag for all: no rank receives another's digests);
 5. the RNG last: restored per rank, or reseeded from (seed, step, rank) when the world size
    changed.
 
@@ -132,7 +134,8 @@ class DurableReader:
             + (
                 "the one rank checked its digests"
                 if ranks_checked == 1
-                else f"every rank checked the digests of all {ranks_checked} ranks"
+                else f"split over all {ranks_checked} ranks, each matching what it hashed "
+                "against the one manifest"
             ),
         )
         state.load_state_dict(state_dict)

@@ -14,7 +14,10 @@ takes these steps, on every rank, each failure said on every rank:
    when the save shares replicated tensors, ``mesh["shared"]``), each once, split among the
    node's ranks: a copy in the node's memory (its own, or the replica it keeps for the node
    before it on the ring) is hashed where it lies against the manifest's digest;
-3. **exchange**: every rank learns every proof (an all-gather, with what each node holds);
+3. **exchange**: one all-reduce says whether every rank proved its own file; then nothing
+   moves (a save whose ranks share replicated tensors excepted: each rank reads its mates'
+   files too, so learns their proofs). Otherwise every rank learns every proof (an
+   all-gather, with what each node holds);
    each file no copy of which proved on a node that needs it is sent by a rank of a node
    that holds one, over dckpt's gloo group (dckpt.collective.transfer), into the node's memory
    (its ``own/`` or ``replica/`` place, so a replaced node gets its memory back), hashed as
@@ -75,6 +78,8 @@ __all__ = ["MemoryFetched", "MemoryReader", "MemorySource"]
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _TROUBLE = {"damaged": "did not match the writer's digest", "unreadable": "could not be read"}
+_LOCAL = "local memory"
+_LISTED = 16  # ranks the report's memory line lists one by one when all came alike
 
 
 @dataclass
@@ -96,6 +101,8 @@ class MemoryFetched:
     reread: tuple[str, ...] = ()  # a damaged memory copy is replaced from another, not re-read
 
     def line(self) -> str:
+        if len(self.hows) > _LISTED and len(set(self.hows)) == 1:  # one line, not thousands
+            return f"all {len(self.hows)} ranks: {self.hows[0]}"
         return "; ".join(f"rank {r}: {h}" for r, h in enumerate(self.hows))
 
 
@@ -193,9 +200,18 @@ class MemorySource:
                 bad[name] = ("damaged", str(exc))
             except (OSError, ValueError) as exc:  # this node could not read it: no evidence
                 bad[name] = ("unreadable", f"{path}: {exc}")
-        listing = layout.held(self.dir, step) if self.mates[0] == self.rank else None
-        told = self.ctl.all_gather((listing, fetched.proofs, bad))
         try:
+            if not manifest.mesh.get("shared") and not self.ctl.any(bool(bad)):
+                # Each rank proved its own file in place (its node's files are split by
+                # rank, the i-th to the i-th rank), the one it reads, and one all-reduce
+                # says every rank did: nothing moves, and no rank needs another's proofs
+                # (whatever the world's size). A node that lacks a copy, or a save whose
+                # replicated tensors its ranks share (each reads its mates' files, so
+                # learns their proofs), goes through the exchange.
+                fetched.hows = [_LOCAL] * len(self.node_of)
+                return fetched
+            listing = layout.held(self.dir, step) if self.mates[0] == self.rank else None
+            told = self.ctl.all_gather((listing, fetched.proofs, bad))
             self._exchange(step, manifest, told, fetched, ahead, room)  # 3
         finally:
             room.join()
@@ -291,6 +307,10 @@ class MemorySource:
     ) -> None:
         records = manifest.file_map()
         plan = self._plan(step, records, told)
+        if not plan:  # the same on every rank: nothing moves, so there is nothing to tell
+            room.join()
+            self._describe(plan, records, told, [([], [], [], {}, 0.0)] * len(told), fetched)
+            return
         outgoing: list[Outgoing] = []
         incoming: list[Incoming] = []
         borrowed: list[mmap.mmap] = []  # mappings of files this rank sends but does not keep
@@ -408,7 +428,7 @@ class MemorySource:
             _, proofs, bad = told[r]
             parts = []
             if proofs:
-                parts.append("local memory")
+                parts.append(_LOCAL)
             if got_here:
                 fetched.remote.append(r)
                 size = sum(records[n].bytes for n in got_here)
@@ -434,29 +454,33 @@ class MemorySource:
 
     def unrecorded(self) -> list[str]:
         """Steps some node holds in memory that the root's ledger has no record of (a save
-        that never committed, or files put there by other hands): never restored, said."""
-        held = None
-        if self.mates[0] == self.rank:
-            held = sorted({step for step, _, _, _ in layout.held_steps(self.dir)})
+        that never committed, or files put there by other hands): never restored, said.
+
+        Rank 0's reading of the ledger goes to every rank (one broadcast, its size the
+        ledger's, not the world's); each node's first rank compares its node's memory with
+        it, and one all-reduce says whether any found something. Only then are the notes
+        gathered to rank 0 and broadcast, in node order, so every rank reports the same."""
         recorded: list[int] | None = None
         if self.rank == 0:
             try:
                 recorded = self.ledger.steps()
             except (OSError, CheckpointError):
                 recorded = None
-        told = self.ctl.all_gather((self.node, held, recorded))
-        known = next((r for _, _, r in told if r is not None), None)
-        if known is None:
-            return []
-        notes = []
-        for node, steps, _ in told:
-            for step in sorted(set(steps or []) - set(known)):
+        known = self.ctl.broadcast(recorded)
+        notes: list[str] = []
+        if known is not None and self.mates[0] == self.rank:
+            held = {step for step, _, _, _ in layout.held_steps(self.dir)}
+            for step in sorted(held - set(known)):
                 notes.append(
-                    f"memory tier: step {step} in node {node}'s memory has no record in "
+                    f"memory tier: step {step} in node {self.node}'s memory has no record in "
                     f"{self.ledger}: never restored (a save that did not commit, or files "
                     "put there by other hands)"
                 )
-        return notes
+        if not self.ctl.any(bool(notes)):
+            return []
+        told = self.ctl.gather(notes)
+        every = [note for some in told or [] for note in some]
+        return self.ctl.broadcast(every if told is not None else None) or []
 
 
 class MemoryReader:

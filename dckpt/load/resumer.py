@@ -55,7 +55,9 @@ are proven) with a reader (how a proven candidate gets into the state), built by
    ``loss_watch="off"`` looks for none); a restart loop right after another was set aside,
    with no resume passing in between, is refused instead (a cause outside the checkpoints:
    quarantining the next would only walk the run back);
-7. **warmup**: an all-reduce on the training group, whose result every rank checks;
+7. **warmup**: an all-reduce on the training group, whose result each rank checks; one
+   all-reduce on dckpt's group says whether any sum was wrong, and only then does rank 0
+   gather the results and word the error every rank raises;
 8. **replay and loss watch**: rank 0 reads the replay journal of the step resumed from
    (dckpt.root.replay_journal), and its ``observe()`` compares the steps the resumed run
    replays with the run that stopped (dckpt.load.replay; no collective); the loss watch is
@@ -84,7 +86,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..collective.comm import Comm
-from ..collective.world import check_warmup, warmup_collective
+from ..collective.world import WarmupResult, check_warmup, warmup_collective
 from ..config import CheckpointConfig
 from ..errors import (
     CheckpointError,
@@ -94,13 +96,14 @@ from ..errors import (
     LossDeviationError,
     ManifestError,
     StorageError,
+    WorldError,
 )
 from ..root.layout import foreign_entries, step_dir_name
 from ..root.resume_record import ResumeRecord, failed_in_a_row, restart_loop, this_start
 from ..root.source import CheckpointSource
 from ..tiers.memory_commit import Lineage
 from ..train.state import TrainState
-from ..units import human_bytes
+from ..units import human_bytes, plural
 from .config_check import HORIZON_KEYS, OPERATIONAL_KEYS, is_allowed
 from .loss_watch import LossVerdict, LossWatch
 from .overrides import Override, find_overrides
@@ -339,8 +342,7 @@ class Resumer:
         t_loaded = time.perf_counter()
         if self._config.warmup and self._ctl.distributed:  # 7
             mine = warmup_collective(result.manifest.save_id, self._config.timeout_s)
-            every = self._ctl.all_gather(mine)  # every rank checks every rank's sum
-            report.check("warmup all-reduce", all(r.ok for r in every), check_warmup(every))
+            report.check("warmup all-reduce", True, self._agree_on_warmup(mine))
         report.timings = {
             "load_and_verify": t_loaded - t0,
             "warmup": time.perf_counter() - t_loaded,
@@ -351,6 +353,27 @@ class Resumer:
         if self.rank == 0:  # 9
             log.info("%s", report.format())
         return report
+
+    def _agree_on_warmup(self, mine: WarmupResult) -> str:
+        """Step 7's verdict, the same on every rank: the report line, or the WorldError
+        naming each rank whose sum was wrong, raised on every rank. Each rank checks its own
+        sum, and one all-reduce (``Comm.lowest``) says whether any was wrong, whatever the
+        world's size; only then do the results go to rank 0, which words the error
+        (``check_warmup``) for every rank."""
+        if self._ctl.lowest(not mine.ok) is None:
+            return (
+                f"{plural(self.world_size, 'rank')} answered, sum {mine.value:g} = "
+                f"{mine.expected:g} on every rank, {mine.latency_s * 1000:.1f} ms on rank "
+                f"{self.rank}"
+            )
+        every = self._ctl.gather(mine)
+        words: str | None = None
+        if every is not None:
+            try:
+                check_warmup(every)
+            except WorldError as exc:
+                words = str(exc)
+        raise WorldError(self._ctl.broadcast(words) or "the warmup all-reduce summed wrong")
 
     def observe(self, loss: float, step: int | None = None) -> None:
         """Record this step's loss: kept for the manifest and the replay journal, and

@@ -12,7 +12,10 @@ Validation is strict and happens before any checkpoint byte is read:
   backslash, unique, and not the manifest itself;
 - sizes and counts are bounded, so a hostile manifest cannot make a reader allocate absurdly;
 - ``check_layout`` then requires every listed file to be a regular file (no symlink, FIFO or
-  directory) of exactly the recorded size.
+  directory) of exactly the recorded size (all of them, or one ``Manifest.share`` of them:
+  the split is the manifest's alone, so every process that holds it splits it alike).
+
+No collective here: this layer knows files, not process groups.
 """
 
 from __future__ import annotations
@@ -102,6 +105,16 @@ class Manifest:
 
     def file_map(self) -> dict[str, FileRecord]:
         return {f.path: f for f in self.files}
+
+    def share(self, part: int, parts: int) -> tuple[FileRecord, ...]:
+        """The files of ``part`` when the checkpoint's files are split into ``parts``: those
+        whose writer's rank is ``part`` modulo ``parts``. The split depends on the manifest
+        alone, so processes holding the same manifest split it alike, each file in one part,
+        and a process that reads back the files it wrote (the same world) finds its part
+        among them. What a part is for (a resume's rank checking it) is the caller's."""
+        if not 0 <= part < parts:
+            raise ValueError(f"part {part} of {parts}")
+        return tuple(f for f in self.files if f.rank % parts == part)
 
     def sealed(self) -> Manifest:
         """This manifest with ``files_digest`` and ``config_fingerprint`` filled in."""
@@ -197,13 +210,22 @@ def parse_manifest(raw: bytes, source: str) -> Manifest:
 
 
 def check_layout(
-    directory: str | os.PathLike[str], manifest: Manifest, only: Collection[str] | None = None
+    directory: str | os.PathLike[str],
+    manifest: Manifest,
+    only: Collection[str] | None = None,
+    *,
+    part: tuple[int, int] | None = None,
 ) -> int:
-    """Every listed file (of ``only``, when given) is a regular file of the recorded size;
-    raises on the first that is not. Returns the number of files checked."""
+    """Every listed file (of ``only``, when given; of ``manifest.share(*part)``, when
+    ``part`` is) is a regular file of the recorded size; raises on the first that is not.
+    Returns the number of files checked.
+
+    ``part`` lets each of many processes stat its share alone (a file is a ``stat`` each,
+    and thousands of ranks each stat'ing every file is thousands of times the work); that
+    every part passed is for the caller to establish."""
     base = Path(directory)
     checked = 0
-    for rec in manifest.files:
+    for rec in manifest.files if part is None else manifest.share(*part):
         if only is not None and rec.path not in only:
             continue
         path = base / rec.path

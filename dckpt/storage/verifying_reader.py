@@ -25,6 +25,8 @@ so the bytes DCP then reads through the same descriptor are the same.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import io
 import math
 import os
@@ -124,12 +126,6 @@ def check_metadata(metadata: Metadata, expected: Mapping[str, FileRecord], sourc
                     and all(o + n <= d for o, n, d in zip(offsets, sizes, size, strict=True))
                 ):
                     raise bad(f"tensor {fqn} of shape {tuple(size)} has a chunk {chunk} outside it")
-                for o2, n2 in boxes:  # disjoint boxes that add up to the tensor cover it
-                    if all(
-                        a < b + m and b < a + n
-                        for a, n, b, m in zip(offsets, sizes, o2, n2, strict=True)
-                    ):
-                        raise bad(f"tensor {fqn} has overlapping chunks at {offsets} and {o2}")
                 boxes.append((offsets, sizes))
                 info = storage.get(MetadataIndex(fqn, offsets))
                 if info is None:
@@ -144,6 +140,9 @@ def check_metadata(metadata: Metadata, expected: Mapping[str, FileRecord], sourc
                         f"stored in {info.length} bytes"
                     )
                 claimed += chunk_bytes
+            pair = _overlapping(boxes)  # disjoint boxes that add up to the tensor cover it
+            if pair is not None:
+                raise bad(f"tensor {fqn} has overlapping chunks at {pair[0]} and {pair[1]}")
             if covered != numel:
                 raise bad(
                     f"tensor {fqn} of shape {tuple(size)} has {numel} elements, its chunks "
@@ -156,6 +155,68 @@ def check_metadata(metadata: Metadata, expected: Mapping[str, FileRecord], sourc
         raise
     except Exception as exc:  # a field of the wrong type, from a crafted pickle
         raise bad(f"malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _overlapping(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The offsets of two of ``boxes`` (offsets, sizes) that overlap, or None.
+
+    Two boxes overlap when in every dimension each starts before the other ends (strictly:
+    chunks that meet at an edge, as every sharded tensor's do, fit). Comparing every pair
+    is quadratic: minutes at the thousands of chunks per tensor that thousands of ranks
+    write. Instead one dimension (``axis``) is swept: the boxes sorted by where they start
+    in it, each is compared only with the *open* ones, those met before it that have not
+    ended where it starts (a heap by end); a pair that overlaps overlaps in ``axis``, so it
+    is met. ``axis`` is the dimension with the most distinct starts: a tensor sharded along
+    it (FSDP's rows, a column split) has one box open at a time.
+
+    In two dimensions the open boxes (each pair overlapping in ``axis``, none flagged)
+    cannot overlap in the other dimension, so sorted by where they start there they also
+    end in order: only the last that starts before the new box ends can overlap it (a
+    bisection), and a grid of chunks costs O(k log k) too. In more dimensions the open
+    boxes are compared one by one (a grid of a x b x ... chunks: its largest cross-section).
+    """
+    if len(boxes) < 2:
+        return None
+    dims = len(boxes[0][0])
+    if dims == 0:  # scalars: every box is the whole (empty-shaped) tensor
+        return boxes[1][0], boxes[0][0]
+
+    def meet(i: int, j: int) -> bool:
+        (o1, n1), (o2, n2) = boxes[i], boxes[j]
+        return all(a < b + m and b < a + n for a, n, b, m in zip(o1, n1, o2, n2, strict=True))
+
+    axis = max(range(dims), key=lambda d: len({o[d] for o, _ in boxes}))
+    other = 1 - axis if dims == 2 else -1
+    ends: list[tuple[int, int]] = []  # (end in ``axis``, box): a heap of the open boxes
+    open_: set[int] = set()
+    across: list[tuple[int, int, int]] = []  # 2-D: (start, end in ``other``, box), sorted
+    for i in sorted(range(len(boxes)), key=lambda i: boxes[i][0][axis]):
+        offsets, sizes = boxes[i]
+        start = offsets[axis]
+        while ends and ends[0][0] <= start:  # ended where this one starts: no overlap
+            j = heapq.heappop(ends)[1]
+            open_.discard(j)
+            if other >= 0:
+                o, n = boxes[j][0][other], boxes[j][1][other]
+                del across[bisect.bisect_left(across, (o, o + n, j))]
+        if other >= 0 and sizes[axis] > 0:
+            # The open boxes starting before this one ends in ``other``: the last of them
+            # ends last, so it is the only one that can reach into this box.
+            before = bisect.bisect_left(across, (offsets[other] + sizes[other],))
+            if before and meet(i, across[before - 1][2]):
+                return offsets, boxes[across[before - 1][2]][0]
+        else:  # more dimensions, or a box empty in ``axis``: every open box
+            for j in open_:
+                if meet(i, j):
+                    return offsets, boxes[j][0]
+        heapq.heappush(ends, (start + sizes[axis], i))
+        open_.add(i)
+        if other >= 0:
+            o, n = offsets[other], sizes[other]
+            bisect.insort(across, (o, o + n, i))
+    return None
 
 
 def _is_size(value: object) -> bool:
