@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test lint typecheck unit faults mutants probes bench bench-quick bench-s3 bench-memory compat clean
+.PHONY: install demo test lint typecheck unit faults mutants probes bench bench-quick bench-s3 bench-memory bench-scale compat clean
 
 install: $(STAMP)
 
@@ -66,6 +66,13 @@ bench-s3: $(STAMP)
 
 bench-memory: $(STAMP)
 	$(BIN)/python bench/memory.py --size 0.25 --world-size 2 --repeats 5 --name memory
+
+# dckpt's control plane counted per rank and operation at 2..32 ranks (a counting shim,
+# bench/scale_shim, on PYTHONPATH of the ranks), the 1k-16k synthetic parts and the latency
+# model (about 2 min on 2 cores) -> bench/results/scale.md. --big adds 32 ranks to 2..16.
+SCALE_ARGS ?= --big
+bench-scale: $(STAMP)
+	$(BIN)/python bench/scale.py $(SCALE_ARGS)
 
 # Cross-version safety (not part of `make test`: a second venv of 5.5 GB and about 3 min):
 # checkpoints written with torch $(TORCH_VERSION) are resumed with torch $(COMPAT_TORCH) and
