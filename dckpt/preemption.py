@@ -16,10 +16,12 @@ collective half the manager delegates ``watch_preemption`` and ``preempted`` to.
    (SLURM signals one task, a scheduler may signal one pod); the training steps between two
    checks hide the all-reduce's latency, which grows with the world (a ring of 2(N-1) hops).
    The very first call is a blocking check (a signal that came before the first step is
-   acted on at once). K is rank 0's proposal, carried in the same all-reduce (every rank reads
-   the same K): about ``check_every_s`` of training between checks, more when an agreement
-   was still in flight at its read, never so many that two intervals exceed a quarter of the
-   final save's deadline. A signal is acted on at most two intervals after it came.
+   acted on at once), and rank 0 times it: the agreement's latency. K is rank 0's proposal,
+   carried in the same all-reduce (every rank reads the same K): about ``check_every_s`` of
+   training between checks, or twice that latency if longer (a ring all-reduce at 16k ranks
+   takes over a second), doubled when an agreement was still in flight at its read anyway,
+   never so many that two intervals exceed a quarter of the final save's deadline. A signal
+   is acted on at most two intervals after it came.
 3. Once they agree, every rank waits for the save in flight, saves ``step`` synchronously
    (unless that step is already saved), bounded by the deadline counted from the agreement,
    and ``preempted`` returns True; the script closes the manager and exits 0. A final save that
@@ -124,6 +126,9 @@ class _Schedule:
         self.next_check = 1
         self._last: float | None = None
         self._step_s: float | None = None
+        self.latency_s = 0.0
+        """How long the first check (the one that waits) took on this rank: the agreement's
+        latency, which the interval must cover so a read never waits."""
 
     def tick(self) -> bool:
         """Count this call; whether it is a check."""
@@ -141,7 +146,7 @@ class _Schedule:
         had not completed by its read (the interval did not hide its latency)."""
         if self._step_s is None or self._step_s <= 0 or self.every_s <= 0:
             return 1
-        k = max(1, math.ceil(self.every_s / self._step_s))
+        k = max(1, math.ceil(max(self.every_s, 2 * self.latency_s) / self._step_s))
         if late:
             k = max(k, 2 * interval)
         return max(1, min(k, math.floor(self.longest_s / self._step_s)))
@@ -220,8 +225,11 @@ class PreemptionStop:
             pending = self._issue(watch, schedule, late=False)
         work, box = pending
         late = not first and work is not None and not work.is_completed()
+        t0 = time.perf_counter()
         if work is not None:
             work.wait()
+        if first:
+            schedule.latency_s = time.perf_counter() - t0
         stop, interval = bool(box[0].item()), max(1, int(box[1].item()))
         if stop:
             return True

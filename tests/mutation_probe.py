@@ -39,6 +39,8 @@ AD = "tests/test_adoption.py"
 S3 = "tests/test_s3.py"
 MT = "tests/test_memory_tier.py"
 ML = "tests/test_memory_ledger.py"
+PC = "tests/test_plan_cache.py"
+PR = "tests/test_preemption.py"
 RS = "tests/test_resume_share.py"
 
 
@@ -316,6 +318,41 @@ MUTANTS = (
         "dropped = self.ledger.drop_above(step)",
         "dropped: list[int] = []",
         (f"{ML}::test_a_memory_save_below_the_newest_removes_the_branch_above_it",),
+    ),
+    Mutant(
+        "save: the plan cache's fingerprint ignores a DTensor's dtype (DCP's own comparison)",
+        "dckpt/save/plan_cache.py",
+        '            "dtensor",\n            tuple(value.shape),\n            str(value.dtype),\n',
+        '            "dtensor",\n            tuple(value.shape),\n',
+        (f"{PC}::test_the_plan_is_reused_only_while_no_rank_changed_its_layout",),
+    ),
+    Mutant(
+        "save: ranks that save different steps are not refused",
+        "dckpt/save/coordinator.py",
+        "        if self.comm.all_equal(repr(step)):\n            return",
+        "        if True:\n            return",
+        ("tests/test_multiproc_roundtrip.py",),
+    ),
+    Mutant(
+        "preemption: a check ignores the agreed flag",
+        "dckpt/preemption.py",
+        "stop, interval = bool(box[0].item()), max(1, int(box[1].item()))",
+        "stop, interval = False, max(1, int(box[1].item()))",
+        (f"{PR}::test_the_ranks_agree_on_the_step_and_a_missed_deadline_raises",),
+    ),
+    Mutant(
+        "preemption: a rank other than 0 checks at every step, not at the agreed interval",
+        "dckpt/preemption.py",
+        "schedule.next_check = schedule.calls + interval",
+        "schedule.next_check = schedule.calls + (interval if self.rank == 0 else 1)",
+        (f"{PR}::test_checks_come_about_check_every_s_apart_and_still_agree_on_one_step",),
+    ),
+    Mutant(
+        "comm: the tree reduction skips a child",
+        "dckpt/collective/comm.py",
+        "            if rank + mask < n:",
+        "            if rank + mask < n - 1:",
+        ("tests/test_comm.py",),
     ),
 )
 
