@@ -59,7 +59,6 @@ import platform
 import queue
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -1253,24 +1252,11 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def _revision() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "dckpt"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")  # fmt: skip
+    """The code measured (``bench/_harness.source_revision``, imported here: it loads torch)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _harness import source_revision
+
+    return source_revision()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,11 +67,11 @@ class CheckpointConfig:
             save on the same node reads from the disk, not from the page cache.
         async_save: ``True``: write in the background; ``save()`` returns once the state is
             staged. ``False``: ``save()`` returns once the checkpoint is committed. ``"auto"``
-            (default): in the background, unless that costs the training loop more than a
-            synchronous save. The cost is read from the loop's step times (see
-            dckpt.save.step_clock); when the background write holds the steps below 70% of
-            their pace (``dckpt.save.mode.SLOW_PACE``), one save is made synchronously to compare,
-            and the cheaper way is kept for the rest of the run (logged on rank 0).
+            (default): whichever costs the training loop less, measured: the first saves run
+            in the background (their cost read from step times, dckpt.save.step_clock), one
+            save is made synchronously (its stall), the cheaper way is kept, and the comparison
+            runs again when the kept way's cost drifts by more than 1.5x (dckpt.save.mode);
+            each decision is logged on rank 0 with both figures.
         overlap_staging: let ``save()`` return before the parameters and optimizer state that
             go to host memory are copied; the copy completes before the next
             ``optimizer.step()`` (a step pre-hook waits for it). Off by default: it rests on

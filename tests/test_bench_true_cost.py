@@ -86,7 +86,8 @@ def test_cost_per_save_is_read_from_the_step_records(bench: ModuleType) -> None:
     assert f["checks_per_background"] == pytest.approx(0.05)
     assert f["checks_cost_s"] == pytest.approx(0.01)
     assert f["checks_per_cost"] == pytest.approx(0.01 / 0.3)
-    assert [t["pass"] for t in doc["targets"]] == [True] * 5
+    assert f["auto_per_best"] == pytest.approx(1.0) and f["auto_per_dcp"] == pytest.approx(0.3)
+    assert [t["pass"] for t in doc["targets"]] == [True] * 7
     text = bench.render(doc)
     assert "| dckpt, background | 0.300 s | 0.30 |" in text and "PASS" in text
     assert "0.100 s of the background save's 2.000 s (5.0%" in text
@@ -100,8 +101,50 @@ def test_a_cost_over_the_limits_and_a_wrong_printed_figure_fail(bench: ModuleTyp
     assert verdicts == {
         "async cost / dcp.save": False,
         "async cost / sync cost": False,
+        "auto cost / min(sync, async)": False,
+        "auto cost / dcp.save": False,
         "reported / measured (async)": False,
         "value checks / background time": False,
         "value checks / loop's cost (async)": False,
     }
     assert "FAIL" in bench.render(doc)
+
+
+def test_fewer_modes_judge_only_what_ran(bench: ModuleType) -> None:
+    args = bench.parse_args(["--steps", "20", "--save-every", "2", "--modes", "sync,async,auto"])
+    assert args.modes == ["none", "sync", "async", "auto"]
+    first, last, saves = bench.window(args)
+    rnd = {
+        "none": _trainer(0.0, None),
+        "sync": _trainer(0.3, 0.3),
+        "async": _trainer(0.6, 0.6),
+        "auto": _trainer(0.31, 0.3),
+        "dcp": {"seconds": [1.0], "disk_s": [0.5], "bytes": 1000},
+    }
+    rnd["auto"]["decision"] = ["background saves cost training 0.5 s ...: saving synchronously"]
+    doc = dict(bench.summarize(args, [rnd], first, last, saves, bench.h.Run(base_dir="")))
+    verdicts = {t["target"]: t["pass"] for t in doc["targets"]}
+    assert verdicts == {
+        "async cost / dcp.save": False,
+        "async cost / sync cost": False,
+        "auto cost / min(sync, async)": True,
+        "auto cost / dcp.save": True,
+        "reported / measured (async)": True,
+        "value checks / background time": True,
+    }
+    text = bench.render(doc)
+    assert "value checks off" not in text and "1.03x" in text
+    assert "- round 1 (0.310 s per save): background saves cost training 0.5 s" in text
+
+
+def test_the_auto_lines_are_read_from_the_log(bench: ModuleType) -> None:
+    log = "\n".join(
+        [
+            "dckpt: background saves cost training 0.300 s each so far (median of 1): timing",
+            "dckpt: saved step 8 | x | stall 0.2 s, training slowed 0.3 s",
+            "dckpt: re-decided (the cost of background saves moved from 0.3 s to 0.7 s): x",
+            "dckpt: the cost of synchronous saves moved from 0.3 s to 0.9 s: timing",
+        ]
+    )
+    found = [m.group(1) for m in bench.DECIDED.finditer(log)]
+    assert [f.split()[0] for f in found] == ["background", "re-decided", "the"]

@@ -109,8 +109,10 @@ class Saver:
         t0 = time.perf_counter()
         self._thread.raise_if_failed()
         mine = None
-        if self.rank == 0:
-            mine = (when is None or bool(when), self._mode.plan() if self._mode.deciding else None)
+        if self.rank == 0:  # a plan only for a save that runs: a trial must not be skipped
+            go = when is None or bool(when)
+            planned = self._mode.deciding and go and not resumed_unchanged
+            mine = (go, self._mode.plan() if planned else None)
         told = self._ctl.broadcast(mine)
         assert told is not None  # rank 0 always sends one
         go, plan = told
