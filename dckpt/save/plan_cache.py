@@ -110,8 +110,11 @@ class PlanCache:
         the last save's plan under it. Every rank of the save's group calls it, in step."""
         if not CACHING:
             return None, False
-        mine = layout_fingerprint(state_dict)
-        changed = self._comm.any(mine != self._fingerprint or self.key is None)
+        try:
+            mine: str | None = layout_fingerprint(state_dict)
+        except Exception:  # unseen before: re-plan, but still join the agreement below
+            mine = None
+        changed = self._comm.any(mine is None or mine != self._fingerprint or self.key is None)
         if changed:
             fresh = self._comm.broadcast(uuid.uuid4().hex if self._comm.rank == 0 else None)
             self.forget()
