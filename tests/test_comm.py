@@ -43,3 +43,46 @@ def test_every_rank_agrees_on_the_same_answers() -> None:
         assert r["equal"] is True and r["one_differs"] is False, r
         assert r["failure"] == (2, "rank 2 failed", 2) and r["no_failure"] is None, r
         assert r["gathered"] == ([0, 10, 20, 30, 40] if rank == 0 else None), r
+
+
+def _meetings(rank: int, world: int) -> dict[str, Any]:
+    import time
+
+    import torch.distributed as dist
+
+    from dckpt.collective.comm import Comm
+
+    comm = Comm(30)
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, Any] = {}
+    # 0 meets 1 and 2 at once; 1 and 2 each meet 0 (every pair of a ring of three)
+    out["all"] = comm.meet({(rank + 1) % 3, (rank + 2) % 3}, 10.0)
+    out["again"] = comm.meet({1 - rank}, 10.0) if rank < 2 else comm.meet(set(), 1.0)  # 0-1
+    # rank 2 reaches its next meeting with 0 only after 0 gave up on it (1 s): both learn so
+    if rank == 2:
+        time.sleep(2.5)
+    t0 = time.monotonic()
+    out["late"] = comm.meet({2}, 1.0) if rank == 0 else comm.meet({0}, 1.0) if rank == 2 else []
+    out["late_s"] = time.monotonic() - t0
+    comm.barrier()
+    name = comm.group.group_name if comm.group is not None else ""
+    # what a met meeting left behind (nothing) and an abandoned one (its mark, naming it so)
+    out["met_left"] = store.check([f"dckpt/meet/{name}/0-1/1", f"dckpt/meet/{name}/0-1/2"])
+    out["gone_left"] = store.get(f"dckpt/meet/{name}/0-2/2/second") if rank == 0 else None
+    comm.close()
+    return out
+
+
+def test_ranks_meet_through_the_store_and_a_late_peer_is_named_on_both_ends() -> None:
+    """``Comm.meet`` (the memory tier's exchanges open with it): every pair meets; a peer
+    that arrives after the other gave up is told so at once (the meeting was marked
+    abandoned), so neither end posts a message to a rank that left; a met meeting's keys are
+    removed from the job's store."""
+    results = run_world(_meetings, 3)
+    assert [r["all"] for r in results] == [[], [], []], results
+    assert [r["again"] for r in results] == [[], [], []], results
+    assert results[0]["late"] == [2] and results[2]["late"] == [0], results
+    assert results[0]["late_s"] < 2.0, results  # 1 s, not the 2.5 s rank 2 took
+    assert results[2]["late_s"] < 0.5, results  # told at once, no wait of its own
+    assert not any(r["met_left"] for r in results), results
+    assert results[0]["gone_left"] == b"gone", results

@@ -25,7 +25,8 @@ import copy
 import datetime
 import os
 import pickle
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -64,6 +65,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
+_GONE = "gone"  # a meeting the first to arrive gave up on (``Comm.meet``)
 
 
 @contextlib.contextmanager
@@ -101,6 +103,16 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._met: dict[int, int] = {}  # meetings with each peer so far (``meet``)
+
+    def connect(self) -> None:
+        """Connect the pairs this group's agreements use, now, while every rank is at the same
+        point: one agreement, whose tree (``_reduce``) and broadcast touch each of them. A
+        lazy pair is connected by its first message, and a first message to a peer that died
+        before answering waits in gloo's connect for several times the group's timeout (50 s
+        at a 10 s timeout, measured), where a connected pair reports the death at once."""
+        if self.distributed:
+            self._reduce(torch.zeros(1, dtype=torch.int64), torch.maximum)
 
     def all_gather(self, obj: T) -> list[T]:
         if not self.distributed:
@@ -220,6 +232,51 @@ class Comm:
             mask <<= 1
         dist.broadcast(box, src=dist.get_global_rank(group, 0), group=group)
         return box
+
+    def meet(self, peers: Collection[int], timeout_s: float) -> list[int]:
+        """Meet each of ``peers`` (each must call ``meet`` naming this rank, as often as this
+        rank names it); returns the peers not met within ``timeout_s`` (empty: all met).
+
+        Through the job's store, not the group: dckpt's group connects a pair lazily, and a
+        message to a peer that never touched that pair can block in gloo's connect for a
+        minute or more, past any deadline of the caller's. A meeting is one store key per
+        pair: the first to arrive creates it (``compare_set`` on an absent key) and waits for
+        the second's mark; the second sets that mark, unless the first already gave up and
+        marked the meeting abandoned, which it does atomically the same way. So the two ends
+        agree on whether they met, and neither posts a message to a peer that left. Keys are
+        under the group's name (two groups, or a later manager's, never share a meeting) and
+        removed once met. Each rank pays two or three store calls per peer, at any N."""
+        if not self.distributed or not peers:
+            return []
+        store = dist.distributed_c10d._get_default_store()
+        group = self.group
+        assert group is not None
+        me = dist.get_global_rank(group, self.rank)
+        mine = str(me)
+        first: list[tuple[int, str]] = []
+        missed: list[int] = []
+        for peer in sorted(set(peers)):
+            n = self._met.get(peer, 0) + 1
+            self._met[peer] = n
+            them = dist.get_global_rank(group, peer)
+            key = f"dckpt/meet/{group.group_name}/{min(me, them)}-{max(me, them)}/{n}"
+            if store.compare_set(key, "", mine).decode() == mine:
+                first.append((peer, key))  # the peer is not there yet: wait for its mark
+            elif store.compare_set(f"{key}/second", "", mine).decode() == _GONE:
+                missed.append(peer)  # it came first and gave up on this rank
+        end = time.monotonic() + timeout_s
+        for peer, key in first:
+            left = max(end - time.monotonic(), 0.001)
+            try:
+                store.wait([f"{key}/second"], datetime.timedelta(seconds=left))
+            except RuntimeError:  # timed out (DistStoreError, a RuntimeError, where typed)
+                if store.compare_set(f"{key}/second", "", _GONE).decode() == _GONE:
+                    missed.append(peer)  # abandoned: the peer, if it comes, learns so
+                    continue
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                store.delete_key(f"{key}/second")  # the second set it and reads it no more
+                store.delete_key(key)
+        return sorted(missed)
 
     def barrier(self) -> None:
         if self.distributed:

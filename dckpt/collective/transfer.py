@@ -5,6 +5,9 @@ own process group, which only the job's ranks can join (torchrun's rendezvous). 
 one exchange on every rank that takes part (both ends know the plan: who sends which file to
 whom, its size and the writer's digest):
 
+0. every rank meets the peers of its exchange through the job's store within ``timeout_s``
+   (``Comm.meet``): the group connects a pair lazily, on its first message, and a message to
+   a silent peer can block in gloo's connect past any deadline; a late peer is named instead;
 1. each receiver maps a part file next to its target (a spare of the same name is reused, so
    no page is allocated on a steady run) and posts one receive per chunk straight into the
    mapping, each chunk's pages allocated just before (so a fresh file's allocation overlaps
@@ -155,6 +158,12 @@ def move(
     scratch: torch.Tensor | None = None
     t0 = time.perf_counter()
     try:
+        late = comm.meet({o.to for o in outgoing} | {i.src for i in incoming}, timeout_s)
+        if late:
+            raise TransferError(
+                f"rank(s) {', '.join(map(str, late))} did not reach the exchange within "
+                f"{timeout_s:.0f} s (timeout_s) of this rank, or gave up on it; no byte moved"
+            )
         for item in incoming:
             part = item.into.with_name(f".{item.into.name}.part{part_suffix}")
             got = _Posted(item, part)
