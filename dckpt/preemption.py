@@ -16,17 +16,21 @@ collective half the manager delegates ``watch_preemption`` and ``preempted`` to.
    (SLURM signals one task, a scheduler may signal one pod); the training steps between two
    checks hide the all-reduce's latency, which grows with the world (a ring of 2(N-1) hops).
    The very first call is a blocking check (a signal that came before the first step is
-   acted on at once), and rank 0 times it: the agreement's latency. K is rank 0's proposal,
+   acted on at once) of two agreements: the first lines the ranks up, and rank 0 times the
+   second: the agreement's latency. K is rank 0's proposal,
    carried in the same all-reduce (every rank reads the same K): about ``check_every_s`` of
    training between checks, or twice that latency if longer (a ring all-reduce at 16k ranks
    takes over a second), doubled when an agreement was still in flight at its read anyway,
    never so many that two intervals exceed a quarter of the final save's deadline. A signal
    is acted on at most two intervals after it came.
 3. Once they agree, every rank waits for the save in flight, saves ``step`` synchronously
-   (unless that step is already saved), bounded by the deadline counted from the agreement,
-   and ``preempted`` returns True; the script closes the manager and exits 0. A final save that
-   fails or misses the deadline raises ``SaveError``, so the job exits non-zero and the last
-   committed checkpoint is what the next start resumes from.
+   (unless that step is already saved), bounded by the deadline counted from the first
+   signal any rank received (its wall time rides the agreement, reduced to the earliest), and
+   ``preempted`` returns True; what a rank's own wait or clock decides on the way (the save
+   in flight still writing at the deadline, no time left) is agreed before the save. The
+   script closes the manager and exits 0. A final save that fails or misses the deadline
+   raises ``SaveError``, so the job exits non-zero and the last committed checkpoint is what
+   the next start resumes from.
 
 Invariants: every rank issues the same agreements at the same calls (the schedule depends
 only on what the agreements carried), so none is left unmatched; ``uninstall`` (the manager's
@@ -60,6 +64,7 @@ log = logging.getLogger("dckpt")
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 CHECK_EVERY_S = 1.0
+_NO_SIGNAL_MS = 1 << 62  # what a rank with no signal sends as its signal's time (never the min)
 """Seconds of training between two agreements, by default (``watch_preemption``)."""
 
 
@@ -163,8 +168,10 @@ class PreemptionStop:
         self._schedule: _Schedule | None = None
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._interval = 1
+        self._first_signal: float | None = None
+        """The wall time of the first signal any rank received, once the ranks agreed."""
         self.checks = 0
-        """Checks made so far (each one all-reduce), for the benchmarks' counts."""
+        """Checks made so far (each one all-reduce; the first, two), for the benchmarks."""
 
     def watch(
         self, signals: Sequence[str], deadline_s: float, check_every_s: float = CHECK_EVERY_S
@@ -199,16 +206,23 @@ class PreemptionStop:
         if not self._check(watch, schedule):
             return False
         t0 = time.perf_counter()
+        # The deadline runs from the first signal any rank received (the agreement carried
+        # its wall time), not from the agreement, which may come up to two intervals later:
+        # a deadline set just under the scheduler's grace period must hold from the signal.
+        since = max(0.0, time.time() - self._first_signal) if self._first_signal else 0.0
+        deadline = t0 - since + watch.deadline_s
         who = self._ctl.gather(watch.received)  # only rank 0 names them
         senders = ", ".join(f"{name} on rank {r}" for r, name in enumerate(who or []) if name)
-        result = self._final_save(step, t0 + watch.deadline_s, save)
+        result = self._final_save(step, deadline, save)
         took = time.perf_counter() - t0
         if self.rank == 0:
             log.warning(
-                "dckpt: preempted (%s): the ranks agreed on step %d; final checkpoint %s in "
-                "%.2f s (deadline %.0f s); exit now, the next start resumes from it",
+                "dckpt: preempted (%s): the ranks agreed on step %d, %.2f s after the first "
+                "signal; final checkpoint %s in %.2f s (deadline %.0f s from the signal); exit "
+                "now, the next start resumes from it",
                 senders,
                 step,
+                since,
                 result.path if result is not None else "(already committed)",
                 took,
                 watch.deadline_s,
@@ -221,8 +235,16 @@ class PreemptionStop:
         self.checks += 1
         pending, self._pending = self._pending, None
         first = pending is None
-        if pending is None:
-            pending = self._issue(watch, schedule, late=False)
+        if first:
+            # Two agreements, waited for: the first lines the ranks up (its wait holds how far
+            # apart they reached their first step: a compile, a data loader's start), the
+            # second, timed, is the agreement's own latency.
+            work, box = self._issue(watch, schedule, late=False)
+            if work is not None:
+                work.wait()
+            stopping = bool(box[0].item())  # then already agreed: no second agreement
+            pending = (None, box) if stopping else self._issue(watch, schedule, late=False)
+        assert pending is not None
         work, box = pending
         late = not first and work is not None and not work.is_completed()
         t0 = time.perf_counter()
@@ -232,6 +254,8 @@ class PreemptionStop:
             schedule.latency_s = time.perf_counter() - t0
         stop, interval = bool(box[0].item()), max(1, int(box[1].item()))
         if stop:
+            earliest = -int(box[2].item())
+            self._first_signal = earliest / 1000 if earliest < _NO_SIGNAL_MS else None
             return True
         self._interval = interval
         schedule.next_check = schedule.calls + interval
@@ -242,7 +266,10 @@ class PreemptionStop:
         self, watch: Preemption, schedule: _Schedule, late: bool
     ) -> tuple[Any, torch.Tensor]:
         proposal = schedule.propose(self._interval, late) if self.rank == 0 else 0
-        box = torch.tensor([int(watch.requested), proposal], dtype=torch.int64)
+        at = watch.received_at
+        # the earliest signal's wall time, in ms, reduced by MAX as its negation
+        when = -round(at * 1000) if watch.requested and at is not None else -_NO_SIGNAL_MS
+        box = torch.tensor([int(watch.requested), proposal, when], dtype=torch.int64)
         if not self._ctl.distributed:
             return None, box
         work = dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._ctl.group, async_op=True)
@@ -260,21 +287,34 @@ class PreemptionStop:
     def _final_save(
         self, step: int, deadline: float, save: Callable[[int], SaveHandle]
     ) -> SaveResult | None:
+        # Every rank takes the same branches: the save in flight is the same save everywhere
+        # (saves are collective), and what a rank's own clock or wait decides is agreed
+        # before the collective ``save`` (a rank that gave up alone would leave the others
+        # waiting in it for ``timeout_s``).
         ticket = self._saver.current
         in_flight = SaveHandle(ticket) if ticket is not None else None
         if in_flight is not None and in_flight.step == step:
             return self._within(in_flight, deadline)
         if in_flight is not None:  # an older save: let it finish first, it may be the fallback
+            stuck: SaveError | None = None
             try:
                 self._within(in_flight, deadline)
             except SaveError as exc:
                 if not in_flight.done():  # still writing at the deadline: no room for ours
-                    raise
-                log.error("dckpt: the save in flight failed during preemption: %s", exc)
+                    stuck = exc
+                else:
+                    log.error("dckpt: the save in flight failed during preemption: %s", exc)
+            failed = self._ctl.first_failure(stuck)
+            if failed is not None:
+                raise SaveError(
+                    f"the save of step {in_flight.step} still in flight on rank {failed.rank} "
+                    f"when the preemption deadline passed: no time left to save step {step} "
+                    f"({failed.error})"
+                )
             self._saver.clear_failed()
         if self._saver.last_committed_step == step:
             return None
-        if deadline - time.perf_counter() <= 0:
+        if self._ctl.any(deadline - time.perf_counter() <= 0):
             raise SaveError(f"no time left before the preemption deadline to save step {step}")
         handle = save(step)
         if handle.skipped:  # the step just resumed from, nothing trained since: committed

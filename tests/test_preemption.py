@@ -124,7 +124,13 @@ def _deadline_world(
                 os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, to this rank only
             try:
                 if mgr.preempted(step):
-                    return {"stopped_at": step, "checks": mgr._stop.checks}
+                    watch = mgr._stop._preemption
+                    return {
+                        "stopped_at": step,
+                        "checks": mgr._stop.checks,
+                        "first_signal": mgr._stop._first_signal,  # as the ranks agreed on it
+                        "received_at": watch.received_at if watch is not None else None,
+                    }
             except dckpt.SaveError as exc:
                 return {"error": str(exc), "step": step}
     return {"stopped_at": None}
@@ -154,3 +160,8 @@ def test_checks_come_about_check_every_s_apart_and_still_agree_on_one_step(
     assert 20 < stopped[0] <= 20 + 2 * 10, out  # at most two intervals (of <= 10 steps here)
     assert out[0]["checks"] == out[1]["checks"] <= stopped[0] // 2, out
     assert committed_steps(tmp_path) == [stopped[0]]
+    # the final save's deadline runs from the signal, whose time rode the agreement: rank 0,
+    # which received none, holds rank 1's (to the millisecond the agreement carries)
+    assert out[0]["received_at"] is None and out[1]["received_at"] is not None, out
+    assert out[0]["first_signal"] == out[1]["first_signal"], out
+    assert out[0]["first_signal"] == pytest.approx(out[1]["received_at"], abs=1e-3), out
