@@ -179,6 +179,8 @@ class CheckpointManager:
         _ensure_visible_logging()
         self._ctl = Comm(config.timeout_s)
         self._io = Comm(config.timeout_s)
+        for comm in (self._ctl, self._io):  # a rank that dies later is then seen at once
+            comm.connect()
         self.rank = self._ctl.rank
         self.world_size = self._ctl.world_size
         self._closed = False
@@ -217,6 +219,7 @@ class CheckpointManager:
             state=state,
             stager=Stager(config.device_staging_bytes),
         )
+        self._durable = durable
         routes: dict[str, SaveRoute] = {durable.tier: durable}
         tiers = [
             ResumeTier(
@@ -508,8 +511,9 @@ class CheckpointManager:
         check_every_s: float = CHECK_EVERY_S,
     ) -> Preemption:
         """Make ``signals`` request a final save instead of killing the process; see
-        ``preempted``. ``deadline_s``: the longest the final save may take (leave it below the
-        scheduler's grace period, e.g. SLURM's ``--signal=USR1@120``). ``check_every_s``: about
+        ``preempted``. ``deadline_s``: by when, counted from the first signal any rank received,
+        the final save must have committed (leave it below the scheduler's grace period, e.g.
+        SLURM's ``--signal=USR1@120``). ``check_every_s``: about
         how much training passes between two agreements of the ranks (0: at every step); a
         signal is acted on within about two of them. Main thread only."""
         self._check_open()
@@ -544,6 +548,9 @@ class CheckpointManager:
             if self._hook is not None:
                 self._hook.remove()
             self._stop.uninstall()
+            # DCP keeps cached plans in class-level dicts (rank 0's hold every rank's): a
+            # closed manager's would stay for the life of the process
+            self._durable.plans.forget()
             for lock in reversed(self._locks):
                 if self._saver.stuck is not None:
                     lock.abandon()  # the stuck write may still land: keep others out

@@ -24,6 +24,15 @@ from dckpt.root.verify import verify_checkpoint
 pytestmark = pytest.mark.multiproc
 
 
+def _held(key: str | None) -> list[str]:
+    """Which of DCP's class-level plan caches hold an entry under ``key``."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from dckpt.save.plan_cache import _CACHES
+
+    return [n for n in _CACHES if key in (getattr(SavePlanner, n, None) or {})]
+
+
 def _saves(rank: int, world: int, root: str) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.device_mesh import init_device_mesh
@@ -65,6 +74,9 @@ def _saves(rank: int, world: int, root: str) -> dict[str, Any]:
             holder.sd["only_on_1"] = torch.ones(2)
         mgr.save(7)  # one rank's new key re-plans on both
         mgr.save(8)
+        key = mgr._durable.plans.key
+        out["held_open"] = _held(key)
+    out["held_closed"] = _held(key)  # DCP's class-level caches let go at close
     for step in range(1, 9):
         md = FileSystemReader(str(Path(root) / step_dir_name(step))).read_metadata()
         w = md.state_dict_metadata["extra.h.w"]
@@ -101,3 +113,4 @@ def test_the_plan_is_reused_only_while_no_rank_changed_its_layout(tmp_path: Path
     for s in range(1, 9):
         assert verify_checkpoint(tmp_path / step_dir_name(s)).ok
     assert all(r["w_back"] and r["v_back"] for r in results), results
+    assert all(r["held_open"] for r in results) and not any(r["held_closed"] for r in results)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,26 @@ def _save(rank: int, world: int, root: str) -> None:
         mgr.save(1).result()
 
 
-def _load(rank: int, world: int, root: str) -> dict[str, Any]:
+def _stale_view(path: Path) -> None:
+    """This rank's thread alone (a mount namespace of its own) sees ``path`` one byte longer:
+    a node whose view of a shared file system is stale, while every other rank sees it right."""
+    import ctypes
+    import subprocess
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+    fake = path.parent.parent / f"stale-{path.name}"
+    fake.write_bytes(path.read_bytes() + b"x")
+    subprocess.run(["mount", "--bind", str(fake), str(path)], check=True)
+
+
+def _load(rank: int, world: int, root: str, stale: str | None = None) -> dict[str, Any]:
     import dckpt
 
+    if stale is not None and rank == 1:
+        _stale_view(Path(root) / "step-00000001" / stale)
     mgr, model = _manager(root)
     with torch.no_grad():
         model.module.weight.fill_(7.0)
@@ -99,6 +117,27 @@ def test_a_flipped_bit_in_a_file_no_rank_reads_is_found_by_its_owner(tmp_path: P
     assert results[0]["message"] == results[1]["message"]  # one error, every rank
     assert "(raised on rank 1)" in results[0]["notes"], results[0]  # the owner found it
     assert "(raised on rank 1)" not in results[1]["notes"]
+
+
+def test_a_file_one_rank_alone_sees_damaged_is_divergence_not_damage(tmp_path: Path) -> None:
+    """Each rank stats only its share of the files, so a share that fails is one rank's view:
+    rank 0 stats it again before it counts as damage. Here rank 1's node sees its own file a
+    byte longer (a bind mount in its own mount namespace; every other view is right): every
+    rank raises the same divergent error naming both views, and the step is not quarantined
+    (a stale cache on one node must not walk the run back past a good checkpoint)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a mount namespace")
+    run_world(_save, 2, str(tmp_path))
+    mine = [f.path for f in read_manifest(tmp_path / "step-00000001").share(1, 2)]
+    assert mine, "rank 1 wrote no file: nothing to see differently"
+    results = run_world(_load, 2, str(tmp_path), mine[0])
+    for r in results:
+        assert r["type"] == "IntegrityError" and r["divergent"], r
+        assert "ranks see different checkpoints" in r["message"], r
+        assert "rank 0 finds rank 1's share of the files laid out" in r["message"], r
+        assert "size mismatch" in r["message"] or "bytes" in r["message"], r
+    assert (tmp_path / "step-00000001" / "manifest.json").exists()
+    assert not (tmp_path / "quarantine").exists()
 
 
 # --- the split itself, no processes -----------------------------------------------------------

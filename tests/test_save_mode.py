@@ -9,6 +9,7 @@ next save's plan, as when the next ``save()`` plans before it joins the save in 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -54,9 +55,11 @@ class Run:
         *,
         speed: float = 0.5,
         lag: bool = True,
+        waited: float = 0.0,
     ) -> None:
         self.rank0, self.rank1 = SaveMode("auto"), SaveMode("auto")
         self.bg, self.sync, self.speed, self.lag = bg, sync, speed, lag
+        self.waited = waited  # of each synchronous stall, the wait for the save in flight
         self.ways: list[bool] = []
         self.messages: list[str] = []
         self.plans: list[ModePlan] = []
@@ -86,7 +89,7 @@ class Run:
         elif self.sync is not None:
             stall = self.sync(i)
             if stall is not None:  # None: the save failed, nothing committed or recorded
-                self.rank0.record(False, synchronous(stall))
+                self.rank0.record(False, synchronous(stall), waited_s=self.waited)
         return plan
 
     def saves(self, n: int) -> Run:
@@ -280,6 +283,15 @@ def test_fixed_settings_never_change(setting: bool) -> None:
     assert not mode.deciding and mode.asynchronous is setting
 
 
+def test_a_synchronous_trial_is_judged_without_its_wait_for_the_save_in_flight() -> None:
+    # the trial's stall of 0.8 s began with 0.6 s waiting for the background save before it
+    # to finish writing: that wait is the background save's doing, not synchronous saving's
+    run = Run(bg=const(0.30), sync=const(0.80), waited=0.6).saves(12)
+    (decided,) = run.decisions()
+    assert "a synchronous save 0.200 s (its stall)" in decided, decided
+    assert "saving synchronously from now on" in decided
+
+
 def test_a_trial_whose_save_did_not_run_is_planned_again_silently() -> None:
     # save 4 was the trial, but it was skipped (when=False) or fell on the memory tier
     run = Run(bg=const(0.30), sync=lambda i: None if i == 4 else 0.60).saves(10)
@@ -301,3 +313,22 @@ def test_a_re_decision_whose_background_cost_is_not_measured_keeps_synchronous_s
     assert "could not be measured in 10 saves" in second
     assert "saving synchronously from now on, at 0.900 s per save" in second
     assert run.rank0.deciding and not run.ways[-1]
+
+
+def test_a_memory_save_makes_no_plan(tmp_path: Path) -> None:
+    """A memory save cannot run synchronously (its copy in ``save()`` is the snapshot): rank 0
+    plans only for saves that may block, so a run of memory saves between durable ones never
+    spends the synchronous trial or counts toward giving up."""
+    from test_memory_ledger import _manager
+
+    mgr, _net = _manager(tmp_path / "ckpt", tmp_path / "mem")
+    with mgr:
+        mode = mgr._saver._mode
+        assert mode.deciding  # async_save="auto" is the default
+        mgr.save(1).result()
+        plans = mode._plans
+        for step in range(2, 6):
+            mgr.save(step, tier="memory").result()
+        assert mode._plans == plans
+        mgr.save(6).result()
+        assert mode._plans == plans + 1

@@ -206,10 +206,11 @@ def read_candidate(
 
     The layout is split: each rank stats its share of the files (``Manifest.share``: the
     files its rank wrote, in the same world), and one agreement says all shares passed, so a
-    rank's cost does not grow with the world. A failure found there is one rank's by design,
-    never a sign that the ranks see different checkpoints. With ``files`` (the few this
-    node holds before the load plan, for a source that brings only what a rank reads) every
-    rank checks those, with the manifest, as each node holds its own copies.
+    rank's cost does not grow with the world. A failure found there is one rank's view, so a
+    second rank stats that share before it counts as damage (``_raise_witnessed``). With
+    ``files`` (the few this node holds before the load plan, for a source that brings only
+    what a rank reads) every rank checks those, with the manifest, as each node holds its
+    own copies.
     """
     manifest: Manifest | None = None
     failure: CheckpointError | None = None
@@ -225,13 +226,12 @@ def read_candidate(
         failure = exc
     raise_first(comm, failure, manifest_path)
     assert manifest is not None
-    share = manifest.share(comm.rank, comm.world_size)
     if files is None:
         try:  # this rank's share; every rank learns whether all passed (one all-reduce)
             laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size))
         except CheckpointError as exc:
             failure = exc
-        raise_first(comm, failure)
+        _raise_witnessed(comm, failure, path, manifest)
     reader: VerifyingReader | None = None
     try:
         # Given who wrote it: .metadata another torch release cannot read is incompatible.
@@ -252,7 +252,7 @@ def read_candidate(
         laid = f"{total} of {plural(total, 'file')} laid out at their recorded sizes" + (
             f" (each of {comm.world_size} ranks checked its share)" if comm.world_size > 1 else ""
         )
-        ok = laid_out == len(share)
+        ok = True
     else:  # the others come to the node that reads them, each checked as it arrives
         laid = f"{plural(laid_out, 'file')} here before the load plan, at their sizes"
         ok = laid_out == len(files & set(manifest.file_map()))
@@ -543,6 +543,42 @@ def verify_rest(
         )
     raise_first(comm, wrong)
     return len(records), comm.world_size
+
+
+def _raise_witnessed(
+    comm: Comm, failure: CheckpointError | None, path: Path, manifest: Manifest
+) -> None:
+    """The layout agreement: a share's failure is one rank's view of the files, so before
+    it counts as damage (and the resume quarantines the step) a second rank, the witness,
+    stats the same share: rank 0, or rank 1 for rank 0's share. Both seeing it is damage,
+    raised as it is; the witness finding the share laid out means the ranks do not see the
+    same checkpoint (a node's stale view of a shared file system): a divergent error, never
+    quarantined. The witness's stats, a broadcast and one all-reduce: only on failure."""
+    failed = comm.first_failure(failure)
+    if failed is None:
+        return
+    first = failed.error
+    if comm.world_size > 1 and isinstance(first, IntegrityError):
+        witness = 1 if failed.rank == 0 else 0
+        seen: str | None = None
+        if comm.rank == witness:
+            try:
+                check_layout(path, manifest, part=(failed.rank, comm.world_size))
+                seen = "laid out"
+            except CheckpointError:
+                seen = None  # the witness sees it too
+        if comm.broadcast(seen, src=witness) is not None:
+            raise IntegrityError(
+                str(path),
+                f"the same checkpoint on every rank (rank {witness} finds rank "
+                f"{failed.rank}'s share of the files laid out at their recorded sizes)",
+                f"rank {failed.rank}: {str(first).split('. ')[0]}",
+                detail="ranks see different checkpoints",
+                divergent=True,
+            )
+    if failed.rank != comm.rank:
+        add_note(first, f"(raised on rank {failed.rank})")
+    raise first
 
 
 def raise_first(comm: Comm, failure: CheckpointError | None, what: Path | None = None) -> None:

@@ -52,6 +52,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 1_000_000
 MAX_FILE_BYTES = 1 << 44  # 16 TiB: far above any real shard, far below what would overflow
 MAX_WORLD_SIZE = 1 << 20
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(FileRecord))
 
 
 def fingerprint(obj: Any) -> str:
@@ -125,8 +126,11 @@ class Manifest:
         )
 
     def to_json_obj(self) -> dict[str, Any]:
-        obj = dataclasses.asdict(self)
-        obj["files"] = [dataclasses.asdict(f) for f in self.files]
+        # ``dataclasses.asdict`` of every field but the files, which it would walk record by
+        # record, recursively: two thirds of rank 0's manifest time at 16k ranks. A record's
+        # fields are scalars, read directly.
+        obj = dataclasses.asdict(dataclasses.replace(self, files=()))
+        obj["files"] = [{k: getattr(f, k) for k in _RECORD_FIELDS} for f in self.files]
         obj["state"] = list(self.state)
         obj["bytes_per_rank"] = list(self.bytes_per_rank)
         if not self.integrity:

@@ -140,8 +140,11 @@ class SaveMode:
 
     # --- rank 0, save thread ----------------------------------------------------------------
 
-    def record(self, asynchronous: bool, cost: LoopCost) -> None:
-        """A committed save's cost (rank 0, from the save thread)."""
+    def record(self, asynchronous: bool, cost: LoopCost, *, waited_s: float = 0.0) -> None:
+        """A committed save's cost (rank 0, from the save thread). ``waited_s``: how long the
+        save first waited for one still writing; a synchronous save is judged without it (the
+        background save before it caused that wait, and the trial would otherwise be charged
+        for it)."""
         if not self.deciding:
             return
         if asynchronous:
@@ -152,7 +155,7 @@ class SaveMode:
                 self._background.append(cost)
             self._background_seen += 1
         elif cost.slowed_s is not None:
-            self._synchronous.append(cost.slowed_s)
+            self._synchronous.append(max(0.0, cost.slowed_s - waited_s))
 
     # --- rank 0, training thread -------------------------------------------------------------
 

@@ -162,6 +162,7 @@ class SavePipeline:
         step: int,
         *,
         started: float,
+        waited_s: float = 0.0,
         epoch: int | None,
         milestone: bool,
         metric: float | None,
@@ -205,6 +206,7 @@ class SavePipeline:
             step=step,
             save_id=save_id,
             started=started,
+            waited_s=waited_s,
             snapshot=snapshot,
             error=error,
             epoch=self.state.epoch,
@@ -349,7 +351,7 @@ class SavePipeline:
             stall_s = ticket.stall_s if job.asynchronous else now - job.started
             cost = self.clock.cost(job.started, stall_s, now)
             if job.route.can_block:  # the automatic mode learns from saves it may choose
-                self.mode.record(job.asynchronous, cost)
+                self.mode.record(job.asynchronous, cost, waited_s=job.waited_s)
             manifest = self._manifest(job, reports, stall_s, cost, verdict.marks)
         except Exception as exc:  # nothing may be committed without its manifest
             shutil.rmtree(tmp, ignore_errors=True)

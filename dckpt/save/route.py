@@ -55,6 +55,9 @@ class SaveJob:
     save_id: str
     started: float
     """``time.perf_counter()`` when ``save()`` was called."""
+    waited_s: float = 0.0
+    """How long ``save()`` then waited for the save still in flight (part of a synchronous
+    save's stall, but not of what that way of saving costs: the save before caused it)."""
     snapshot: Any
     """The route's copy of this rank's state (None when taking it failed)."""
     error: str | None

@@ -111,7 +111,9 @@ class Saver:
         mine = None
         if self.rank == 0:  # a plan only for a save that runs: a trial must not be skipped
             go = when is None or bool(when)
-            planned = self._mode.deciding and go and not resumed_unchanged
+            # nor land on a route that cannot block (a memory save): it would spend the trial
+            # (every rank passes the same tier, so every rank's route is rank 0's)
+            planned = self._mode.deciding and go and not resumed_unchanged and route.can_block
             mine = (go, self._mode.plan() if planned else None)
         told = self._ctl.broadcast(mine)
         assert told is not None  # rank 0 always sends one
@@ -128,10 +130,12 @@ class Saver:
                 log.info("dckpt: save of step %d skipped: %s (no optimizer step)", step, why)
             return self.skipped(step, why)
         in_flight = self._thread.current
-        if self._config.if_busy == "skip" and self._mode.asynchronous:
+        asynchronous = self._mode.asynchronous or not route.can_block
+        if self._config.if_busy == "skip" and asynchronous:
             busy = self._ctl.lowest(in_flight is not None)  # one all-reduce, not N flags
             if busy is not None:
                 return self._skip(step, busy)
+        waited = 0.0
         if in_flight is not None:
             t_wait = time.perf_counter()
             self._thread.join(self._join_timeout)
@@ -145,12 +149,12 @@ class Saver:
                     in_flight.step,
                 )
             self._thread.raise_if_failed()
-        asynchronous = self._mode.asynchronous or not route.can_block
 
         job = self._pipeline.prepare(
             route,
             step,
             started=t0,
+            waited_s=waited,
             epoch=epoch,
             milestone=milestone,
             metric=metric,
