@@ -10,7 +10,8 @@ digests of every file, warmup collective) and prints the resume report; a bad ne
 is quarantined and the one before it is used. It saves after every step divisible by
 ``--save-every`` and after the last step (in the background unless ``--no-async``), and closes
 the manager before it exits, so the last save is committed. Rank 0 appends one JSON line per
-optimizer step to ``--loss-log``: ``{"step", "loss", "lr", "time"}``. ``--crash-at-step N``
+optimizer step to ``--loss-log``: ``{"step", "loss", "lr", "time", "pid"}`` (the pid tells one
+run's lines from the next one's in a log they share). ``--crash-at-step N``
 kills every rank with SIGKILL right after step N's optimizer update: no graceful save.
 
 A start dckpt refuses (the run lock held by another job, or refused by a store that ignores
@@ -376,7 +377,13 @@ def main(argv: list[str] | None = None) -> None:
         state.epoch, state.samples_seen = sampler.epoch, step * args.batch_size
         manager.observe(float(mean_loss))
         if log_file is not None:
-            record = {"step": step, "loss": float(mean_loss), "lr": lr, "time": time.time()}
+            record = {
+                "step": step,
+                "loss": float(mean_loss),
+                "lr": lr,
+                "time": time.time(),
+                "pid": os.getpid(),
+            }
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         if args.crash_at_step == step:

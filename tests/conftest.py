@@ -89,7 +89,7 @@ def losses(log: Path) -> dict[int, float]:
     out: dict[int, float] = {}
     for line in log.read_text().splitlines():
         rec = json.loads(line)
-        assert set(rec) == {"step", "loss", "lr", "time"}
+        assert set(rec) == {"step", "loss", "lr", "time", "pid"}
         out[rec["step"]] = rec["loss"]
     return out
 

@@ -20,9 +20,11 @@ def _flip_bit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+# Each way of training and each precision once (the checkpoint's contents differ by both:
+# DDP's replicated tensors and FSDP2's shards; fp16's GradScaler): the full product of the
+# two would repeat what these three prove, at about 22 s a run.
 @pytest.mark.parametrize(
-    ("parallel", "precision"),
-    [("ddp", "bf16"), ("ddp", "fp32"), ("fsdp", "bf16"), ("fsdp", "fp32"), ("fsdp", "fp16")],
+    ("parallel", "precision"), [("ddp", "fp32"), ("fsdp", "bf16"), ("fsdp", "fp16")]
 )
 def test_crashed_and_resumed_run_equals_uninterrupted_run(
     tmp_path: Path, parallel: str, precision: str

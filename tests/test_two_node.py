@@ -183,15 +183,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
 
 def _segments(log: Path) -> list[dict[int, float]]:
-    """The loss log split into runs: a new run starts where the step goes back."""
+    """The loss log split into runs: a new run starts where the writing process changes (rank
+    0 of a restarted world is a new process) or the step goes back. The step alone is not
+    enough: a kill that lands right after a commit at step s, before step s + 1 is logged,
+    leaves a log whose resumed run goes on at s + 1 as if nothing happened."""
     runs: list[dict[int, float]] = []
-    last = None
+    last: tuple[int, int] | None = None
     for line in log.read_text().splitlines():
         rec = json.loads(line)
-        if last is None or rec["step"] <= last:
+        if last is None or rec["pid"] != last[0] or rec["step"] <= last[1]:
             runs.append({})
         runs[-1][rec["step"]] = rec["loss"]
-        last = rec["step"]
+        last = (rec["pid"], rec["step"])
     return runs
 
 

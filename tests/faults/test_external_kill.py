@@ -28,7 +28,7 @@ from dckpt.root.layout import committed_steps
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 
-STEPS = 40
+STEPS = 24
 ARGS = ["--steps", str(STEPS), "--save-every", "2", "--d-model", "96"]
 TRIALS = 2
 
