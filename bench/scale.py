@@ -170,8 +170,11 @@ def _rank_main(rank: int, world: int, port: int, root: str, job: dict[str, Any],
             report = manager.resume()
         if report.step != steps:
             raise RuntimeError(f"resumed step {report.step}, expected {steps}")
+        from dckpt.root.manifest import read_manifest
+
+        total = read_manifest(report.path).total_bytes if report.path is not None else 0
         dist.destroy_process_group()  # the shim writes this rank's counts here
-        out.put((rank, "ok", ""))
+        out.put((rank, "ok", json.dumps({"hashed": report.hashed_bytes, "total": total})))
     except BaseException as exc:
         out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -257,6 +260,7 @@ def run_job(
             "steps": steps,
             "wall_s": wall,
             "ranks": ranks,
+            "hashed": {r: json.loads(text) for r, (_, text) in results.items()},
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -364,7 +368,17 @@ def tally(job: dict[str, Any]) -> dict[str, Any]:
         "ops": ops,
         "sites": site_rows,
         "init_store_bytes": init_store,
+        "hashed_share": _hashed_share(job),
     }
+
+
+def _hashed_share(job: dict[str, Any]) -> float | None:
+    """The most bytes any rank hashed at the resume, over its share of the checkpoint (the
+    checkpoint's bytes / N): 1.0 when each rank proves exactly its share."""
+    got = [h for h in (job.get("hashed") or {}).values() if h.get("total")]
+    if not got:
+        return None
+    return float(max(h["hashed"] / (h["total"] / job["world"]) for h in got))
 
 
 # --- part 2: synthetic, one process --------------------------------------------------------
@@ -1050,6 +1064,28 @@ def summary(doc: dict[str, Any]) -> list[str]:
                     f"- and, as designed, {len(sites)} p2p call sites of dckpt's own that are "
                     f"{what}: " + ", ".join(f"{op} `{site}`" for op, site in sites) + "."
                 )
+        lines.append("")
+    shares = sorted(
+        (t["parallel"], t["world"], t["hashed_share"])
+        for t in doc.get("tallies", [])
+        if t.get("hashed_share") is not None
+    )
+    if shares:
+        lines.append(
+            "Bytes a rank hashes at a resume, the most of any rank over its share (the "
+            "checkpoint's bytes / N; the issue's target under FSDP: <= 1.1x):"
+        )
+        lines.append("")
+        for parallel in sorted({p for p, _, _ in shares}):
+            row = ", ".join(f"N={n}: {x:.2f}x" for p, n, x in shares if p == parallel)
+            worst = max(x for p, _, x in shares if p == parallel)
+            note = (
+                ("meets" if worst <= 1.1 else "**misses**") + " <= 1.1x"
+                if parallel == "fsdp"
+                else "every rank reads every replicated tensor (one copy, in rank 0's file): "
+                "what it hashes is what it reads"
+            )
+            lines.append(f"- {parallel}: {row}: {note}")
         lines.append("")
     for name, per in (doc.get("model") or {}).items():
         if "issue" not in name:

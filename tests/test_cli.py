@@ -87,7 +87,8 @@ def test_inspect_json_has_contract_fields(trained_root: Path) -> None:
     assert set(obj["state"]) == {"model", "optimizer", "scheduler", "data", "progress", "rng"}
     assert obj["precision"]["mode"] == "bf16" and obj["loss"]["n"] > 0
     paths = {f["path"] for f in obj["files"]}
-    assert paths == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    shards = {"__0_0.distcp", "__1_0.distcp"}
+    assert paths == {".metadata"} | shards | {f"{s}.items" for s in shards}
     step_dir = trained_root / "step-00000012"
     for f in obj["files"]:
         assert f["bytes"] == (step_dir / f["path"]).stat().st_size

@@ -97,8 +97,10 @@ def test_roundtrip_is_bit_exact(tmp_path: Path, world: int, parallel: str) -> No
 
     manifest = mf.read_manifest(step_dir)
     names = {f.path for f in manifest.files}
-    # One shard file per rank, plus DCP's metadata, each with a digest.
-    assert names == {".metadata"} | {f"__{r}_0.distcp" for r in range(world)}
+    # One shard file per rank with its item digests beside it, plus DCP's metadata, each
+    # with a digest.
+    shards = {f"__{r}_0.distcp" for r in range(world)}
+    assert names == {".metadata"} | shards | {f"{s}.items" for s in shards}
     assert {f.rank for f in manifest.files} == set(range(world))
     assert manifest.world_size == world
     assert sorted(os.listdir(step_dir)) == sorted([*names, "manifest.json"])

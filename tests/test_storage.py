@@ -358,7 +358,10 @@ def test_verified_load_round_trip(tmp_path: Path) -> None:
     target = blank_like(state)
     reader = load_dcp(target, ckpt, records)
     assert_same(target, state)
-    assert reader.verified == {r.path: r.digest for r in records}
+    # every file a load reads, hashed whole (the items sidecar is for readers of part of a
+    # file another rank owns: none here)
+    assert reader.verified == {r.path: r.digest for r in records if r.path != "__0_0.distcp.items"}
+    assert {r.path for r in records} == {".metadata", "__0_0.distcp", "__0_0.distcp.items"}
 
 
 def test_reader_refuses_unlisted_shard(tmp_path: Path) -> None:
@@ -770,7 +773,10 @@ def test_a_write_that_fails_raises_its_own_error_and_aborts_the_tee(
 
     sinks: list[_RecordingSink] = []
 
+    names: list[str] = []
+
     def make(name: str) -> _RecordingSink:
+        names.append(name)
         sinks.append(_RecordingSink())
         return sinks[-1]
 
@@ -782,9 +788,12 @@ def test_a_write_that_fails_raises_its_own_error_and_aborts_the_tee(
     with fs.create_stream(tmp_path / "b.distcp", "wb") as stream:
         stream.write(b"y" * 1000)
     if tee:
-        # the failed file's object is given up, never completed; the good one is completed
-        assert [s.calls for s in sinks] == [["abort"], ["close"]]
+        # the failed file's object is given up, never completed (and gets no item digests);
+        # the good one is completed, then its item digests beside it
+        assert names == ["a.distcp", "b.distcp", "b.distcp.items"]
+        assert [s.calls for s in sinks] == [["abort"], ["close"], ["close"]]
         assert bytes(sinks[1].data) == b"y" * 1000
+        assert bytes(sinks[2].data) == (tmp_path / "b.distcp.items").read_bytes()
     assert (tmp_path / "b.distcp").read_bytes() == b"y" * 1000
 
 

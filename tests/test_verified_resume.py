@@ -166,7 +166,8 @@ def test_the_report_carries_what_each_check_computed(
     saved: tuple[Path, Path], tmp_path: Path
 ) -> None:
     root = _copy(saved[0], tmp_path / "root")
-    files = len(list((root / "step-00000002").glob("*.distcp"))) + 1  # + .metadata
+    shards = len(list((root / "step-00000002").glob("*.distcp")))
+    files = 2 * shards + 1  # each shard with its item digests, + .metadata
     (r0, _) = run_world(_resume, 2, str(root))
     report = r0["report"]
     assert f"[ok  ] digests: {files} of {files} files hashed and matched (xxh3_128)" in report
@@ -234,7 +235,7 @@ def test_a_damaged_file_no_rank_reads_is_still_caught(
     step2 = root / "step-00000002"
     _add_listed_file(step2, "notes.bin", bytes(range(256)) * 64)
     (ok,) = run_world(_resume, 2, str(root))[:1]
-    files = len(list(step2.glob("*.distcp"))) + 2  # + .metadata + notes.bin
+    files = 2 * len(list(step2.glob("*.distcp"))) + 2  # + items, .metadata, notes.bin
     assert f"[ok  ] digests: {files} of {files} files hashed and matched" in ok["report"], ok
     data = bytearray((step2 / "notes.bin").read_bytes())
     data[1000] ^= 0x10

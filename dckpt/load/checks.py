@@ -235,7 +235,15 @@ def read_candidate(
     reader: VerifyingReader | None = None
     try:
         # Given who wrote it: .metadata another torch release cannot read is incompatible.
-        reader = VerifyingReader(path, manifest.file_map(), versions=manifest.versions)
+        # A rank proves its share whole and, of other ranks' files, the items it reads (by
+        # their item digests). A source that brings a node only what it reads (``files``)
+        # has hashed each of those whole on arrival: the reader hashes them whole too.
+        owned = (
+            frozenset(f.path for f in manifest.share(comm.rank, comm.world_size))
+            if files is None
+            else None
+        )
+        reader = VerifyingReader(path, manifest.file_map(), versions=manifest.versions, owned=owned)
         reader.load_metadata()
         if manifest.step != step:
             raise ManifestError(
@@ -515,6 +523,7 @@ def verify_rest(
                 continue
             with open_verified(str(path / owned.path), owned) as f:
                 mine[owned.path] = f.digest
+            reader.hashed_bytes += owned.bytes
         except CheckpointError as exc:
             failure = failure or exc
     raise_first(comm, failure)

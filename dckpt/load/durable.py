@@ -42,7 +42,7 @@ from ..storage.safe_unpickle import incompatible_torch
 from ..storage.verifying_reader import METADATA_FILE, SafeLoadPlanner, VerifyingReader
 from ..train import rng
 from ..train.state import TrainState
-from ..units import plural
+from ..units import human_bytes, plural
 from . import checks
 from .report import CandidateReport, LoadResult
 
@@ -136,8 +136,16 @@ class DurableReader:
                 if ranks_checked == 1
                 else f"split over all {ranks_checked} ranks, each matching what it hashed "
                 "against the one manifest"
+            )
+            + f"; rank {self.rank} hashed {human_bytes(reader.hashed_bytes)} of "
+            + human_bytes(manifest.total_bytes)
+            + (
+                f" ({plural(reader.items_checked, 'item')} of other ranks' files by item digest)"
+                if reader.items_checked
+                else ""
             ),
         )
+        report.hashed_bytes = reader.hashed_bytes
         state.load_state_dict(state_dict)
         restored = [c for c in state.categories() if c in saved]
         report.check("state", set(restored) == set(state.categories()), ", ".join(restored))

@@ -21,13 +21,14 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ..errors import CheckpointError, unwrap_dcp_error
 from ..root.manifest import check_layout, read_manifest
-from ..storage.verifying_reader import SafeLoadPlanner, VerifyingReader
+from ..storage.verifying_reader import SafeLoadPlanner, VerifyingReader, open_verified
 
 __all__ = ["load_flat"]
 
 
 def load_flat(step_dir: Path, prefix: str = "") -> dict[str, Any]:
-    """Every value under ``prefix`` (dotted fqn) in one checkpoint, verified, as a flat dict."""
+    """Every value under ``prefix`` (dotted fqn) in one checkpoint, verified, as a flat dict.
+    With no prefix, every file the manifest lists is proven, those no value came from too."""
     manifest = read_manifest(step_dir)
     check_layout(step_dir, manifest)
     reader = VerifyingReader(step_dir, manifest.file_map(), versions=manifest.versions)
@@ -48,4 +49,8 @@ def load_flat(step_dir: Path, prefix: str = "") -> dict[str, Any]:
         if inner is not exc:
             raise inner from None
         raise CheckpointError(f"loading {step_dir} failed: {exc}") from None
+    if not prefix:  # everything was asked for: the files no value came from are proven too
+        for record in manifest.files:  # (the item digests beside each data file, for one)
+            if record.path not in reader.verified:
+                open_verified(str(step_dir / record.path), record).close()
     return state

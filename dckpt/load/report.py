@@ -50,6 +50,9 @@ class CandidateReport:
     warnings: list[str] = field(default_factory=list)
     rng: str = ""
     config_changes: list[ConfigChange] = field(default_factory=list)
+    hashed_bytes: int = 0
+    """Bytes this rank hashed to prove the checkpoint: its share of the files, and the items
+    its load read of other ranks' files."""
 
     def check(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(name, ok, detail))
@@ -81,6 +84,8 @@ class ResumeReport:
     """What the replay check compares (dckpt.load.replay), or why it compares nothing."""
     foreign: list[str] = field(default_factory=list)
     """A fresh start: what the root holds that is not dckpt's (rank 0's report)."""
+    hashed_bytes: int = 0
+    """Bytes this rank hashed to prove the checkpoint it loaded (``CandidateReport``)."""
 
     @classmethod
     def of(
@@ -107,6 +112,7 @@ class ResumeReport:
             rng=chosen.rng,
             config_changes=list(chosen.config_changes),
             restart_loops=loops,
+            hashed_bytes=chosen.hashed_bytes,
         )
 
     @property

@@ -8,6 +8,9 @@ between writing and hashing.
 Invariants:
 - every file this writer creates under its directory has exactly one FileRecord, keyed by its
   final name (DCP's ``.metadata.tmp`` → ``.metadata`` rename moves the record with it);
+- each data file's items are hashed in the same pass, one segment between two of DCP's
+  ``tell()`` calls, and written beside it as ``<file>.items`` (``item_digests``), a file with
+  its own record: a reader of a few items of the file checks those alone;
 - a record exists only for a stream that was closed without error;
 - it never overwrites a DCP checkpoint (``overwrite=False``): dckpt writes into a fresh tmp dir;
 - with a ``tee`` (an object store's upload), every byte also goes to that file's sink in the
@@ -46,22 +49,34 @@ from torch.utils.serialization import config as serialization_config
 from ..phases import Phase, Trace
 from .digest import Hasher, format_digest, new_hasher
 from .direct_file import DirectFile, open_for_write
+from .item_digests import ItemHasher, items_name
 from .records import FileRecord
 from .sink import Sink, Tee
 
 __all__ = ["HashingFileSystem", "HashingWriter", "Sink", "Tee"]
 
+METADATA_FILE = ".metadata"  # DCP's, written once by the coordinator and read whole by all
+
 
 class _HashingStream(io.RawIOBase):
-    """A write-only file whose every written byte also feeds a hasher (and a sink, if any)."""
+    """A write-only file whose every written byte also feeds a hasher (and a sink, if any),
+    and the segment hasher of its items (cut at each ``tell()``: DCP asks where it is before
+    and after each item it writes)."""
 
-    def __init__(self, raw: BinaryIO, hasher: Hasher, sink: Sink | None = None) -> None:
+    def __init__(
+        self,
+        raw: BinaryIO,
+        hasher: Hasher,
+        sink: Sink | None = None,
+        items: ItemHasher | None = None,
+    ) -> None:
         super().__init__()
         self._raw = raw
         self._sink = sink
         self._hasher: Hasher | None = hasher
         if isinstance(raw, DirectFile):  # it hashes each piece as it copies it
             raw.hasher, self._hasher = hasher, None
+        self.items = items
         self.nbytes = 0
 
     def writable(self) -> bool:
@@ -71,6 +86,8 @@ class _HashingStream(io.RawIOBase):
         view = memoryview(b).cast("B")
         if self._hasher is not None:
             self._hasher.update(view)
+        if self.items is not None:
+            self.items.update(view)
         written = self._raw.write(view)
         # BufferedWriter writes everything or raises; a short write here would desync the digest.
         if written != len(view):
@@ -81,6 +98,8 @@ class _HashingStream(io.RawIOBase):
         return written
 
     def tell(self) -> int:
+        if self.items is not None:
+            self.items.cut()
         return self._raw.tell()
 
     def fileno(self) -> int:
@@ -136,8 +155,11 @@ class HashingFileSystem(FileSystem):
         hasher = new_hasher(self.algorithm)
         # DCP writes ``.metadata`` as ``.metadata.tmp`` and renames it: the tee gets the
         # final name (nothing is committed before the manifest, so no rename is needed there).
-        sink = self.tee(self._key(path).removesuffix(".tmp")) if self.tee else None
-        stream = _HashingStream(open_for_write(path, direct=self.direct), hasher, sink)
+        name = self._key(path).removesuffix(".tmp")
+        sink = self.tee(name) if self.tee else None
+        # every rank reads ``.metadata`` whole: only data files get item digests
+        items = ItemHasher(self.algorithm) if name != METADATA_FILE else None
+        stream = _HashingStream(open_for_write(path, direct=self.direct), hasher, sink, items)
         try:
             try:
                 yield stream
@@ -152,6 +174,36 @@ class HashingFileSystem(FileSystem):
         record = FileRecord(
             path=self._key(path),
             bytes=stream.nbytes,
+            digest=format_digest(self.algorithm, hasher),
+            rank=self.rank,
+        )
+        with self._lock:
+            self._records[record.path] = record
+        if items is not None:
+            self._write_sidecar(Path(path), items.encode(record.path))
+
+    def _write_sidecar(self, data_path: Path, data: bytes) -> None:
+        """``<file>.items`` beside a data file, fsynced, teed and recorded like it."""
+        path = data_path.with_name(items_name(data_path.name))
+        hasher = new_hasher(self.algorithm)
+        hasher.update(data)
+        sink = self.tee(self._key(path)) if self.tee else None
+        try:
+            with open(path, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if sink is not None:
+                sink.write(memoryview(data))
+        except BaseException:
+            if sink is not None:
+                sink.abort()
+            raise
+        if sink is not None:
+            sink.close()
+        record = FileRecord(
+            path=self._key(path),
+            bytes=len(data),
             digest=format_digest(self.algorithm, hasher),
             rank=self.rank,
         )

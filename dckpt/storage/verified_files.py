@@ -18,9 +18,17 @@ from collections.abc import Callable
 
 from ..errors import IntegrityError, StorageError
 from .digest import READ_CHUNK, format_digest, hash_stream, new_hasher, parse_digest
+from .item_digests import ItemDigests
 from .records import FileRecord
 
-__all__ = ["VerifiedFile", "open_verified", "read_verified", "read_verified_digest"]
+__all__ = [
+    "VerifiedFile",
+    "open_checked",
+    "open_verified",
+    "read_verified",
+    "read_verified_digest",
+    "verify_span",
+]
 
 
 class VerifiedFile(io.FileIO):
@@ -57,6 +65,52 @@ def _open_checked(path: str, record: FileRecord) -> tuple[VerifiedFile, str]:
             path, f"{record.bytes} bytes", f"{st.st_size} bytes", detail="size mismatch"
         )
     return f, algorithm
+
+
+def open_checked(path: str, record: FileRecord) -> VerifiedFile:
+    """``path`` opened as ``open_verified`` opens it (no symlink, a regular file of the
+    recorded size), nothing hashed yet: for a reader that proves the spans it reads
+    (``verify_span``)."""
+    return _open_checked(path, record)[0]
+
+
+def verify_span(f: io.FileIO, path: str, digests: ItemDigests, offset: int, length: int) -> int:
+    """Hash the segments of ``digests`` that hold bytes ``[offset, offset + length)`` of the
+    open file ``f``; IntegrityError naming the file and the bytes when one does not match (or
+    the range is past the segments). Returns the bytes hashed."""
+    try:
+        spans = digests.covering(offset, length)
+    except ValueError as exc:
+        past = IntegrityError(path, "an item inside its file", str(exc), "item past its file")
+        raise past from None
+    hashed = 0
+    buf = bytearray(min(READ_CHUNK, max((n for _, n, _ in spans), default=0)))
+    for start, size, expected in spans:
+        algorithm = expected.split(":", 1)[0]
+        hasher = new_hasher(algorithm)
+        done = 0
+        while done < size:
+            want = min(len(buf), size - done)
+            try:
+                got = os.preadv(f.fileno(), [memoryview(buf)[:want]], start + done)
+            except OSError as exc:
+                raise StorageError(f"cannot read {path}: {exc}; the storage failed, retry") from exc
+            if got <= 0:
+                raise IntegrityError(
+                    path, f"bytes {start}-{start + size}", f"{start + done} bytes", "size mismatch"
+                )
+            hasher.update(memoryview(buf)[:got])
+            done += got
+        actual = format_digest(algorithm, hasher)
+        if actual != expected:
+            raise IntegrityError(
+                path,
+                expected,
+                actual,
+                detail=f"digest mismatch in bytes {start}-{start + size} (an item this rank read)",
+            )
+        hashed += size
+    return hashed
 
 
 def open_verified(

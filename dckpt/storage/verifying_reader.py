@@ -18,7 +18,12 @@ Invariants:
 - non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``);
 - an I/O error is a ``StorageError`` (retry), never an integrity failure.
 
-Cost: one extra sequential pass per file, with no allocation beyond an 8 MiB buffer. The
+Given ``owned`` (a resume: the files of this rank's share), a file it does not own that has
+item digests (``item_digests``) is not hashed whole: each item this rank reads is, segment by
+segment, before any of its bytes is used; the file's owner hashes it whole.
+
+Cost: one extra sequential pass per file (or per item read), with no allocation beyond an
+8 MiB buffer. The
 digest covers the file as it was when hashed; committed directories are never written into,
 so the bytes DCP then reads through the same descriptor are the same.
 """
@@ -43,9 +48,16 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from ..errors import IntegrityError, ManifestError, StateMismatchError
+from .item_digests import ItemDigests, items_name, parse_items
 from .records import FileRecord
 from .safe_unpickle import incompatible_torch, load_dcp_metadata
-from .verified_files import open_verified, read_verified, read_verified_digest
+from .verified_files import (
+    open_checked,
+    open_verified,
+    read_verified,
+    read_verified_digest,
+    verify_span,
+)
 
 __all__ = ["SafeLoadPlanner", "VerifyingReader", "open_verified", "read_verified"]
 
@@ -232,16 +244,25 @@ class VerifyingReader(FileSystemReader):
         expected: Mapping[str, FileRecord],
         *,
         versions: Mapping[str, object] | None = None,
+        owned: frozenset[str] | None = None,
     ) -> None:
         super().__init__(path)
         self.expected = dict(expected)
         self.versions = dict(versions or {})
         """The manifest's ``versions`` (who wrote the checkpoint): a metadata failure under
         another torch release is ``IncompatibleCheckpointError``."""
+        self.owned = owned
+        """The files this rank proves whole (its share); of any other file with item digests,
+        only the items it reads are hashed. None: every file it reads is hashed whole."""
         self.verified: dict[str, str] = {}
-        """Files this reader verified, relative path → the digest their bytes hashed to (for
-        the cross-rank check: every rank checks every other rank's digests)."""
+        """Files this reader verified whole, relative path → the digest their bytes hashed to
+        (each rank then checks its digests against the manifest the ranks agreed on)."""
+        self.hashed_bytes = 0
+        """Bytes this reader hashed: whole files, and the segments of items read elsewhere."""
+        self.items_checked = 0
+        """Items read from files this rank does not own, each proven by its item digests."""
         self._metadata: Metadata | None = None
+        self._items: dict[str, ItemDigests | None] = {}
 
     def load_metadata(self) -> Metadata:
         """Verify, parse and check ``.metadata`` now, so its errors surface before DCP runs.
@@ -300,7 +321,29 @@ class VerifyingReader(FileSystemReader):
         record = self.listed(relative_path)
         data, digest = read_verified_digest(os.path.join(str(self.path), relative_path), record)
         self.verified[relative_path] = digest
+        self.hashed_bytes += record.bytes
         return data
+
+    def item_digests(self, relative_path: str) -> ItemDigests | None:
+        """The item digests of a file this rank does not own, from its sidecar (verified
+        whole against the manifest); None when the file is this rank's to prove whole, or has
+        no sidecar (written before they existed)."""
+        if self.owned is None or relative_path in self.owned:
+            return None
+        if relative_path not in self._items:
+            sidecar = items_name(relative_path)
+            got: ItemDigests | None = None
+            if sidecar in self.expected:
+                raw = self._read(sidecar)
+                source = os.path.join(str(self.path), sidecar)
+                try:
+                    got = parse_items(raw, relative_path, self.listed(relative_path).bytes, source)
+                except ValueError as exc:
+                    raise IntegrityError(
+                        source, "the item digests of its file", str(exc), "unusable item digests"
+                    ) from None
+            self._items[relative_path] = got
+        return self._items[relative_path]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = self._checked_metadata()
@@ -316,10 +359,22 @@ class VerifyingReader(FileSystemReader):
             )
         for relative_path, items in per_file.items():
             record = self.listed(relative_path)
+            where = os.path.join(str(self.path), relative_path)
+            ordered = sorted(items, key=lambda i: self._span(i)[0])
+            digests = self.item_digests(relative_path)
+            if digests is not None:  # another rank's file: the items read, each proven
+                with open_checked(where, record) as f:
+                    for item in ordered:
+                        offset, length = self._span(item)
+                        self.hashed_bytes += verify_span(f, where, digests, offset, length)
+                        self.items_checked += 1
+                        self._load_item(f, item, planner)
+                continue
             # The whole file is hashed first; only if it matches is any tensor filled from it.
-            with open_verified(os.path.join(str(self.path), relative_path), record) as f:
+            with open_verified(where, record) as f:
                 self.verified[relative_path] = f.digest
-                for item in sorted(items, key=lambda i: self._span(i)[0]):
+                self.hashed_bytes += record.bytes
+                for item in ordered:
                     self._load_item(f, item, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
