@@ -206,8 +206,8 @@ MUTANTS = (
     Mutant(
         "save: later saves copy what the previous plan gave another rank",
         "dckpt/save/stager.py",
-        "if mine is not None and fqn not in mine:",
-        "if False:",
+        "elsewhere = mine is not None and fqn not in mine",
+        "elsewhere = False",
         ("tests/test_snapshot.py::test_later_saves_copy_only_what_this_rank_writes",),
     ),
     Mutant(
@@ -255,9 +255,9 @@ MUTANTS = (
     ),
     Mutant(
         "s3: a downloaded object is not compared with the writer's digest",
-        "dckpt/tiers/object_source.py",
-        "if digest != record.digest:",
-        "if False:",
+        "dckpt/tiers/s3_store.py",
+        "            if got == want:",
+        "            if True:",
         (f"{S3}::test_a_damaged_object_is_named_and_resume_falls_back_to_the_previous_step",),
     ),
     Mutant(
@@ -353,6 +353,36 @@ MUTANTS = (
         "            if rank + mask < n:",
         "            if rank + mask < n - 1:",
         ("tests/test_comm.py",),
+    ),
+    Mutant(
+        "comm: a meeting the first to arrive gave up on is not marked abandoned",
+        "dckpt/collective/comm.py",
+        'if store.compare_set(f"{key}/second", "", _GONE).decode() == _GONE:',
+        "if True:",
+        (
+            "tests/test_comm.py::test_ranks_meet_through_the_store_and_a_late_peer_is_named_on_both_ends",
+        ),
+    ),
+    Mutant(
+        "resume: an item read from another rank's file is used without its digest matching",
+        "dckpt/storage/verified_files.py",
+        "        if actual != expected:",
+        "        if False:",
+        ("tests/test_item_digests.py",),
+    ),
+    Mutant(
+        "resume: one rank's layout failure is damage without a witness",
+        "dckpt/load/checks.py",
+        "        if comm.broadcast(seen, src=witness) is not None:",
+        "        if comm.broadcast(seen, src=witness) is None:",
+        (f"{RS}::test_a_file_one_rank_alone_sees_damaged_is_divergence_not_damage",),
+    ),
+    Mutant(
+        "preemption: the final save's deadline counts from the agreement, not the signal",
+        "dckpt/preemption.py",
+        "self._first_signal = earliest / 1000 if earliest < _NO_SIGNAL_MS else None",
+        "self._first_signal = None",
+        (f"{PR}::test_checks_come_about_check_every_s_apart_and_still_agree_on_one_step",),
     ),
 )
 
