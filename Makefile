@@ -69,10 +69,14 @@ bench-memory: $(STAMP)
 
 # dckpt's control plane counted per rank and operation at 2..32 ranks (a counting shim,
 # bench/scale_shim, on PYTHONPATH of the ranks), the 1k-16k synthetic parts and the latency
-# model (about 2 min on 2 cores) -> bench/results/scale.md. --big adds 32 ranks to 2..16.
+# model (about 2 min on 2 cores) -> bench/results/scale.md. --big adds 32 ranks to 2..16. Then
+# the bytes each FSDP rank hashes at a resume, on a model whose shards are MBs, not KBs
+# (about 1.5 min) -> bench/results/scale_hashing.md.
 SCALE_ARGS ?= --big
 bench-scale: $(STAMP)
 	$(BIN)/python bench/scale.py $(SCALE_ARGS)
+	$(BIN)/python bench/scale.py --parallel fsdp --worlds 2 4 8 16 32 --width 1024 \
+		--no-synthetic --no-model --md bench/results/scale_hashing.md
 
 # Cross-version safety (not part of `make test`: a second venv of 5.5 GB and about 3 min):
 # checkpoints written with torch $(TORCH_VERSION) are resumed with torch $(COMPAT_TORCH) and

@@ -172,9 +172,13 @@ def _rank_main(rank: int, world: int, port: int, root: str, job: dict[str, Any],
             raise RuntimeError(f"resumed step {report.step}, expected {steps}")
         from dckpt.root.manifest import read_manifest
 
-        total = read_manifest(report.path).total_bytes if report.path is not None else 0
+        files = read_manifest(report.path).files if report.path is not None else ()
+        sizes = {
+            kind: sum(f.bytes for f in files if _kind(f.path) == kind)
+            for kind in ("data", "items", "metadata")
+        }
         dist.destroy_process_group()  # the shim writes this rank's counts here
-        out.put((rank, "ok", json.dumps({"hashed": report.hashed_bytes, "total": total})))
+        out.put((rank, "ok", json.dumps({"hashed": report.hashed_bytes, **sizes})))
     except BaseException as exc:
         out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -372,13 +376,22 @@ def tally(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _kind(name: str) -> str:
+    """What a checkpoint file is, for the resume's hashing figures."""
+    if name == ".metadata":
+        return "metadata"
+    return "items" if name.endswith(".items") else "data"
+
+
 def _hashed_share(job: dict[str, Any]) -> float | None:
-    """The most bytes any rank hashed at the resume, over its share of the checkpoint (the
-    checkpoint's bytes / N): 1.0 when each rank proves exactly its share."""
-    got = [h for h in (job.get("hashed") or {}).values() if h.get("total")]
+    """The most bytes any rank hashed at the resume, over what it must read at least: its
+    share of the data files (their bytes / N) and DCP's ``.metadata``, which every rank reads
+    whole. 1.0 when each rank proves exactly that; above it, the items of other ranks' files
+    it read and their item digests."""
+    got = [h for h in (job.get("hashed") or {}).values() if h.get("data")]
     if not got:
         return None
-    return float(max(h["hashed"] / (h["total"] / job["world"]) for h in got))
+    return float(max(h["hashed"] / (h["data"] / job["world"] + h["metadata"]) for h in got))
 
 
 # --- part 2: synthetic, one process --------------------------------------------------------
@@ -1072,8 +1085,9 @@ def summary(doc: dict[str, Any]) -> list[str]:
     )
     if shares:
         lines.append(
-            "Bytes a rank hashes at a resume, the most of any rank over its share (the "
-            "checkpoint's bytes / N; the issue's target under FSDP: <= 1.1x):"
+            f"Bytes a rank hashes at a resume (width {doc.get('width', '?')}), the most of any "
+            "rank over its share: the data files' bytes / N, plus DCP's `.metadata`, which "
+            "every rank reads whole (the issue's target under FSDP: <= 1.1x):"
         )
         lines.append("")
         for parallel in sorted({p for p, _, _ in shares}):
@@ -1324,6 +1338,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "load_before": [round(x, 2) for x in os.getloadavg()],
         "tensors": args.tensors,
+        "width": args.width,
         "budget_s": args.budget_s,
         "synthetic_sizes": args.synthetic_sizes,
         "per_msg_s": args.per_message_us * 1e-6,
