@@ -373,6 +373,10 @@ def tally(job: dict[str, Any]) -> dict[str, Any]:
         "sites": site_rows,
         "init_store_bytes": init_store,
         "hashed_share": _hashed_share(job),
+        "data_per_rank": max(
+            (h.get("data", 0) / job["world"] for h in (job.get("hashed") or {}).values()),
+            default=0,
+        ),
     }
 
 
@@ -1093,8 +1097,18 @@ def summary(doc: dict[str, Any]) -> list[str]:
         for parallel in sorted({p for p, _, _ in shares}):
             row = ", ".join(f"N={n}: {x:.2f}x" for p, n, x in shares if p == parallel)
             worst = max(x for p, _, x in shares if p == parallel)
+            small = max((t.get("data_per_rank", 0) for t in doc.get("tallies", [])), default=0) < (
+                1 << 20
+            )
             note = (
-                ("meets" if worst <= 1.1 else "**misses**") + " <= 1.1x"
+                ("meets" if worst <= 1.1 else "**misses**")
+                + " <= 1.1x"
+                + (
+                    " (on shards of a few kB, the item digests of the files a rank reads a "
+                    "value from weigh as much as its share: `scale_hashing.md` measures MB shards)"
+                    if small and worst > 1.1
+                    else ""
+                )
                 if parallel == "fsdp"
                 else "every rank reads every replicated tensor (one copy, in rank 0's file): "
                 "what it hashes is what it reads"

@@ -82,7 +82,7 @@ def trainer_cmd(args: argparse.Namespace, mode: str, root: Path, log: Path) -> l
         f"--nproc-per-node={args.nproc}", str(ROOT / "launch" / "train.py"),
         "--ckpt-dir", str(root), "--steps", str(args.steps), "--save-every", str(save_every),
         "--d-model", str(args.d_model), "--layers", str(args.layers), "--loss-log", str(log),
-        "--no-preemption",
+        "--no-preemption", "--precision", args.precision,
     ]  # fmt: skip
     if mode == "sync":
         cmd.append("--no-async")
@@ -338,6 +338,7 @@ def summarize(
             "nproc": args.nproc,
             "d_model": args.d_model,
             "layers": args.layers,
+            "precision": args.precision,
             "steps": args.steps,
             "save_every": args.save_every,
             "rounds": args.rounds,
@@ -361,7 +362,8 @@ def render(doc: dict[str, Any]) -> str:
     gb = doc["rounds"][0]["bytes_dckpt"] / 1e9
     lines = [
         f"# True cost of a save: {job['nproc']} ranks, d_model {job['d_model']}, "
-        f"{job['layers']} layers, {gb:.2f} GB checkpoint, a save every {job['save_every']} steps",
+        f"{job['layers']} layers, {job.get('precision', 'bf16')} autocast, {gb:.2f} GB "
+        f"checkpoint, a save every {job['save_every']} steps",
         "",
         f"dckpt {doc['dckpt_revision']}, {doc['date']}, {job['rounds']} rounds; a step without "
         f"saves took {f['step_s_none']:.3f} s. Costs per save, from the trainer's step times "
@@ -432,6 +434,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the trainer's autocast (a CPU without AVX512-BF16 or AMX runs bf16 matmuls "
+        "emulated, about 30x slower than fp32: fp32 keeps the steps near a second there); the "
+        "checkpoint is the same fp32 state either way",
+    )
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dcp-repeats", type=int, default=3)
