@@ -7,7 +7,8 @@
   flipped bit in an item it does not read is left to the file's owner (it loads; the owner's
   whole-file hash is what catches it, as ``test_resume_share`` shows on real ranks).
 - A sidecar that does not tile its file, or is not the writer's shape, is refused before any
-  item is read; a file without one is hashed whole.
+  item is read; a file without one, or an item past ``LIMIT`` (which gets no digest), is
+  hashed whole.
 - On two FSDP2 ranks with AdamW (whose step counters DCP spreads over both ranks' files),
   each rank hashes about its share of the checkpoint, not all of it, and a bit flipped in an
   item one rank reads from the other's file quarantines the step and falls back.
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dckpt.errors import IntegrityError, unwrap_dcp_error
 from dckpt.storage import HashingWriter, SafeLoadPlanner, VerifyingReader
 from dckpt.storage.digest import new_hasher
-from dckpt.storage.item_digests import ItemHasher, items_name, parse_items
+from dckpt.storage.item_digests import LIMIT, ItemHasher, items_name, parse_items
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -142,6 +143,28 @@ def test_a_flipped_bit_in_an_item_read_is_named_and_one_not_read_is_left_to_the_
         _load(tmp_path, records, _blank(), owned=None)
 
 
+def test_an_item_too_large_for_a_digest_makes_its_reader_hash_the_whole_file(
+    tmp_path: Path,
+) -> None:
+    """Items past ``LIMIT`` get no digest (hashing every byte twice cost a background save a
+    third more writer CPU): a reader of one hashes the whole file, as before item digests."""
+    big = {"big": torch.arange((LIMIT // 4) + 1024, dtype=torch.float32), "small": torch.ones(3)}
+    writer = HashingWriter(tmp_path, rank=0)
+    dcp.save(big, storage_writer=writer, no_dist=True)
+    records = {r.path: r for r in writer.records()}
+    obj = json.loads((tmp_path / items_name(SHARD)).read_bytes())
+    assert "" in obj["digests"] and all(
+        (d == "") == (n > LIMIT) for n, d in zip(obj["lengths"], obj["digests"], strict=True)
+    )
+    small = {"small": torch.zeros(3)}
+    reader = _load(tmp_path, records, small)  # a small item: its digest alone
+    assert SHARD not in reader.verified and reader.items_checked == 1
+    target = {"big": torch.zeros_like(big["big"])}
+    reader = _load(tmp_path, records, target)  # the large one: the whole file
+    assert reader.verified[SHARD] == records[SHARD].digest and reader.items_checked == 0
+    assert torch.equal(target["big"], big["big"])
+
+
 def test_a_file_without_item_digests_is_hashed_whole(tmp_path: Path) -> None:
     records = _save(tmp_path)
     del records[items_name(SHARD)]  # as written before item digests existed
@@ -171,6 +194,7 @@ def _sidecar(**changes: Any) -> bytes:
         (_sidecar(digests=["zz" * 16, "00" * 16]), "a segment digest"),
         (_sidecar(digests=["00" * 8, "00" * 16]), "a segment digest"),
         (_sidecar(digests=["00" * 16]), "2 lengths, 1 digests"),
+        (_sidecar(digests=["", "00" * 16]), "a segment digest ''"),  # none: only past LIMIT
         (_sidecar(algorithm="md5"), "unknown digest algorithm 'md5'"),
         (_sidecar(file="other"), "describes 'other'"),
         (_sidecar(size=31), "of 31 bytes"),
@@ -182,6 +206,16 @@ def _sidecar(**changes: Any) -> bytes:
 def test_a_sidecar_that_does_not_tile_its_file_is_refused(raw: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=re.escape(why)):
         parse_items(raw, "f", 30, "f.items")
+
+
+def test_a_segment_past_the_limit_has_no_digest_and_covers_nothing() -> None:
+    hasher = ItemHasher("xxh3_128")
+    hasher.update(b"a" * 10)
+    hasher.cut()
+    hasher.update(bytes(LIMIT + 1))
+    d = parse_items(hasher.encode("f"), "f", LIMIT + 11, "f.items")
+    assert d.digests[1] == "" and d.covering(12, 5) is None
+    assert d.covering(0, 10) is not None
 
 
 def test_covering_names_every_segment_a_range_touches() -> None:

@@ -19,7 +19,8 @@ Invariants:
 - the segments of a file tile it exactly: from 0 to its recorded size, each non-empty, in
   order (``parse_items`` refuses anything else, naming the file; a hostile sidecar cannot
   make a reader skip a byte it uses or allocate beyond the bounds below);
-- a reader uses an item's bytes only once every segment covering them matched;
+- a reader uses an item's bytes only once every segment covering them matched; a segment
+  longer than ``LIMIT`` has no digest (its bytes are proven by hashing the whole file);
 - a file without a sidecar (written before it existed, or not a data file) is hashed whole.
 
 No torch here.
@@ -34,9 +35,11 @@ from typing import Any
 
 from .digest import ALGORITHMS, new_hasher
 
-__all__ = ["SUFFIX", "ItemDigests", "ItemHasher", "items_name", "parse_items"]
+__all__ = ["LIMIT", "SUFFIX", "ItemDigests", "ItemHasher", "items_name", "parse_items"]
 
 SUFFIX = ".items"
+LIMIT = 256 << 10
+"""The largest segment that gets a digest (``ItemHasher``); a larger one's is ``""``."""
 MAX_SIDECAR_BYTES = 256 << 20
 MAX_SEGMENTS = 1 << 22
 
@@ -48,7 +51,14 @@ def items_name(file: str) -> str:
 
 class ItemHasher:
     """The segments of one file as it is written: ``update`` with every byte, ``cut`` where a
-    segment ends (a ``tell()``); ``encode`` when the file is complete."""
+    segment ends (a ``tell()``); ``encode`` when the file is complete.
+
+    Only segments of at most ``LIMIT`` bytes get a digest: hashing every byte twice (the file's
+    digest and its items') cost a background save about 30 % more writer CPU, and what another
+    rank reads of a file at a same-world resume is small (the replicated values DCP spreads
+    over the files: step counters, scalars); a large item is read by its owner, or, read
+    elsewhere (a resharded resume, DDP's one copy of each parameter), its file is hashed whole
+    as before. A segment past the limit stops being hashed there: it costs at most ``LIMIT``."""
 
     def __init__(self, algorithm: str) -> None:
         self.algorithm = algorithm
@@ -59,15 +69,18 @@ class ItemHasher:
         self.digests: list[str] = []
 
     def update(self, data: Any) -> None:
-        self._hasher.update(data)
+        room = LIMIT - (self._pos - self._start)
+        if room > 0:
+            self._hasher.update(data if len(data) <= room else memoryview(data).cast("B")[:room])
         self._pos += len(data)
 
     def cut(self) -> None:
         """End the segment here (nothing when it would be empty)."""
         if self._pos == self._start:
             return
-        self.lengths.append(self._pos - self._start)
-        self.digests.append(self._hasher.hexdigest())
+        size = self._pos - self._start
+        self.lengths.append(size)
+        self.digests.append(self._hasher.hexdigest() if size <= LIMIT else "")
         self._hasher = new_hasher(self.algorithm)
         self._start = self._pos
 
@@ -94,9 +107,11 @@ class ItemDigests:
     """Each segment's offset, then the file's size."""
     digests: tuple[str, ...]
 
-    def covering(self, offset: int, length: int) -> list[tuple[int, int, str]]:
+    def covering(self, offset: int, length: int) -> list[tuple[int, int, str]] | None:
         """The segments (offset, length, digest) that hold the bytes ``[offset, offset +
-        length)``: hashing them proves those bytes. ValueError for a range past the file."""
+        length)``: hashing them proves those bytes; None when one of them has no digest (a
+        segment past ``LIMIT``: only the whole file proves it). ValueError for a range past
+        the file."""
         end = offset + length
         if offset < 0 or length < 0 or end > self.starts[-1]:
             raise ValueError(f"bytes {offset}-{end} of a {self.starts[-1]}-byte file")
@@ -107,6 +122,8 @@ class ItemDigests:
         i = first
         while i < len(self.digests) and self.starts[i] < end:
             a, b = self.starts[i], self.starts[i + 1]
+            if not self.digests[i]:
+                return None
             out.append((a, b - a, f"{self.algorithm}:{self.digests[i]}"))
             i += 1
         return out
@@ -138,7 +155,10 @@ def parse_items(raw: bytes, file: str, size: int, source: str) -> ItemDigests:
     for n, d in zip(lengths, digests, strict=True):
         if type(n) is not int or n <= 0:
             raise ValueError(f"{source}: a segment length {n!r}")
-        if not isinstance(d, str) or len(d) != width or d.strip("0123456789abcdef"):
+        unhashed = d == "" and n > LIMIT  # a segment past the limit has none, no other
+        if not unhashed and (
+            not isinstance(d, str) or len(d) != width or d.strip("0123456789abcdef")
+        ):
             raise ValueError(f"{source}: a segment digest {str(d)[:80]!r}")
         starts.append(starts[-1] + n)
     if starts[-1] != size:

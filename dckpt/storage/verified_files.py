@@ -77,12 +77,15 @@ def open_checked(path: str, record: FileRecord) -> VerifiedFile:
 def verify_span(f: io.FileIO, path: str, digests: ItemDigests, offset: int, length: int) -> int:
     """Hash the segments of ``digests`` that hold bytes ``[offset, offset + length)`` of the
     open file ``f``; IntegrityError naming the file and the bytes when one does not match (or
-    the range is past the segments). Returns the bytes hashed."""
+    the range is past the segments, or a segment has no digest: the caller hashes the whole
+    file for those, ``ItemDigests.covering``). Returns the bytes hashed."""
     try:
         spans = digests.covering(offset, length)
     except ValueError as exc:
         past = IntegrityError(path, "an item inside its file", str(exc), "item past its file")
         raise past from None
+    if spans is None:
+        raise IntegrityError(path, "an item digest", "none", "item without a digest")
     hashed = 0
     buf = bytearray(min(READ_CHUNK, max((n for _, n, _ in spans), default=0)))
     for start, size, expected in spans:

@@ -235,6 +235,17 @@ def _is_size(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
+def _undigested(digests: ItemDigests, spans: list[tuple[int, int]]) -> bool:
+    """Whether one of ``spans`` lies in a segment without a digest (too large to have one)."""
+    for offset, length in spans:
+        try:
+            if digests.covering(offset, length) is None:
+                return True
+        except ValueError:  # past the file: verify_span names it
+            return False
+    return False
+
+
 class VerifyingReader(FileSystemReader):
     """FileSystemReader that reads only manifest-listed files, each verified; see module doc."""
 
@@ -362,6 +373,8 @@ class VerifyingReader(FileSystemReader):
             where = os.path.join(str(self.path), relative_path)
             ordered = sorted(items, key=lambda i: self._span(i)[0])
             digests = self.item_digests(relative_path)
+            if digests is not None and _undigested(digests, [self._span(i) for i in ordered]):
+                digests = None  # an item too large to have a digest: the whole file, then
             if digests is not None:  # another rank's file: the items read, each proven
                 with open_checked(where, record) as f:
                     for item in ordered:
