@@ -513,9 +513,9 @@ class CheckpointManager:
         """Make ``signals`` request a final save instead of killing the process; see
         ``preempted``. ``deadline_s``: by when, counted from the first signal any rank received,
         the final save must have committed (leave it below the scheduler's grace period, e.g.
-        SLURM's ``--signal=USR1@120``). ``check_every_s``: about
-        how much training passes between two agreements of the ranks (0: at every step); a
-        signal is acted on within about two of them. Main thread only."""
+        SLURM's ``--signal=USR1@120``). ``check_every_s``: about how much training passes
+        between two agreements of the ranks (0: at every step); a signal is acted on within
+        about two of them. Main thread only."""
         self._check_open()
         return self._stop.watch(signals, deadline_s, check_every_s)
 

@@ -64,8 +64,8 @@ log = logging.getLogger("dckpt")
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 CHECK_EVERY_S = 1.0
-_NO_SIGNAL_MS = 1 << 62  # what a rank with no signal sends as its signal's time (never the min)
 """Seconds of training between two agreements, by default (``watch_preemption``)."""
+_NO_SIGNAL_MS = 1 << 62  # what a rank with no signal sends as its signal's time (never the min)
 
 
 class Preemption:
@@ -171,7 +171,7 @@ class PreemptionStop:
         self._first_signal: float | None = None
         """The wall time of the first signal any rank received, once the ranks agreed."""
         self.checks = 0
-        """Checks made so far (each one all-reduce; the first, two), for the benchmarks."""
+        """Checks made so far (each issues one all-reduce; the first, three), for the benchmarks."""
 
     def watch(
         self, signals: Sequence[str], deadline_s: float, check_every_s: float = CHECK_EVERY_S

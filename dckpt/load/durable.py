@@ -38,8 +38,9 @@ from ..collective.comm import Comm
 from ..errors import CheckpointError, unwrap_dcp_error
 from ..root.manifest import Manifest
 from ..root.source import CheckpointSource
+from ..storage.records import METADATA_FILE
 from ..storage.safe_unpickle import incompatible_torch
-from ..storage.verifying_reader import METADATA_FILE, SafeLoadPlanner, VerifyingReader
+from ..storage.verifying_reader import SafeLoadPlanner, VerifyingReader
 from ..train import rng
 from ..train.state import TrainState
 from ..units import human_bytes, plural

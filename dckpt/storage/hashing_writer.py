@@ -49,13 +49,11 @@ from torch.utils.serialization import config as serialization_config
 from ..phases import Phase, Trace
 from .digest import Hasher, format_digest, new_hasher
 from .direct_file import DirectFile, open_for_write
-from .item_digests import ItemHasher, items_name
-from .records import FileRecord
+from .item_digests import SUFFIX, ItemHasher, items_name
+from .records import METADATA_FILE, FileRecord
 from .sink import Sink, Tee
 
 __all__ = ["HashingFileSystem", "HashingWriter", "Sink", "Tee"]
-
-METADATA_FILE = ".metadata"  # DCP's, written once by the coordinator and read whole by all
 
 
 class _HashingStream(io.RawIOBase):
@@ -157,8 +155,9 @@ class HashingFileSystem(FileSystem):
         # final name (nothing is committed before the manifest, so no rename is needed there).
         name = self._key(path).removesuffix(".tmp")
         sink = self.tee(name) if self.tee else None
-        # every rank reads ``.metadata`` whole: only data files get item digests
-        items = ItemHasher(self.algorithm) if name != METADATA_FILE else None
+        # every rank reads ``.metadata`` (and a sidecar) whole: only data files get item digests
+        data_file = name != METADATA_FILE and not name.endswith(SUFFIX)
+        items = ItemHasher(self.algorithm) if data_file else None
         stream = _HashingStream(open_for_write(path, direct=self.direct), hasher, sink, items)
         try:
             try:
@@ -183,32 +182,11 @@ class HashingFileSystem(FileSystem):
             self._write_sidecar(Path(path), items.encode(record.path))
 
     def _write_sidecar(self, data_path: Path, data: bytes) -> None:
-        """``<file>.items`` beside a data file, fsynced, teed and recorded like it."""
-        path = data_path.with_name(items_name(data_path.name))
-        hasher = new_hasher(self.algorithm)
-        hasher.update(data)
-        sink = self.tee(self._key(path)) if self.tee else None
-        try:
-            with open(path, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            if sink is not None:
-                sink.write(memoryview(data))
-        except BaseException:
-            if sink is not None:
-                sink.abort()
-            raise
-        if sink is not None:
-            sink.close()
-        record = FileRecord(
-            path=self._key(path),
-            bytes=len(data),
-            digest=format_digest(self.algorithm, hasher),
-            rank=self.rank,
-        )
-        with self._lock:
-            self._records[record.path] = record
+        """``<file>.items`` beside a data file: written, hashed, teed and recorded as any file
+        this writer makes (it gets no sidecar of its own), and fsynced."""
+        with self.create_stream(data_path.with_name(items_name(data_path.name)), "wb") as stream:
+            stream.write(data)
+            os.fsync(stream.fileno())
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)

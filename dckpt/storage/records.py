@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FileRecord"]
+__all__ = ["METADATA_FILE", "FileRecord"]
+
+METADATA_FILE = ".metadata"
+"""DCP's metadata file: written once by the coordinator, read whole by every rank."""
 
 
 @dataclass(frozen=True, kw_only=True, order=True)

@@ -49,7 +49,7 @@ from torch.futures import Future
 
 from ..errors import IntegrityError, ManifestError, StateMismatchError
 from .item_digests import ItemDigests, items_name, parse_items
-from .records import FileRecord
+from .records import METADATA_FILE, FileRecord
 from .safe_unpickle import incompatible_torch, load_dcp_metadata
 from .verified_files import (
     open_checked,
@@ -60,8 +60,6 @@ from .verified_files import (
 )
 
 __all__ = ["SafeLoadPlanner", "VerifyingReader", "open_verified", "read_verified"]
-
-METADATA_FILE = ".metadata"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
