@@ -26,8 +26,9 @@ collective half the manager delegates ``watch_preemption`` and ``preempted`` to.
 3. Once they agree, every rank waits for the save in flight, saves ``step`` synchronously
    (unless that step is already saved), bounded by the deadline counted from the first
    signal any rank received (its wall time rides the agreement, reduced to the earliest), and
-   ``preempted`` returns True; what a rank's own wait or clock decides on the way (the save
-   in flight still writing at the deadline, no time left) is agreed before the save. The
+   ``preempted`` returns True; what a rank's own view decides on the way (whether a save
+   is still running: one rank's may have ended while another's runs; the save in flight
+   still writing at the deadline; no time left) is agreed before anything depends on it. The
    script closes the manager and exits 0. A final save that fails or misses the deadline
    raises ``SaveError``, so the job exits non-zero and the last committed checkpoint is what
    the next start resumes from.
@@ -287,15 +288,20 @@ class PreemptionStop:
     def _final_save(
         self, step: int, deadline: float, save: Callable[[int], SaveHandle]
     ) -> SaveResult | None:
-        # Every rank takes the same branches: the save in flight is the same save everywhere
-        # (saves are collective), and what a rank's own clock or wait decides is agreed
-        # before the collective ``save`` (a rank that gave up alone would leave the others
-        # waiting in it for ``timeout_s``).
-        ticket = self._saver.current
-        in_flight = SaveHandle(ticket) if ticket is not None else None
-        if in_flight is not None and in_flight.step == step:
-            return self._within(in_flight, deadline)
-        if in_flight is not None:  # an older save: let it finish first, it may be the fallback
+        # Every rank must take the same branches: a rank that makes an agreement the others
+        # skip meets their next one (every rank raises DivergedError; before the agreements
+        # had one size, gloo aborted the process: seen in CI when rank 0's save had ended
+        # and rank 1's had not). So no branch reads this
+        # rank's own view of the save in flight: the newest save started is the same save
+        # everywhere (saves are collective), and whether it still runs on some rank, and
+        # what a rank's clock or wait decides, is agreed before anything depends on it.
+        latest = self._saver.latest
+        if self._ctl.any(self._saver.current is not None):
+            assert latest is not None  # running on some rank: started on every rank
+            in_flight = SaveHandle(latest)
+            if in_flight.step == step:
+                return self._within(in_flight, deadline)
+            # an older save: let it finish first, it may be the fallback
             stuck: SaveError | None = None
             try:
                 self._within(in_flight, deadline)

@@ -35,14 +35,19 @@ def _train_cmd(ckpt: Path, args: tuple[str, ...], nproc: int) -> list[str]:
     ]  # fmt: skip
 
 
+def _worker_env() -> dict[str, str]:
+    # One BLAS thread per rank (2 ranks on 2 cores); a rank that aborts or hangs on a signal
+    # prints every thread's Python stack, so a rare failure in CI says where it happened.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+
 def torchrun_train(
     ckpt: Path, *args: str, nproc: int = 2, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
     """Run launch/train.py under torchrun on gloo; returns the finished process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        _train_cmd(ckpt, args, nproc), capture_output=True, text=True, timeout=timeout, env=env,
-        check=False,
+        _train_cmd(ckpt, args, nproc), capture_output=True, text=True, timeout=timeout,
+        env=_worker_env(), check=False,
     )  # fmt: skip
 
 
@@ -64,7 +69,7 @@ def torchrun_start(ckpt: Path, *args: str, nproc: int = 2) -> subprocess.Popen[s
     stdout and stderr go to one pipe."""
     return subprocess.Popen(
         _train_cmd(ckpt, args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+        text=True, env=_worker_env(), start_new_session=True,
     )  # fmt: skip
 
 

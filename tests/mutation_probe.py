@@ -384,6 +384,22 @@ MUTANTS = (
         "self._first_signal = None",
         (f"{PR}::test_checks_come_about_check_every_s_apart_and_still_agree_on_one_step",),
     ),
+    Mutant(
+        "preemption: a rank decides from its own view whether the older save still runs",
+        "dckpt/preemption.py",
+        "if self._ctl.any(self._saver.current is not None):",
+        "if self._saver.current is not None:",
+        (f"{PR}::test_ranks_that_see_the_save_in_flight_differently_take_the_same_branches",),
+    ),
+    Mutant(
+        "comm: ranks that reached different agreements are not told",
+        "dckpt/collective/comm.py",
+        "        if highest != lowest:",
+        "        if False:",
+        (
+            "tests/test_comm.py::test_ranks_that_reach_different_agreements_all_raise_instead_of_aborting",
+        ),
+    ),
 )
 
 

@@ -1,7 +1,9 @@
 """dckpt's agreements on five gloo ranks (a world that is not a power of two, so the binomial
 tree has a rank with no children, one with a grandchild, and a rank whose parent skips one):
 every rank gets the same, right answer from ``any``, ``lowest``, ``all_equal`` and
-``first_failure``, in any mix, and ``gather`` hands rank 0 alone every rank's object.
+``first_failure``, in any mix, and ``gather`` hands rank 0 alone every rank's object. Ranks
+that reach different agreements (a bug) get an error naming both on every rank, not a gloo
+abort.
 """
 
 from __future__ import annotations
@@ -86,3 +88,29 @@ def test_ranks_meet_through_the_store_and_a_late_peer_is_named_on_both_ends() ->
     assert results[2]["late_s"] < 0.5, results  # told at once, no wait of its own
     assert not any(r["met_left"] for r in results), results
     assert results[0]["gone_left"] == b"gone", results
+
+
+def _diverging(rank: int, world: int) -> dict[str, Any]:
+    from dckpt.collective.comm import Comm, DivergedError
+
+    comm = Comm(30)
+    out: dict[str, Any] = {"first": comm.any(rank == 1)}
+    try:
+        # rank 0 skips an agreement the others make, then all go on: rank 0's next agreement
+        # (2 ints) meets the others' (1 int), which once made gloo abort rank 0's process
+        if rank != 0:
+            comm.any(False)
+        comm.first_failure(None)
+        out["second"] = "agreed"
+    except DivergedError as exc:
+        out["second"] = str(exc)
+    comm.close()
+    return out
+
+
+def test_ranks_that_reach_different_agreements_all_raise_instead_of_aborting() -> None:
+    results = run_world(_diverging, 3)
+    for r in results:
+        assert r["first"] is True, r
+        assert "dckpt's ranks took different paths" in r["second"], r
+        assert "agreement #2 (of 1 ints)" in r["second"] and "bug in dckpt" in r["second"], r

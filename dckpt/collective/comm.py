@@ -16,6 +16,11 @@ The agreements (``any``, ``lowest``, ``all_equal``, ``first_failure``) reduce a 
 a binomial tree and broadcast the result (``_reduce``): their latency grows with log2 of the
 world, not with the world as gloo's ring all-reduce does. ``gather`` is for what rank 0 alone
 needs; ``all_gather`` hands every rank N objects and is kept for what every rank must see.
+
+Every agreement's box has the same size, whatever it carries, plus a tag (the agreement's
+number on this ``Comm`` and its width): ranks that reached different agreements, a dckpt bug,
+get a ``DivergedError`` on every rank that names both, where boxes of different sizes made
+gloo abort the process on its network thread, with no word of where.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import xxhash
 
 from ..errors import CheckpointError
 
-__all__ = ["Comm", "Failed"]
+__all__ = ["Comm", "DivergedError", "Failed"]
 
 T = TypeVar("T")
 
@@ -66,6 +71,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
 _GONE = "gone"  # a meeting the first to arrive gave up on (``Comm.meet``)
+_WIDTH = 4  # ints in every agreement's box (the widest carries 2), then the tag and its negation
 
 
 @contextlib.contextmanager
@@ -83,6 +89,22 @@ def _lazy_gloo() -> Iterator[None]:
         yield
     finally:
         os.environ.pop(LAZY_INIT_ENV, None)
+
+
+class DivergedError(CheckpointError):
+    """The ranks reached different agreements: a bug in dckpt, never the user's."""
+
+    def __init__(self, tag: int, lowest: int, highest: int) -> None:
+        def name(t: int) -> str:
+            return f"agreement #{t // 8} (of {t % 8} ints)"
+
+        super().__init__(
+            f"dckpt's ranks took different paths: this rank reached {name(tag)}, the ranks "
+            f"ranged from {name(lowest)} to {name(highest)}. This is a bug in dckpt: please "
+            "report it with every rank's log. No rank can go on with dckpt's collectives; the "
+            "newest committed checkpoint is intact."
+        )
+        self.tag, self.lowest, self.highest = tag, lowest, highest
 
 
 class Comm:
@@ -104,6 +126,7 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._met: dict[int, int] = {}  # meetings with each peer so far (``meet``)
+        self._agreements = 0  # ``_reduce`` calls so far: the same count on every rank
 
     def connect(self) -> None:
         """Connect the pairs this group's agreements use, now, while every rank is at the same
@@ -220,18 +243,34 @@ class Comm:
         rank talks to log2(N) peers. Every rank must call it, in the same order."""
         n, rank, group = self.world_size, self.rank, self.group
         assert group is not None
+        width = box.numel()
+        assert width <= _WIDTH
+        self._agreements += 1
+        tag = self._agreements * 8 + width
+        full = torch.zeros(_WIDTH + 2, dtype=torch.int64)
+        full[:width] = box
+        full[_WIDTH:] = torch.tensor([tag, -tag])  # reduced by MAX: the largest and smallest
+
+        def both(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            out = torch.maximum(a, b)
+            out[:width] = combine(a[:width], b[:width])
+            return out
+
         mask = 1
         while mask < n:
             if rank & mask:
-                dist.send(box, dst=dist.get_global_rank(group, rank - mask), group=group)
+                dist.send(full, dst=dist.get_global_rank(group, rank - mask), group=group)
                 break
             if rank + mask < n:
-                other = torch.empty_like(box)
+                other = torch.empty_like(full)
                 dist.recv(other, src=dist.get_global_rank(group, rank + mask), group=group)
-                box = combine(box, other)
+                full = both(full, other)
             mask <<= 1
-        dist.broadcast(box, src=dist.get_global_rank(group, 0), group=group)
-        return box
+        dist.broadcast(full, src=dist.get_global_rank(group, 0), group=group)
+        highest, lowest = int(full[_WIDTH].item()), -int(full[_WIDTH + 1].item())
+        if highest != lowest:
+            raise DivergedError(tag, lowest, highest)
+        return full[:width]
 
     def meet(self, peers: Collection[int], timeout_s: float) -> list[int]:
         """Meet each of ``peers`` (each must call ``meet`` naming this rank, as often as this

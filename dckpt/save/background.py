@@ -47,9 +47,15 @@ class SaveThread:
 
     @property
     def current(self) -> SaveTicket | None:
-        """The save in flight, if any."""
+        """The save in flight on this rank, if any."""
         ticket = self._current
         return ticket if ticket is not None and not ticket.done() else None
+
+    @property
+    def latest(self) -> SaveTicket | None:
+        """The newest save started, done or not: the same save on every rank (saves are
+        collective), where ``current`` is this rank's view of whether it is still running."""
+        return self._current
 
     def start(
         self,

@@ -69,6 +69,10 @@ class Saver:
         return self._thread.current
 
     @property
+    def latest(self) -> SaveTicket | None:
+        return self._thread.latest
+
+    @property
     def stuck(self) -> SaveTicket | None:
         return self._thread.stuck
 
