@@ -454,7 +454,10 @@ class CheckpointManager:
         self._saver.before_optimizer_step()
 
     def wait(self) -> SaveResult | None:
-        """Block until the save in flight is committed; raise if any earlier save failed."""
+        """Block until the save in flight is committed; raise if an earlier durable save
+        failed, on every rank (a memory save's failure fails only its handle: logged, agreed,
+        and the next save goes on). Returns the result of the save that was in flight on this
+        rank, if any (None when this rank's had already ended, or a memory save failed)."""
         return self._saver.wait()
 
     # --- loading ----------------------------------------------------------------------------

@@ -392,6 +392,23 @@ MUTANTS = (
         (f"{PR}::test_ranks_that_see_the_save_in_flight_differently_take_the_same_branches",),
     ),
     Mutant(
+        "saver: a rank whose save thread has ended raises its failure before the broadcast",
+        "dckpt/save/saver.py",
+        "        t0 = time.perf_counter()\n        mine = None",
+        "        t0 = time.perf_counter()\n"
+        "        self._thread.raise_if_failed()\n        mine = None",
+        (
+            "tests/test_async.py::test_a_failure_seen_at_different_times_is_raised_by_the_next_save_on_every_rank",
+        ),
+    ),
+    Mutant(
+        "saver: wait() re-raises a memory save's failure where that save was still running",
+        "dckpt/save/saver.py",
+        "            return SaveHandle(ticket).result()\n        except SaveError:",
+        "            return SaveHandle(ticket).result()\n        except KeyError:",
+        ("tests/test_async.py::test_wait_after_a_failed_memory_save_does_the_same_on_every_rank",),
+    ),
+    Mutant(
         "comm: ranks that reached different agreements are not told",
         "dckpt/collective/comm.py",
         "        if highest != lowest:",

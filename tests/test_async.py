@@ -101,6 +101,100 @@ def test_write_failing_on_one_rank_fails_the_save_everywhere(tmp_path: Path) -> 
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
+def _failure_seen_apart(rank: int, world: int, root: str) -> dict[str, Any]:
+    import time
+
+    import dckpt
+
+    model, opt = _model(width=64)
+    config = dckpt.CheckpointConfig(root=Path(root), timeout_s=60, async_save=True)
+    mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
+    mgr.save(1).result()
+    if rank == 0:  # rank 0's save thread lives on 2 s after the agreed failure (a slow tidy-up)
+        pipeline = mgr._saver._pipeline
+        run = pipeline.run
+
+        def slow(*args: Any) -> Any:
+            try:
+                return run(*args)
+            finally:
+                time.sleep(2.0)
+
+        pipeline.run = slow  # type: ignore[method-assign]
+    _step(model, opt, seed=5, width=64)
+    mgr.save(2)  # fails on rank 1 in the background (DCKPT_FAULT), agreed by both
+    time.sleep(1.0)  # rank 1's thread has ended; rank 0's has not
+    ended = mgr._saver.current is None
+    raised = ""
+    try:
+        mgr.save(3)
+    except dckpt.SaveError as exc:
+        raised = str(exc)
+    loaded_step = mgr.load().step  # the next collective: every rank must get here together
+    mgr.close()
+    return {"ended": ended, "raised": raised, "loaded": loaded_step}
+
+
+def test_a_failure_seen_at_different_times_is_raised_by_the_next_save_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    # A rank whose save thread had ended used to raise before the save's broadcast, while a
+    # rank still tidying up entered it: the two then met at different collectives.
+    fault = {"DCKPT_FAULT": "phase=write_shards,rank=1,action=raise,step=2"}
+    results = run_world(_failure_seen_apart, 2, str(tmp_path), env=fault, timeout=120)
+    assert [r["ended"] for r in results] == [False, True], "the split was not reached"
+    for r in results:
+        assert "step 2" in r["raised"] and "injected fault" in r["raised"], r
+        assert r["loaded"] == 1, r
+
+
+def _memory_failure_waited_apart(rank: int, world: int, base: str) -> dict[str, Any]:
+    import os
+    import time
+
+    import dckpt
+
+    model, opt = _model(width=64)
+    config = dckpt.CheckpointConfig(
+        root=Path(base) / "root", memory=True, memory_dir=Path(base) / "mem", timeout_s=30
+    )
+    mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
+    mgr.save(1).result()
+    if rank == 1:  # rank 1's save thread lives on 2 s after the agreed failure
+        pipeline = mgr._saver._pipeline
+        run = pipeline.run
+
+        def slow(*args: Any) -> Any:
+            try:
+                return run(*args)
+            finally:
+                time.sleep(2.0)
+
+        pipeline.run = slow  # type: ignore[method-assign]
+    _step(model, opt, seed=5, width=64)
+    os.environ["DCKPT_FAULT"] = "phase=memory_commit,rank=0,action=raise,step=2"
+    mgr.save(2, tier="memory")  # fails on rank 0 at its commit; every rank learns it
+    time.sleep(1.0)  # rank 0's thread has ended; rank 1's has not
+    ended = mgr._saver.current is None
+    try:
+        mgr.wait()
+        waited = "returned"
+    except dckpt.SaveError as exc:
+        waited = f"raised: {exc}"
+    loaded = mgr.load().step  # the next collective: every rank must get here together
+    mgr.close()
+    return {"ended": ended, "waited": waited, "loaded": loaded}
+
+
+def test_wait_after_a_failed_memory_save_does_the_same_on_every_rank(tmp_path: Path) -> None:
+    # A memory save's failure fails only its handle (logged, agreed). wait() used to re-raise
+    # it only where the save was still running: that rank left while the others went on.
+    results = run_world(_memory_failure_waited_apart, 2, str(tmp_path), timeout=120)
+    assert [r["ended"] for r in results] == [True, False], "the split was not reached"
+    assert [r["waited"] for r in results] == ["returned", "returned"], results
+    assert [r["loaded"] for r in results] == [1, 1], results
+
+
 def _save_close_exit(rank: int, world: int, root: str) -> None:
     import dckpt
 

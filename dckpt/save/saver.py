@@ -101,8 +101,10 @@ class Saver:
         cannot block (the memory tier's: its copy in ``save()`` is the snapshot) always runs
         in the background.
 
-        Before any of it, once this rank knows it may save at all (an unusable group or an
-        earlier failure is raised here first, with no collective): rank 0's ``when``, one
+        Before any of it, once this rank knows it may save at all (an unusable group is raised
+        here first, with no collective; an earlier save's failure only after the broadcast and
+        the wait for that save, on every rank: a rank whose save thread has ended knows of the
+        failure before a rank whose thread is still tidying up): rank 0's ``when``, one
         broadcast made at every save whatever this rank's ``when`` (a rank that passed None
         must not leave the others waiting), which also carries rank 0's ``async_save="auto"``
         plan while it decides (so the decision costs no collective of its own, and lags the
@@ -111,7 +113,6 @@ class Saver:
         route = self._routes[tier]
         self._refuse_if_unusable()
         t0 = time.perf_counter()
-        self._thread.raise_if_failed()
         mine = None
         if self.rank == 0:  # a plan only for a save that runs: a trial must not be skipped
             go = when is None or bool(when)
@@ -139,20 +140,21 @@ class Saver:
             busy = self._ctl.lowest(in_flight is not None)  # one all-reduce, not N flags
             if busy is not None:
                 return self._skip(step, busy)
-        waited = 0.0
-        if in_flight is not None:
-            t_wait = time.perf_counter()
-            self._thread.join(self._join_timeout)
-            waited = time.perf_counter() - t_wait
-            if self.rank == 0 and waited >= BUSY_WAIT_NOTE_S:  # a blip is not worth a line
-                log.info(
-                    "dckpt: save of step %d waited %.2f s for step %d to finish writing "
-                    "(saves come faster than the storage takes them; see if_busy='skip')",
-                    step,
-                    waited,
-                    in_flight.step,
-                )
-            self._thread.raise_if_failed()
+        # Every rank joins and raises here, whatever its own view of the save in flight (one
+        # rank's thread may have ended while another's runs): the decision to go on with
+        # this save must be the same on every rank.
+        t_wait = time.perf_counter()
+        self._thread.join(self._join_timeout)  # at once when this rank's thread has ended
+        waited = time.perf_counter() - t_wait if in_flight is not None else 0.0
+        if in_flight is not None and self.rank == 0 and waited >= BUSY_WAIT_NOTE_S:
+            log.info(  # a blip is not worth a line
+                "dckpt: save of step %d waited %.2f s for step %d to finish writing "
+                "(saves come faster than the storage takes them; see if_busy='skip')",
+                step,
+                waited,
+                in_flight.step,
+            )
+        self._thread.raise_if_failed()
 
         job = self._pipeline.prepare(
             route,
@@ -218,8 +220,16 @@ class Saver:
             raise SaveError(f"{self._unusable}; restart the job")
         ticket = self._thread.current
         self._thread.join(self._join_timeout)
-        self._thread.raise_if_failed()
-        return SaveHandle(ticket).result() if ticket is not None else None
+        self._thread.raise_if_failed()  # an agreed failure: latched on every rank once joined
+        if ticket is None:
+            return None
+        try:
+            return SaveHandle(ticket).result()
+        except SaveError:
+            # What is left is a memory save's failure, agreed and logged, which fails only its
+            # handle; raising it here only where the save was still running would send this
+            # rank away while the others go on to the caller's next collective.
+            return None
 
     def drain(self) -> None:
         """At close: wait for the save in flight, unless it is stuck (then say so)."""
