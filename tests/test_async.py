@@ -181,7 +181,7 @@ def _memory_failure_waited_apart(rank: int, world: int, base: str) -> dict[str, 
         waited = "returned"
     except dckpt.SaveError as exc:
         waited = f"raised: {exc}"
-    loaded = mgr.load().step  # the next collective: every rank must get here together
+    loaded = mgr.latest_step()  # the next collective: every rank must get here together
     mgr.close()
     return {"ended": ended, "waited": waited, "loaded": loaded}
 
