@@ -101,6 +101,23 @@ def test_write_failing_on_one_rank_fails_the_save_everywhere(tmp_path: Path) -> 
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
+def _end_saves_late(mgr: Any, seconds: float) -> None:
+    """This rank's save thread lingers ``seconds`` after each save is over (agreed, committed
+    or failed), as one tidying up a large tmp dir would: the real save runs unchanged."""
+    import time
+
+    pipeline = mgr._saver._pipeline
+    run = pipeline.run
+
+    def late(*args: Any) -> Any:
+        try:
+            return run(*args)
+        finally:
+            time.sleep(seconds)
+
+    pipeline.run = late
+
+
 def _failure_seen_apart(rank: int, world: int, root: str) -> dict[str, Any]:
     import time
 
@@ -111,16 +128,7 @@ def _failure_seen_apart(rank: int, world: int, root: str) -> dict[str, Any]:
     mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
     mgr.save(1).result()
     if rank == 0:  # rank 0's save thread lives on 2 s after the agreed failure (a slow tidy-up)
-        pipeline = mgr._saver._pipeline
-        run = pipeline.run
-
-        def slow(*args: Any) -> Any:
-            try:
-                return run(*args)
-            finally:
-                time.sleep(2.0)
-
-        pipeline.run = slow  # type: ignore[method-assign]
+        _end_saves_late(mgr, 2.0)
     _step(model, opt, seed=5, width=64)
     mgr.save(2)  # fails on rank 1 in the background (DCKPT_FAULT), agreed by both
     time.sleep(1.0)  # rank 1's thread has ended; rank 0's has not
@@ -161,16 +169,7 @@ def _memory_failure_waited_apart(rank: int, world: int, base: str) -> dict[str, 
     mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
     mgr.save(1).result()
     if rank == 1:  # rank 1's save thread lives on 2 s after the agreed failure
-        pipeline = mgr._saver._pipeline
-        run = pipeline.run
-
-        def slow(*args: Any) -> Any:
-            try:
-                return run(*args)
-            finally:
-                time.sleep(2.0)
-
-        pipeline.run = slow  # type: ignore[method-assign]
+        _end_saves_late(mgr, 2.0)
     _step(model, opt, seed=5, width=64)
     os.environ["DCKPT_FAULT"] = "phase=memory_commit,rank=0,action=raise,step=2"
     mgr.save(2, tier="memory")  # fails on rank 0 at its commit; every rank learns it
