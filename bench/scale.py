@@ -1094,25 +1094,24 @@ def summary(doc: dict[str, Any]) -> list[str]:
             "every rank reads whole (the issue's target under FSDP: <= 1.1x):"
         )
         lines.append("")
+        per_rank = (t.get("data_per_rank", 0) for t in doc.get("tallies", []))
+        small = max(per_rank, default=0) < (1 << 20)  # shards of kBs, not MBs
         for parallel in sorted({p for p, _, _ in shares}):
             row = ", ".join(f"N={n}: {x:.2f}x" for p, n, x in shares if p == parallel)
             worst = max(x for p, _, x in shares if p == parallel)
-            small = max((t.get("data_per_rank", 0) for t in doc.get("tallies", [])), default=0) < (
-                1 << 20
-            )
-            note = (
-                ("meets" if worst <= 1.1 else "**misses**")
-                + " <= 1.1x"
-                + (
-                    " (on shards of a few kB, the item digests of the files a rank reads a "
-                    "value from weigh as much as its share: `scale_hashing.md` measures MB shards)"
-                    if small and worst > 1.1
-                    else ""
+            if parallel != "fsdp":
+                note = (
+                    "every rank reads every replicated tensor (one copy, in rank 0's file): "
+                    "what it hashes is what it reads"
                 )
-                if parallel == "fsdp"
-                else "every rank reads every replicated tensor (one copy, in rank 0's file): "
-                "what it hashes is what it reads"
-            )
+            else:
+                note = ("meets" if worst <= 1.1 else "**misses**") + " <= 1.1x"
+                if small and worst > 1.1:
+                    note += (
+                        " (on shards of a few kB, the item digests of the files a rank reads a "
+                        "value from weigh as much as its share: `scale_hashing.md` measures MB "
+                        "shards)"
+                    )
             lines.append(f"- {parallel}: {row}: {note}")
         lines.append("")
     for name, per in (doc.get("model") or {}).items():
