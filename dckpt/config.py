@@ -65,6 +65,26 @@ class CheckpointConfig:
             (buffered where it refuses it): no page-cache copy, a fraction of the CPU a
             buffered write takes from the training steps. The price: a load right after a
             save on the same node reads from the disk, not from the page cache.
+        incremental: write the model parameters that do not require grad (a frozen backbone)
+            to a file of their own per rank, and let a save whose frozen items all hash the
+            same as the last committed save's link that file instead of writing it again
+            (a hard link: every step stays a complete directory, retention and ``gc`` work
+            as before, and every byte is still verified; on an s3:// root, a copy inside the
+            bucket: no byte is uploaded again). A model with no frozen parameter is saved
+            exactly as without it. See docs/ARCHITECTURE.md, "Incremental saves".
+        incremental_copies: with ``incremental``, how many copies of the frozen file the
+            newest steps hold: a save links the file of the save ``incremental_copies`` saves
+            before it, never a newer one. 2 (default): two consecutive steps never share a
+            copy, so one bad sector in it fails every other step and the resume falls back to
+            the step before, as without incremental saves (the second save writes the file
+            again; the third on link). 1: every save links the last one's (the least bytes;
+            one bad sector fails every step since the copy was written). A save only links
+            a file whose step is still kept: with ``keep_last`` below this, none is. On an
+            s3:// root a reused file is copied in the bucket, an object of its own, so every
+            save reuses the last one's whatever this says.
+        full_every: with ``incremental``, write the frozen file afresh at least every this
+            many saves (0: only when it changes): bounds how many steps share one physical
+            copy, so that one bad sector cannot fail them all.
         async_save: ``True``: write in the background; ``save()`` returns once the state is
             staged. ``False``: ``save()`` returns once the checkpoint is committed. ``"auto"``
             (default): whichever costs the training loop less, measured: the first saves run
@@ -145,6 +165,9 @@ class CheckpointConfig:
     save_timeout_s: float | None = None
     io_threads: int = 1
     direct_io: bool = True
+    incremental: bool = True
+    incremental_copies: int = 2
+    full_every: int = 0
     async_save: bool | Literal["auto"] = "auto"
     overlap_staging: bool = False
     device_staging_bytes: int | None = None
@@ -269,5 +292,12 @@ class CheckpointConfig:
             raise ValueError(f"memory_keep must be >= 1, got {self.memory_keep}")
         if self.memory_dir is not None:
             object.__setattr__(self, "memory_dir", Path(self.memory_dir))
+        if self.incremental_copies < 1:
+            raise ValueError(f"incremental_copies must be >= 1, got {self.incremental_copies}")
+        if self.full_every < 0:
+            raise ValueError(
+                f"full_every must be >= 0 (0: a frozen file is written again only when it "
+                f"changes), got {self.full_every}"
+            )
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")

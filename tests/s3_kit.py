@@ -185,6 +185,7 @@ class FaultProxy(LoopbackServer):
         # (a flipped bit, a listing that repeats its continuation token); None: as they came
         self.mangle: Callable[[str, str, int, bytes], bytes | tuple[int, bytes]] | None = None
         self.seen: list[tuple[str, str, str]] = []  # (method, path, what was done)
+        self.copied: list[str] = []  # the path?query of each server-side copy (CopyObject)
         self._lock = threading.Lock()
         proxy = self
 
@@ -200,6 +201,8 @@ class FaultProxy(LoopbackServer):
                 with proxy._lock:
                     action = proxy.rule(self.command, self.path)
                     proxy.seen.append((self.command, self.path, action or "forward"))
+                    if self.headers.get("x-amz-copy-source"):
+                        proxy.copied.append(self.path)
                 if action == "drop":
                     self.close_connection = True
                     with contextlib.suppress(OSError):

@@ -94,7 +94,9 @@ def test_the_json_holds_every_field_as_the_dataclass_holds_it() -> None:
     """``to_json_obj`` builds its dict field by field (for speed at thousands of ranks): it
     holds what ``dataclasses.asdict`` would, tuples as lists, and shares no dict with the
     manifest (a caller that edits the JSON leaves the frozen record as it was)."""
-    m = make_manifest(integrity={"nonfinite": ["model.w"]})
+    m = make_manifest(
+        integrity={"nonfinite": ["model.w"]}, incremental={"trainable": ["model.w"], "reused": {}}
+    )
     obj = m.to_json_obj()
     expected = json.loads(json.dumps(dataclasses.asdict(m)))
     assert {k: v for k, v in obj.items() if k != "self_digest"} == expected

@@ -503,3 +503,55 @@ def test_the_memory_tier_records_its_manifests_in_the_bucket(
         assert weights == saved[rank][1]
         assert "from the memory tier (local memory" in report, report
         assert f"against the manifest in s3://{bucket}/jobs/m/memory/step-00000002.json" in report
+
+
+# --- incremental saves: the frozen file is copied in the bucket, not uploaded again ----------
+
+
+def _frozen_job(rank: int, world: int, root: str, mirror: str) -> list[int]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    import dckpt
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 4))
+    body[0].requires_grad_(False)
+    body[1].requires_grad_(False)
+    model = DistributedDataParallel(body)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    cfg = dckpt.CheckpointConfig(root=root, mirror=Path(mirror), async_save=False, timeout_s=60)
+    with dckpt.CheckpointManager(cfg, dckpt.TrainState(model, opt)) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(4, 256)).square().mean().backward()
+            opt.step()
+            mgr.save(step)
+    return [step]
+
+
+def test_an_incremental_save_copies_the_frozen_file_in_the_bucket_and_every_step_verifies(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 30 on an s3:// root: a save after the first links the frozen layers' file from
+    the mirror and copies its object inside the bucket (CopyObject, seen at a proxy) instead
+    of uploading it; each step still holds every object, and every step verifies."""
+    from s3_kit import FaultProxy
+
+    from dckpt.cli import main
+
+    proxy = FaultProxy(s3.port)
+    try:
+        bucket = s3.bucket()
+        root = f"s3://{bucket}/run"
+        run_world(_frozen_job, 1, root, str(tmp_path / "mirror"), env=s3.env(proxy.endpoint))
+    finally:
+        proxy.close()
+    keys = s3.keys(bucket, "run/")
+    assert main(["verify", root]) == 0  # every step, each object hashed in the bucket
+    stable = {s: f"run/step-{s:08d}/__0_stable.distcp" for s in (1, 2, 3)}
+    assert len({keys[k] for k in stable.values()}) == 1  # each step holds the whole file
+    sent = [(m, p) for m, p, _ in proxy.seen if "__0_stable.distcp" in p and m in ("PUT", "POST")]
+    # step 1 uploaded it; steps 2 and 3 copied it from the step before (no byte sent again)
+    assert [p for m, p in sent if "step-00000001/" in p]
+    for s in (2, 3):
+        mine = [p for _, p in sent if f"step-{s:08d}/__0_stable.distcp" in p]
+        assert mine and all(p in proxy.copied for p in mine), (s, mine, proxy.copied)

@@ -126,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument(
+        "--trainable",
+        action="store_true",
+        help="only the parameters that required grad when the step was saved (an adapter, "
+        "a fine-tuned head), by name; needs a step saved with incremental on (the default)",
+    )
+    p.add_argument(
         "--with-config",
         action="store_true",
         help="also store the run config and the step, to build the model from: in a "

@@ -41,8 +41,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             fail(EXIT_INTEGRITY, str(exc))
         t = manifest.timings
         measured["bytes"] = manifest.total_bytes
-        if t.get("write_s"):
-            measured["write_gbps"] = manifest.total_bytes / t["write_s"] / 1e9
+        if t.get("write_s"):  # a linked file (an incremental save) was not written
+            written = manifest.total_bytes - t.get("reused_bytes", 0.0)
+            measured["write_gbps"] = written / t["write_s"] / 1e9
         measured["stall_s"] = t.get(
             "training_slowed_s", t.get("stall_s", t.get("to_commit_s", 0.0))
         )

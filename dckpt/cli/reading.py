@@ -146,6 +146,7 @@ def _ls_record(
         verified_at=None if check is None else check.get("time"),
     )
     with_manifest(record, manifest, now)
+    record["shared_bytes"] = root.shared(entry)
     with_resumes(record, resumes, manifest.save_id)
     return record
 
@@ -202,6 +203,7 @@ def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str)
         "step",
         "status",
         "size",
+        "shared",
         "files",
         "age",
         "milestone",
@@ -211,12 +213,14 @@ def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str)
         "marks",
         "note",
     ):
-        table.add_column(col, justify="right" if col in ("step", "size", "files") else "left")
+        right = col in ("step", "size", "shared", "files")
+        table.add_column(col, justify="right" if right else "left")
     for r in records:
         table.add_row(
             str(r["step"]),
             r["status"] if r["error"] is None else "committed (damaged)",
             human(r["bytes"]),
+            human(r["shared_bytes"]) if r.get("shared_bytes") else "",
             "-" if r["files"] is None else str(r["files"]),
             _age(r["age_s"]),
             "yes" if r["milestone"] else "",
@@ -336,6 +340,20 @@ def _print_config(config: dict[str, Any]) -> None:
         out.print(f"  {label:<10} {key} = {value}", markup=False)
 
 
+def _reused_text(manifest: Manifest) -> str:
+    """What an incremental save linked instead of writing, and from which steps."""
+    reused = manifest.incremental.get("reused", {})
+    if not reused:
+        return "nothing (every file was written by this save)"
+    sizes = manifest.file_map()
+    linked = sum(sizes[p].bytes for p in reused if p in sizes)
+    origins = ", ".join(str(s) for s in sorted(set(reused.values())))
+    return (
+        f"{human(linked)} in {plural(len(reused), 'file')} linked, not written: frozen "
+        f"parameters whose bytes step {origins} wrote"
+    )
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     root = cli_root(args.root)
     step = committed_step(root, args.step)
@@ -374,6 +392,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             or "not measured",
         ),
         ("staging", describe_staging(manifest.timings)),
+        ("reused", _reused_text(manifest)),
     ]
     for key, value in rows:
         out.print(f"  {key:<10} {value}")

@@ -161,6 +161,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         manifest = _manifest(step_dir)
     if not flat:
         fail(EXIT_USAGE, f"{shown}/{step_dir.name} holds no model state")
+    if args.trainable:
+        if "trainable" not in manifest.incremental:
+            fail(
+                EXIT_USAGE,
+                f"{shown}/{step_dir.name} does not record which parameters required grad (it "
+                f"was saved with incremental=False, or by an older dckpt); export it "
+                f"whole, without --trainable",
+            )
+        keep = set(manifest.incremental["trainable"])
+        flat = {k: v for k, v in flat.items() if k in keep}
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     tensors: dict[str, torch.Tensor] = {}
     for key, value in flat.items():
@@ -175,6 +185,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"{human(out_path.stat().st_size)}) of {step_dir.name} to {out_path}"
         + (f" as {args.dtype}" if args.dtype else "")
         + (" with the run config" if args.with_config else "")
+        + (", trainable parameters only" if args.trainable else "")
         + "; no optimizer state"
     )
     return EXIT_OK

@@ -33,7 +33,7 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -61,6 +61,11 @@ class Flag(Protocol):
 class CommitStrategy(Protocol):
     """How a root turns a save in flight into a checkpoint; see the module docstring."""
 
+    shares_reused: bool
+    """Whether a file a save reuses (``committed_file``) is the same bytes on the storage as
+    the step it came from (a hard link), not a copy of its own (an object store's copy): then
+    one bad sector in it fails both steps."""
+
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         """Where one save of ``step`` writes before its commit (not created here)."""
         ...
@@ -81,14 +86,22 @@ class CommitStrategy(Protocol):
         ...
 
     def publish(
-        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace
-    ) -> float:
+        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace,
+        reused: Mapping[str, int] | None = None,
+    ) -> float:  # fmt: skip
         """Every rank, after its files are written to ``tmp``: make sure each is where the
-        commit needs it; returns the seconds it took."""
+        commit needs it; returns the seconds it took. ``reused``: the files linked from a
+        committed step (``committed_file``) rather than written, each with that step."""
         ...
 
     def where(self, root: Path, step: int) -> str:
         """Where a user finds the committed ``step`` (for logs)."""
+        ...
+
+    def committed_file(self, root: Path, step: int, name: str) -> Path | None:
+        """Where any rank finds the file ``name`` of the committed ``step``, to link into a
+        later save (dckpt.storage.stable_file); None where a later save cannot link it (an
+        object store: each step's objects are its own)."""
         ...
 
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
@@ -135,6 +148,8 @@ def _replace(base: Path, tmp_dir: Path, final: Path) -> Path:
 class RenameCommit:
     """Commit by atomic rename, for POSIX file systems where rename(2) is atomic."""
 
+    shares_reused = True  # a reused file is a hard link
+
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return Path(root) / f"{step_dir_name(step)}.tmp-{save_id}"
 
@@ -145,12 +160,16 @@ class RenameCommit:
         return None
 
     def publish(
-        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace
-    ) -> float:
-        return 0.0  # the files are where the commit needs them
+        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace,
+        reused: Mapping[str, int] | None = None,
+    ) -> float:  # fmt: skip
+        return 0.0  # the files are where the commit needs them (a link is a name in tmp)
 
     def where(self, root: Path, step: int) -> str:
         return str(Path(root) / step_dir_name(step))
+
+    def committed_file(self, root: Path, step: int, name: str) -> Path | None:
+        return Path(root) / step_dir_name(step) / name
 
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
         if policy.enabled:

@@ -48,15 +48,19 @@ from .verify import VerifyResult, read_verification, record_verification, verify
 __all__ = ["DirectoryRoot", "dir_bytes"]
 
 
-def dir_bytes(path: Path) -> int:
-    """The bytes of every file under ``path`` (links not followed); what a step takes."""
+def dir_bytes(path: Path, *, shared: bool = False) -> int:
+    """The bytes of every file under ``path`` (links not followed); what a step takes. With
+    ``shared``, only of the files that have another name too (a hard link from a later or
+    earlier step: dckpt.storage.stable_file)."""
     total = 0
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
             try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
+                st = os.lstat(os.path.join(dirpath, name))
             except OSError:
                 continue
+            if not shared or st.st_nlink > 1:
+                total += st.st_size
     return total
 
 
@@ -136,6 +140,9 @@ class DirectoryRoot:
 
     def measure(self, entry: Entry) -> int:
         return dir_bytes(self.path / entry.name)
+
+    def shared(self, entry: Entry) -> int:
+        return dir_bytes(self.path / entry.name, shared=True)
 
     def where(self, step: int) -> Path:
         return self.path / step_dir_name(step)

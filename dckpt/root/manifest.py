@@ -93,6 +93,11 @@ class Manifest:
     integrity: dict[str, Any] = field(default_factory=dict)
     """What the save's value checks let through (``nonfinite``, ``replicas_differ``); empty,
     and then absent from the file (older manifests stay byte-identical), for a clean save."""
+    incremental: dict[str, Any] = field(default_factory=dict)
+    """An incremental save's record: ``trainable`` (the names of the parameters that require
+    grad) and ``reused`` (file → the step whose save wrote its bytes, for the files linked
+    from an earlier step); empty, and then absent from the file, otherwise. Every listed file
+    is in the step's own directory either way: older dckpt reads such a step as any other."""
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -135,6 +140,8 @@ class Manifest:
         obj["bytes_per_rank"] = list(self.bytes_per_rank)
         if not self.integrity:
             del obj["integrity"]
+        if not self.incremental:
+            del obj["incremental"]
         obj["self_digest"] = fingerprint(obj)
         return obj
 
@@ -301,6 +308,26 @@ def _safe_path(path: Any, source: str) -> str:
     return path
 
 
+def _incremental(obj: dict[str, Any], source: str, files: set[str]) -> dict[str, Any]:
+    """The ``incremental`` record, checked: a trainable name is a string, a reused file is
+    listed, and its step of origin is not after this step."""
+    if "incremental" not in obj:
+        return {}
+    record = _dict(obj, "incremental", source)
+    trainable, reused = record.get("trainable", []), record.get("reused", {})
+    if not isinstance(trainable, list) or not all(isinstance(t, str) for t in trainable):
+        raise _fail(source, "'incremental.trainable' must be a list of strings")
+    if not isinstance(reused, dict):
+        raise _fail(source, "'incremental.reused' must be an object")
+    step = obj.get("step")
+    for path, origin in reused.items():
+        if path not in files:
+            raise _fail(source, f"'incremental.reused' names {path[:80]!r}, not a listed file")
+        if type(origin) is not int or type(step) is not int or not 0 <= origin <= step:
+            raise _fail(source, f"'incremental.reused' gives {path!r} the step {origin!r}")
+    return record
+
+
 def _parse(obj: Any, source: str) -> Manifest:
     if not isinstance(obj, dict):
         raise _fail(source, "top level is not a JSON object")
@@ -403,6 +430,7 @@ def _parse(obj: Any, source: str) -> Manifest:
         milestone=milestone,
         metric=_dict(obj, "metric", source),
         integrity=_dict(obj, "integrity", source) if "integrity" in obj else {},
+        incremental=_incremental(obj, source, seen),
     )
     sealed = manifest.sealed()
     if sealed.files_digest != manifest.files_digest:

@@ -145,6 +145,11 @@ class Root(Protocol):
         """The bytes ``entry`` takes in the root."""
         ...
 
+    def shared(self, entry: Entry) -> int:
+        """The bytes of ``entry``'s files that other entries hold too (an incremental save's
+        linked files): deleting ``entry`` frees ``measure - shared`` of them at most."""
+        ...
+
     def where(self, step: int) -> Path | str:
         """Where a user finds the committed ``step``: its directory, or its URL."""
         ...

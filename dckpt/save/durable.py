@@ -18,16 +18,27 @@ root (a directory, or an s3:// root through its mirror) does in it:
   after sending a whole shard that cannot commit; each rank then reports its own error, or
   the failing rank's under that rank (``RankReport.error_rank``), so the save's one error
   names the rank and the object that failed;
-- steps 6-10 need nothing of it beyond the commit strategy (rename, or manifest-last).
+- steps 6-10 need nothing of it beyond the commit strategy (rename, or manifest-last),
+  except that after a commit each rank remembers its stable file (below).
+
+Incremental saves (``CheckpointConfig.incremental``, on a root whose commit strategy can
+link a committed file: a directory): the frozen parameters of each rank go to a file of their
+own (dckpt.storage.stable_file), and a save whose frozen items all hash the same as those of
+the base, this rank's stable file in the last save this route committed, links it instead of
+writing it. The base is remembered after a commit (its inode, at its committed path) and
+kept across a failed save; ``full_every`` bounds how many steps share one written copy. A
+rank decides alone (its file is its own), so no collective is added and none can diverge.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +55,7 @@ from ..phases import Phase, Trace
 from ..root.commit import CommitStrategy
 from ..storage.hashing_writer import HashingWriter
 from ..storage.sink import Sink, Tee
+from ..storage.stable_file import StableBase, StableFile
 from ..train.state import TrainState
 from ..units import describe_staging, human_bytes
 from .coordinator import RankReport
@@ -103,6 +115,18 @@ class DurableRoute:
         """The previous committed save's size: the next one's estimate."""
         self._snapshots = 0
         """Saves this route took a snapshot for (which replicas ``replica_sample`` compares)."""
+        self.links = config.incremental and strategy.committed_file(Path(), 0, "-") is not None
+        """Whether saves split off and link frozen parameters (module docstring)."""
+        self.copies = config.incremental_copies if strategy.shares_reused else 1
+        """How many saves back a save links from: ``incremental_copies`` where a link shares
+        the bytes (a directory); 1 where a reused file is a copy of its own (a bucket)."""
+        self._bases: deque[_Base] = deque(maxlen=self.copies)
+        """This rank's stable files in its last committed saves, the newest last; a save links
+        the oldest (``copies`` saves back): consecutive steps never share it when there are
+        two."""
+        self._pending: tuple[StableFile, int, int] | None = None
+        """The save in flight's stable file, its bytes' step and how many steps share them
+        (this one included), until its commit."""
 
     def snapshot(
         self, state_dict: dict[str, Any], *, step: int, save_id: str, asynchronous: bool,
@@ -118,8 +142,27 @@ class DurableRoute:
             sample=(self._snapshots, self.config.replica_every),
         )
         if asynchronous:
-            return self.stager.snapshot(state_dict, self._deferred(), checks)
-        return self.stager.live(state_dict, checks)  # the caller waits for the commit
+            snap = self.stager.snapshot(state_dict, self._deferred(), checks)
+        else:
+            snap = self.stager.live(state_dict, checks)  # the caller waits for the commit
+        if self.config.incremental:
+            snap.trainable = tuple(sorted(self.state.param_keys(state_dict, requires_grad=True)))
+            if self.links:
+                snap.stable = self.state.param_keys(state_dict, requires_grad=False)
+        return snap
+
+    def _base(self) -> _Base | None:
+        """The stable file a save may link: ``copies`` saves back."""
+        if len(self._bases) < self.copies:
+            return None
+        return self._bases[0]
+
+    def _reusable(self) -> StableBase | None:
+        """The base a save may link, unless ``full_every`` wants a fresh copy."""
+        base, every = self._base(), self.config.full_every
+        if base is None or (every and base.shared >= every):
+            return None
+        return base.file
 
     def _deferred(self) -> Watch:
         """Tensors whose copy may wait until the next optimizer step (``overlap_staging``):
@@ -170,7 +213,10 @@ class DurableRoute:
             trace=trace,
             tee=uploads.tee(self.strategy.tee(tmp, ticket.step, trace)),
             slim_return=True,  # the planner hands it a copy; dckpt never reads dcp.save's return
+            stable_keys=snapshot.stable,
+            base=self._reusable(),
         )
+        self._pending = None
         error: str | None = None
         try:  # one all-reduce: whether any rank's layout changed since DCP last planned
             key, cached = self.plans.key_for(snapshot.state_dict)
@@ -210,17 +256,30 @@ class DurableRoute:
             ticket.staged.set()
         if error is not None:  # what DCP cached may be half made: every rank re-plans next
             self.plans.forget()
+        stable, base = writer.stable, self._base()
+        linked: dict[str, int] = {}  # file -> the committed step it was linked from
+        origins: dict[str, int] = {}  # file -> the step whose save wrote its bytes
+        if error is None and stable is not None:
+            origin, shared = ticket.step, 1
+            if stable.reused and base is not None:
+                origin, shared = base.origin, base.shared + 1
+                linked = {r.path: base.step for r in stable.records}
+                origins = {r.path: origin for r in stable.records}
+            self._pending = (stable, origin, shared)
         publish_s = 0.0
         if error is None:
             try:  # an object store: every file this rank wrote must be complete there
                 publish_s = self.strategy.publish(
-                    tmp, writer.records(), rank=self.rank, step=ticket.step, trace=trace
-                )
+                    tmp, writer.records(), rank=self.rank, step=ticket.step, trace=trace,
+                    reused=linked,
+                )  # fmt: skip
                 trace.passed(Phase.DCP_FINISH)
             except Exception as exc:
                 error = f"uploading shards failed: {self._describe(exc)}"
+                self._pending = None
         return dataclasses.replace(
             report,
+            route={"reused": origins} if origins else {},
             records=tuple(writer.records()),
             error=error,
             error_rank=error_rank,
@@ -231,6 +290,8 @@ class DurableRoute:
                 "check_s": check_s,
                 "plan_s": planner.plan_s,
                 "plan_cached": float(cached),
+                **({"prehash_s": writer.prehash_s} if stable is not None else {}),
+                **({"reused_bytes": float(stable.bytes)} if stable and stable.reused else {}),
                 **({"upload_s": publish_s} if publish_s else {}),
                 **planner.stats.as_timings(),
             },
@@ -280,12 +341,55 @@ class DurableRoute:
         trace: Trace,
         total_bytes: int,
     ) -> Finished:
-        """Nothing follows the commit; the save line says which path the bytes took."""
+        """Every rank remembers its stable file as committed; the save line says which path
+        the bytes took, and what was linked instead of written."""
         self.last_bytes = total_bytes
-        return Finished(describe_staging(timings) if job.asynchronous else "live state written")
+        self._remember(job.step)
+        line = describe_staging(timings) if job.asynchronous else "live state written"
+        reused = timings.get("reused_bytes", 0.0)
+        if reused:
+            line += f", {human_bytes(reused)} of frozen parameters linked, not written"
+        return Finished(line)
+
+    def _remember(self, step: int) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        stable, origin, shared = pending
+        path = self.strategy.committed_file(self.root, step, stable.name)
+        try:
+            st = os.stat(path) if path is not None else None
+        except OSError:  # seen moved already (a rollback): the next save writes afresh
+            st = None
+        if path is None or st is None:
+            self._bases.clear()
+            return
+        file = StableBase(stable, path, (st.st_dev, st.st_ino), st.st_size)
+        self._bases.append(_Base(file, step, origin, shared))
+
+    def incremental(self, reports: list[RankReport], snapshot: Snapshot | None) -> dict[str, Any]:
+        """Rank 0: what the manifest records of an incremental save: the parameters that
+        require grad, and each linked file's step of origin."""
+        if not self.config.incremental or snapshot is None:
+            return {}
+        reused = {p: s for r in reports for p, s in r.route.get("reused", {}).items()}
+        return {"trainable": list(snapshot.trainable), "reused": reused}
 
     def abandon(self, snapshot: Snapshot | None, step: int) -> None:
-        pass  # the tmp location, removed by rank 0, held all of it
+        self._pending = None  # the tmp location, removed by rank 0, held all of it; the base stays
+
+
+@dataclasses.dataclass(frozen=True)
+class _Base:
+    """This rank's stable file as its last committed save left it."""
+
+    file: StableBase
+    step: int
+    """The step it was committed in (where a later save links it from)."""
+    origin: int
+    """The step whose save wrote its bytes (``step``, or earlier when that save linked it)."""
+    shared: int
+    """How many committed steps share these bytes (``full_every`` bounds it)."""
 
 
 _PIECE = 8 << 20

@@ -327,6 +327,9 @@ class MemoryRoute:
 
     # --- step 7, rank 0 --------------------------------------------------------------------
 
+    def incremental(self, reports: list[RankReport], snapshot: Any) -> dict[str, Any]:
+        return {}  # a memory save links nothing
+
     def mesh(self) -> dict[str, Any]:
         return {
             "tier": "memory",

@@ -510,6 +510,7 @@ class SavePipeline:
             ),
             milestone=job.milestone,
             integrity=integrity,
+            incremental=job.route.incremental(reports, job.snapshot),
         )
 
 

@@ -104,6 +104,10 @@ class SaveRoute(Protocol):
 
     def mesh(self) -> dict[str, Any]: ...
 
+    def incremental(self, reports: list[RankReport], snapshot: Any) -> dict[str, Any]:
+        """Rank 0: the manifest's ``incremental`` record ({}: none)."""
+        ...
+
     def finish(
         self,
         job: SaveJob,

@@ -175,6 +175,11 @@ class Snapshot:
     stats: StagingStats = field(default_factory=StagingStats)
     inspection: Inspection | None = None
     """This save's value checks (None: none), begun in save(), finished by ``inspect_staged``."""
+    stable: frozenset[str] = frozenset()
+    """The names DCP gives the frozen parameters an incremental save writes to a file of
+    their own (dckpt.storage.stable_file); empty: every item goes to DCP's files."""
+    trainable: tuple[str, ...] = ()
+    """The names of the parameters that require grad (``dckpt export --trainable``)."""
     replicas: dict[str, str] = field(default_factory=dict)
     """Tensor name → replica key, for the tensors other ranks hold copies of that DCP keeps
     once (plain tensors; DTensor shards with a Replicate placement): ``replica_key``."""

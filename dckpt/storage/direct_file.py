@@ -150,14 +150,16 @@ class DirectFile(io.RawIOBase):
 
 
 def open_for_write(path: str | os.PathLike[str], *, direct: bool) -> BinaryIO:
-    """A file for writing, created or truncated: direct where the file system allows it, else
-    buffered in 1 MiB batches (each small torch.save chunk would be a syscall)."""
+    """A new file for writing: direct where the file system allows it, else buffered in 1 MiB
+    batches (each small torch.save chunk would be a syscall). FileExistsError if the name is
+    taken: a name may be a link to a committed step's file (dckpt.storage.stable_file), and
+    truncating it would change that step's bytes."""
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o666)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
         else:
             return DirectFile(fd)  # type: ignore[return-value]
-    return open(path, "wb", buffering=1 << 20)
+    return open(path, "xb", buffering=1 << 20)

@@ -33,15 +33,18 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import threading
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from torch.distributed.checkpoint import filesystem as _dcp_fs
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.utils.serialization import config as serialization_config
@@ -52,8 +55,13 @@ from .direct_file import DirectFile, open_for_write
 from .item_digests import SUFFIX, ItemHasher, items_name
 from .records import METADATA_FILE, FileRecord
 from .sink import Sink, Tee
+from .stable_file import StableBase, StableFile, item_key, link_base, prehash, stable_name
 
 __all__ = ["HashingFileSystem", "HashingWriter", "Sink", "Tee"]
+
+_SPLIT = getattr(_dcp_fs, "_split_by_size_and_type", None)
+"""DCP's own split of a rank's items into its files (private: a torch without it saves
+every item to DCP's files, ``HashingWriter._write_split``)."""
 
 
 class _HashingStream(io.RawIOBase):
@@ -205,6 +213,12 @@ class HashingFileSystem(FileSystem):
         with self._lock:
             self._records.pop(self._key(path), None)
 
+    def adopt(self, records: tuple[FileRecord, ...]) -> None:
+        """Files put in place by a link, not written: their records are their writer's."""
+        with self._lock:
+            for rec in records:
+                self._records[rec.path] = rec
+
     def records(self) -> list[FileRecord]:
         with self._lock:
             return sorted(self._records.values())
@@ -229,6 +243,8 @@ class HashingWriter(FileSystemWriter):
         trace: Trace | None = None,
         tee: Tee | None = None,
         slim_return: bool = False,
+        stable_keys: frozenset[str] = frozenset(),
+        base: StableBase | None = None,
     ) -> None:
         # per_thread_copy_ahead=0: DCP's serial loader. The overlapping one (chosen whenever
         # CUDA is available) synchronizes the writer thread's stream every 10 MB, which on the
@@ -246,6 +262,11 @@ class HashingWriter(FileSystemWriter):
         )
         self._trace = trace
         self._slim_return = slim_return
+        self._stable_keys = stable_keys
+        self._base = base
+        self.stable: StableFile | None = None
+        """This save's stable file (None: no item was stable), once ``write_data`` returned."""
+        self.prehash_s = 0.0
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
@@ -266,11 +287,62 @@ class HashingWriter(FileSystemWriter):
         # file loads the same; only zip tools' CRC test would notice).
         # (the config module is installed at import time: mypy cannot see its patch())
         with serialization_config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
-            result = super().write_data(plan, planner)
+            stable = [
+                wi for wi in plan.items
+                if wi.index.fqn in self._stable_keys and wi.type != WriteItemType.BYTE_IO
+            ]  # fmt: skip
+            if stable and _SPLIT is not None and hasattr(self, "_write_data"):
+                result = self._write_split(plan, planner, stable, _SPLIT)
+            else:
+                result = super().write_data(plan, planner)
         if self._trace is not None:  # this rank's shards are on disk; DCP's metadata is not yet
             self._trace.at(Phase.WRITE_SHARDS)
             self._trace.passed(Phase.WRITE_SHARDS)
         return result
+
+    def _write_split(
+        self, plan: SavePlan, planner: SavePlanner, stable: list[Any], split: Any
+    ) -> Future[list[WriteResult]]:
+        """DCP's ``write_data`` with the stable items in a file of their own
+        (dckpt.storage.stable_file), linked from the base when every item hashes the same.
+        The other items go to the files DCP would make of them, under the same names. It
+        builds DCP's file queue itself, with two private DCP functions (``split``, its
+        ``_split_by_size_and_type``, and ``_write_data``): on a torch without them, every
+        item goes to DCP's own files and nothing is reused (``_SPLIT``)."""
+        prefix: str = plan.storage_data.prefix
+        name = stable_name(prefix)
+        ids = {id(wi) for wi in stable}
+        volatile = [wi for wi in plan.items if id(wi) not in ids]
+        t0 = time.perf_counter()
+        items = tuple(
+            (item_key(wi), prehash(planner.resolve_data(wi), self.fs.algorithm)) for wi in stable
+        )
+        self.prehash_s = time.perf_counter() - t0
+        files: queue.Queue[tuple[str, str, list[Any]]] = queue.Queue()
+        for i, bucket in enumerate(split(self.thread_count, volatile)):
+            file = f"{prefix}{i}.distcp"  # DCP's own name for its i-th file
+            files.put((str(self.fs.concat_path(self.path, file)), file, bucket))
+        base = self._base
+        if (
+            base is not None
+            and base.file.name == name
+            and base.file.items == items
+            and link_base(base, Path(self.path))
+        ):
+            self.fs.adopt(base.file.records)
+            self.stable = StableFile(name, base.file.records, base.file.results, items, True)
+            written = self._write_data(planner, files).wait()
+            return _done([*written, *base.file.results])
+        files.put((str(self.fs.concat_path(self.path, name)), name, stable))
+        written = self._write_data(planner, files).wait()
+        mine = {r.path: r for r in self.fs.records()}
+        self.stable = StableFile(
+            name,
+            tuple(mine[p] for p in (name, items_name(name)) if p in mine),
+            tuple(r for r in written if r.storage_data.relative_path == name),
+            items,
+        )
+        return _done(written)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)
@@ -284,3 +356,9 @@ class HashingWriter(FileSystemWriter):
     def records(self) -> list[FileRecord]:
         """The files this rank wrote in the last save, with their digests."""
         return self.fs.records()
+
+
+def _done(results: list[WriteResult]) -> Future[list[WriteResult]]:
+    fut: Future[list[WriteResult]] = Future()
+    fut.set_result(results)
+    return fut

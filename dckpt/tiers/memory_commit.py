@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +74,8 @@ class Lineage:
 class MemoryCommit:
     """Commit a memory save by recording its manifest in the root's ledger."""
 
+    shares_reused = False  # nothing is reused
+
     def __init__(self, ledger: MemoryLedger, keep: int, where_held: str) -> None:
         self.ledger = ledger
         self.keep = keep
@@ -90,12 +92,16 @@ class MemoryCommit:
         return None
 
     def publish(
-        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace
-    ) -> float:
+        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace,
+        reused: Mapping[str, int] | None = None,
+    ) -> float:  # fmt: skip
         return 0.0  # each rank's file is in its node's memory, hashed: where the commit needs it
 
     def where(self, root: Path, step: int) -> str:
         return f"{self.where_held} ({self.ledger.where(step)})"
+
+    def committed_file(self, root: Path, step: int, name: str) -> Path | None:
+        return None  # a memory save's bytes live in its nodes' memory, never linked
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
         if TMP_RE.fullmatch(tmp.name) is None or tmp.parent != Path(root) / LEDGER_DIR:

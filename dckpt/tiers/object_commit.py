@@ -34,7 +34,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..errors import IntegrityError, StorageError
@@ -96,6 +96,8 @@ def keep_only(mirror: Path, step: int | None) -> None:
 class ObjectCommit:
     """Commit to an object store by writing the manifest last; see the module docstring."""
 
+    shares_reused = False  # a reused file is copied in the store: an object of its own
+
     def __init__(self, root: ObjectRoot, *, lock: ObjectLock | None = None) -> None:
         self.objects = root
         self._local = RenameCommit()  # names of the mirror's tmp dirs
@@ -107,6 +109,11 @@ class ObjectCommit:
 
     def where(self, root: Path, step: int) -> str:
         return self.objects.url_of(step_dir_name(step))
+
+    def committed_file(self, root: Path, step: int, name: str) -> Path | None:
+        # The mirror's copy of the newest step (on rank 0's node: ``finalize``): a file
+        # linked from it is not uploaded but copied in the store (``publish``)
+        return Path(root) / step_dir_name(step) / name
 
     def begin(self, root: Path, step: int) -> None:
         if self.objects.store.head(self.objects.key(step_dir_name(step), MANIFEST_FILE)) is None:
@@ -132,14 +139,21 @@ class ObjectCommit:
         return upload
 
     def publish(
-        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace
-    ) -> float:
-        """Every file went up while it was written (``tee``); one that did not (a writer that
-        bypassed the tee) is uploaded now from the local copy, re-hashed as it is sent."""
+        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace,
+        reused: Mapping[str, int] | None = None,
+    ) -> float:  # fmt: skip
+        """Every file went up while it was written (``tee``). One linked from a committed
+        step (``reused``) is copied in the store from that step's object (server-side: no
+        byte crosses the network), its size checked; one that did not go up either way (a
+        writer that bypassed the tee, a copy the store refused) is uploaded now from the
+        local copy, re-hashed as it is sent."""
         t0 = time.perf_counter()
         name = step_dir_name(step)
         for record in records:
             if self._uploaded.get(record.path) == record.bytes:
+                continue
+            source = (reused or {}).get(record.path)
+            if source is not None and self._copy(source, step, record):
                 continue
             algorithm = record.digest.split(":", 1)[0]
             digest, sent = self.objects.store.upload_file(
@@ -154,6 +168,26 @@ class ObjectCommit:
                     detail="the staged file changed between its write and its upload",
                 )
         return time.perf_counter() - t0
+
+    def _copy(self, source: int, step: int, record: FileRecord) -> bool:
+        """``record``'s object copied from the committed ``source`` step's; False (logged)
+        when the store could not, and the caller uploads it instead."""
+        src = self.objects.key(step_dir_name(source), record.path)
+        dst = self.objects.key(step_dir_name(step), record.path)
+        try:
+            self.objects.store.copy(src, dst)
+            size = self.objects.store.head(dst)
+        except StorageError as exc:
+            log.warning("dckpt: %s; uploading it instead", exc)
+            return False
+        if size != record.bytes:
+            log.warning(
+                "dckpt: a copy of %s has %s bytes, not %d; uploading it instead",
+                self.objects.url_of(step_dir_name(source), record.path), size, record.bytes,
+            )  # fmt: skip
+            return False
+        self._uploaded[record.path] = record.bytes
+        return True
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
         if TMP_RE.fullmatch(tmp.name) is None or tmp.parent != Path(root):

@@ -261,6 +261,9 @@ class ObjectRoot:
     def measure(self, entry: Entry) -> int:
         return entry.bytes or 0
 
+    def shared(self, entry: Entry) -> int:
+        return 0  # every step's objects are its own
+
     def where(self, step: int) -> str:
         return self.url_of(step_dir_name(step))
 

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from .per_rank import PerRank
 
@@ -158,6 +159,32 @@ class TrainState:
             if name in state_dict.get("extra", {}):  # absent: a PerRank started fresh
                 obj.load_state_dict(state_dict["extra"][name])
 
+    def param_keys(self, state_dict: dict[str, Any], *, requires_grad: bool) -> frozenset[str]:
+        """The keys DCP gives (``model.<name>``) to the entries of ``state_dict`` (as
+        ``state_dict()`` made it) that hold a model parameter whose ``requires_grad`` is
+        ``requires_grad``: the frozen ones are what an incremental save writes to a file of
+        their own. Matched by storage, not by name, so wrappers' prefixes (DDP's ``module.``)
+        need no knowledge here; an entry that is a copy (an offloaded state dict) matches
+        nothing, and is saved as any other; so does an empty shard (FSDP gives rank 0 a
+        non-empty one of every parameter)."""
+        ptrs = {
+            _local(p).data_ptr()
+            for p in self.model.parameters()
+            if p.requires_grad == requires_grad and _local(p).numel()
+        }
+        if not ptrs:
+            return frozenset()
+        return frozenset(
+            f"model.{k}"
+            for k, v in state_dict.get("model", {}).items()
+            if isinstance(v, torch.Tensor) and _local(v).numel() and _local(v).data_ptr() in ptrs
+        )
+
     def per_rank(self) -> dict[str, PerRank]:
         """The ``extra`` entries that are per rank."""
         return {name: obj for name, obj in self.extra.items() if isinstance(obj, PerRank)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
