@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,15 +30,18 @@ WIDTH = 48
 SEED = 1234
 
 
-def build(rank: int, width: int = WIDTH) -> tuple[Any, Any, Any]:
-    """The same DDP model, AdamW and scheduler on every rank and in every run."""
+def build(rank: int, width: int = WIDTH, frozen: bool = True) -> tuple[Any, Any, Any]:
+    """The same DDP model, AdamW and scheduler on every rank and in every run. Its first layer
+    is frozen (unless ``frozen=False``: a test that sizes a disk to the state), so its saves
+    are incremental: the layer goes to a file of its own, which later saves in a process
+    link (with ``incremental_copies=1``, from the save before), and the faults hit it too."""
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(SEED)
-    model = DistributedDataParallel(
-        nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 8))
-    )
+    body = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 8))
+    body[0].requires_grad_(not frozen)
+    model = DistributedDataParallel(body)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     return model, opt, sched
@@ -95,14 +98,14 @@ def saving_world(
 
 
 def resume_world(
-    rank: int, world: int, roots: list[str], width: int = WIDTH
+    rank: int, world: int, roots: list[str], width: int = WIDTH, frozen: bool = True
 ) -> list[dict[str, Any]]:
     """A restart of each root in turn: resume, compare with the checkpoint, save one more."""
     from dckpt.load.offline import load_flat
 
     out: list[dict[str, Any]] = []
     for root in roots:
-        model, opt, sched = build(rank, width)
+        model, opt, sched = build(rank, width, frozen)
         try:
             mgr = manager(root, model, opt, sched)
         except Exception as exc:
@@ -195,9 +198,16 @@ def check(root: Path, baseline: Baseline, *, may_drop: frozenset[int] = frozense
 
 
 def fresh_root(template: Path, dst: Path) -> Path:
-    """A private copy of a prepared root (its lock was released when its job closed)."""
-    shutil.copytree(template, dst, symlinks=True)
+    """A private copy of a prepared root (its lock was released when its job closed), with
+    its hard links (an incremental save's shared files) kept as links."""
+    copy_tree(template, dst)
     return dst
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """``src`` copied to ``dst`` as ``cp -a`` copies it: symlinks as symlinks, and the names
+    of one inode as links of one file (``shutil.copytree`` makes each a file of its own)."""
+    subprocess.run(["cp", "-a", "--", str(src), str(dst)], check=True, capture_output=True)
 
 
 @dataclass

@@ -13,8 +13,8 @@ The model (a pessimistic POSIX file system; "op" is one traced syscall, in compl
   to that length (a file never synced is empty). With ``unsynced_data="zeros"`` the file keeps
   its full length instead and the unsynced tail reads as zeros (a size update that reached the
   disk before the data, as on XFS or ext4 ``data=writeback``).
-- Namespace (create, mkdir, rename, exchange, unlink, rmdir): a change to a directory's entries
-  becomes durable only when that directory is fsynced after it, and an fsync of a directory
+- Namespace (create, mkdir, rename, exchange, link, unlink, rmdir): a change to a directory's
+  entries becomes durable only when that directory is fsynced after it, and an fsync of a directory
   makes every earlier change to its entries durable. Changes are bound to directory *inodes*,
   not names: an op done under a directory's old name belongs to it under its new name, and the
   content of a directory whose own entry is not durable is unreachable. A rename is a removal
@@ -22,7 +22,10 @@ The model (a pessimistic POSIX file system; "op" is one traced syscall, in compl
   exchange (``renameat2`` with ``RENAME_EXCHANGE``) swaps two entries of one directory
   atomically: both names stay, each now naming the other's inode (so what was written under
   one name is found under the other), and the swap is durable, as a whole, once that directory
-  is fsynced after it.
+  is fsynced after it. A hard link (``link``/``linkat``) adds a name for an existing inode in
+  its directory, durable with that directory's fsync; the inode's bytes are one, under every
+  name, and an unlink removes one name only. The initial tree's names of one inode are one
+  inode too (keyed by ``st_ino``), and ``materialize`` links them again.
 - With ``metadata="ordered"`` the states of a journalling file system that wrote some pending
   namespace changes on its own, in order, are added: at every cut, every prefix of the changes
   not yet made durable by an fsync may also have reached the disk.
@@ -40,7 +43,7 @@ then truncate, and a later write rewrites that block): they were never durable, 
 tree holds what they became; a file rewritten in place below its synced length (truncated or
 overwritten) raises ``SimulationError``; so does a RENAME_EXCHANGE whose two
 entries are in different directories (when each half would become durable is file-system specific)
-or one of whose names is missing, and so does RENAME_WHITEOUT; hard links, symlinks, mmap writes,
+or one of whose names is missing, and so does RENAME_WHITEOUT; symlinks, mmap writes,
 copy_file_range, sendfile and fallocate are not modelled (the final-tree check catches any that
 changed a size); writes through descriptors of deleted files are ignored; syscalls on paths outside
 the root are ignored, and one that crosses the root's boundary raises. Order is strace's completion
@@ -70,11 +73,20 @@ __all__ = [
 # The syscalls parse_strace understands ("?" marks ones a platform may lack, e.g. aarch64).
 TRACED_SYSCALLS = (
     "openat,?open,?creat,write,pwrite64,writev,pwritev,pwritev2,fsync,fdatasync,?rename,"
-    "renameat,renameat2,?mkdir,mkdirat,?unlink,unlinkat,?rmdir,ftruncate,truncate"
+    "renameat,renameat2,?mkdir,mkdirat,?unlink,unlinkat,?rmdir,ftruncate,truncate,?link,linkat"
 )
 
 OpKind = Literal[
-    "create", "truncate", "mkdir", "rename", "exchange", "unlink", "rmdir", "write", "fsync"
+    "create",
+    "truncate",
+    "mkdir",
+    "rename",
+    "exchange",
+    "link",
+    "unlink",
+    "rmdir",
+    "write",
+    "fsync",
 ]
 
 
@@ -89,7 +101,7 @@ class Op:
     index: int
     kind: OpKind
     path: str
-    dest: str = ""  # rename target; exchange: the other entry
+    dest: str = ""  # rename and link target; exchange: the other entry
     nbytes: int = 0  # write: bytes written; truncate: the new length
     offset: int | None = None  # pwrite/pwritev: explicit offset; None: append
     trunc: bool = False  # create: O_TRUNC
@@ -100,6 +112,8 @@ class Op:
             return f"rename {self.path} -> {self.dest}"
         if self.kind == "exchange":
             return f"exchange {self.path} <-> {self.dest}"
+        if self.kind == "link":
+            return f"link {self.path} as {self.dest}"
         if self.kind == "write":
             return f"write {self.nbytes} B to {self.path}"
         return f"{self.kind} {self.path}"
@@ -276,6 +290,14 @@ def parse_strace(text: str, root: str | os.PathLike[str]) -> list[Op]:
                 raise SimulationError(f"line {lineno}: RENAME_WHITEOUT is not modelled")
             swap = "RENAME_EXCHANGE" in flags
             add(Op(0, "exchange" if swap else "rename", src, dest=dst, line=lineno))
+        elif name in ("link", "linkat"):
+            if name == "link":
+                src, dst = _at("", args[0]), _at("", args[1])
+            else:
+                src, dst = _at(args[0], args[1]), _at(args[2], args[3])
+            if "AT_SYMLINK_FOLLOW" in (args[4] if len(args) > 4 else ""):
+                raise SimulationError(f"line {lineno}: a link that follows symlinks")
+            add(Op(0, "link", src, dest=dst, line=lineno))
         elif name in ("unlink", "unlinkat", "rmdir"):
             if name == "unlinkat":
                 path = _at(args[0], args[1])
@@ -393,6 +415,8 @@ class CrashSim:
         self._synced_dirs = {}
         self._new(True)
 
+        inodes: dict[tuple[int, int], int] = {}  # the names of one inode are one node
+
         def walk(path: Path, node: int) -> None:
             for child in sorted(path.iterdir()):
                 if child.is_symlink():
@@ -401,7 +425,11 @@ class CrashSim:
                     ident = self._new(True)
                     walk(child, ident)
                 else:
-                    ident = self._new(False, child, child.stat().st_size)
+                    st = child.stat()
+                    key = (st.st_dev, st.st_ino)
+                    if key not in inodes:
+                        inodes[key] = self._new(False, child, st.st_size)
+                    ident = inodes[key]
                 self._r.volatile[node][child.name] = ident
 
         walk(self.initial, ROOT_NODE)
@@ -477,6 +505,14 @@ class CrashSim:
             # directory after it, or an ordered prefix through this op), never one alone.
             self._set(op, ap, an, b)
             self._set(op, bp, bn, a)
+        elif op.kind == "link":
+            node = self._resolve(op.path, op)
+            if self._r.nodes[node].is_dir:
+                raise SimulationError(f"op {op.index}: a hard link to directory {op.path}")
+            dp, dn = self._parent(op.dest, op)
+            if dn in r.volatile[dp]:
+                raise SimulationError(f"op {op.index}: link onto existing {op.dest}")
+            self._set(op, dp, dn, node)
         elif op.kind in ("unlink", "rmdir"):
             parent, name = self._parent(op.path, op)
             if name not in r.volatile[parent]:
@@ -596,20 +632,30 @@ class CrashSim:
         return self._render(list(self._r.changes), len(self.ops), False, complete=True)
 
     def check_final(self, final: Path) -> None:
-        """Raise unless the simulated final tree matches ``final`` (names, kinds, sizes), and
-        record where each file created during the run can be read."""
+        """Raise unless the simulated final tree matches ``final`` (names, kinds, sizes, and
+        which names are one inode), and record where each file created during the run can be
+        read."""
         simulated = {e.path: (e.is_dir, 0 if e.is_dir else e.length) for e in self.final_state()}
         real: dict[str, tuple[bool, int]] = {}
+        real_links: dict[tuple[int, int], list[str]] = {}
         for dirpath, dirnames, filenames in os.walk(final):
             rel = os.path.relpath(dirpath, final)
             prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             for d in dirnames:
                 real[prefix + d] = (True, 0)
             for f in filenames:
-                real[prefix + f] = (False, os.lstat(os.path.join(dirpath, f)).st_size)
+                st = os.lstat(os.path.join(dirpath, f))
+                real[prefix + f] = (False, st.st_size)
+                real_links.setdefault((st.st_dev, st.st_ino), []).append(prefix + f)
         if simulated != real:
             diff = sorted(set(simulated.items()) ^ set(real.items()))
             raise SimulationError(f"simulated final tree differs from the real one: {diff}")
+        sim_links: dict[int, list[str]] = {}
+        for e in self.final_state():
+            if not e.is_dir:
+                sim_links.setdefault(e.node, []).append(e.path)
+        if sorted(map(sorted, sim_links.values())) != sorted(map(sorted, real_links.values())):
+            raise SimulationError("the simulated final tree links other names than the real one")
         for e in self.final_state():
             node = self._r.nodes.get(e.node)
             if node is not None and not node.is_dir and node.source is None:
@@ -631,13 +677,19 @@ class CrashSim:
         return data[:length]
 
     def materialize(self, state: CrashState, dest: Path) -> Path:
-        """Write ``state`` out as a real tree at ``dest`` (which must not exist)."""
+        """Write ``state`` out as a real tree at ``dest`` (which must not exist); the names of
+        one inode are hard links of one file."""
         dest.mkdir(parents=True)
+        written: dict[int, Path] = {}
         for e in state.entries:
             target = dest / e.path
             if e.is_dir:
                 target.mkdir()
                 continue
+            if e.node in written:
+                os.link(written[e.node], target)
+                continue
+            written[e.node] = target
             if e.zeros_from is None:
                 data = self._bytes(e.node, e.length)
             else:

@@ -61,7 +61,7 @@ def filling_world(rank: int, world: int, root: str, steps: list[int]) -> dict[st
                 warnings.append(record.getMessage())
 
     logging.getLogger("dckpt").addHandler(Keep())
-    model, opt, sched = build(rank, WIDTH)
+    model, opt, sched = build(rank, WIDTH, frozen=False)  # the tmpfs is sized to all of it
     mgr = manager(root, model, opt, sched)
     results = []
     for step in steps:
@@ -106,7 +106,7 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(
 
     # The user frees space (the tmpfs grows); the restart resumes and saves again.
     subprocess.run(["mount", "-o", "remount,size=16m", str(root.parent)], check=True)
-    resumed = run_world(resume_world, 2, [str(root)], WIDTH, timeout=120)
+    resumed = run_world(resume_world, 2, [str(root)], WIDTH, False, timeout=120)
     for r in (0, 1):
         got = resumed[r][0]
         if got.get("error") or got.get("step") != (fits or None):

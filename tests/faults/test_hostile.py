@@ -254,11 +254,12 @@ def duplicated_chunk(meta: Metadata) -> None:
 
 
 def escape_in_metadata(target: str, fqn: str | None = None) -> Callable[[Metadata], None]:
-    """Point what ``__0_0.distcp`` stores (only ``fqn``'s entries, if given) at ``target``."""
+    """Point what ``__0_0.distcp`` stores (or ``fqn``'s entries, wherever they are: the
+    fault kit's frozen layer is in a stable file, dckpt.storage.stable_file) at ``target``."""
 
     def edit(meta: Metadata) -> None:
         for index, info in meta.storage_data.items():
-            if info.relative_path == "__0_0.distcp" and fqn in (None, index.fqn):
+            if (info.relative_path == "__0_0.distcp") if fqn is None else index.fqn == fqn:
                 info.relative_path = target
 
     return edit

@@ -70,6 +70,7 @@ from fault_kit import (
     Trials,
     capture,
     check,
+    copy_tree,
     failed,
     resume_world,
     saving_world,
@@ -149,7 +150,10 @@ def strace_options() -> list[str]:
 def prepared(strace_options: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A root where two real ranks committed steps 1 and 2 (never written to: copied)."""
     root = tmp_path_factory.mktemp("prepared").resolve() / "root"
-    results = run_world(saving_world, 2, str(root), [1, 2], None, None, CONFIG)
+    # incremental_copies=1: step 2 links step 1's frozen file (fault_kit freezes a layer), so
+    # the traced save's retention deletes a name of bytes step 2 still holds
+    config = {**CONFIG, "incremental_copies": 1}
+    results = run_world(saving_world, 2, str(root), [1, 2], None, None, config)
     assert results == ["ok", "ok"], results
     assert committed_steps(root) == [1, 2]
     return root
@@ -160,8 +164,8 @@ def trace_save(options: list[str], prepared: Path, work: Path, step: int) -> Tra
     the end, which must give the tree the run left."""
     root, initial = work / "root", work / "initial"
     work.mkdir(exist_ok=True)
-    shutil.copytree(prepared, root, symlinks=True)
-    shutil.copytree(prepared, initial, symlinks=True)
+    copy_tree(prepared, root)  # the links of the frozen layer's file stay links
+    copy_tree(prepared, initial)
     child = work / "child.py"
     child.write_text(
         CHILD.format(tests=str(TESTS), root=str(root), step=step, config=CONFIG),
@@ -192,6 +196,13 @@ def traced(
     work = tmp_path_factory.mktemp("power").resolve()
     traced = trace_save(strace_options, prepared, work, NEW_STEP)
     assert committed_steps(traced.root) == [2, NEW_STEP], "the traced save did not retain"
+    # Step 2 linked the frozen layer's file of step 1 (fault_kit freezes it), so retention
+    # deleted a name of bytes step 2 still holds: every state must keep them for step 2
+    linked = [
+        p.name for p in (traced.initial / step_dir_name(2)).glob("*stable.distcp")
+        if p.stat().st_nlink > 1
+    ]  # fmt: skip
+    assert linked, "step 2 shares no file with step 1: the trace covers no shared bytes"
     kinds = {op.kind for op in traced.ops}
     assert {"create", "write", "fsync", "rename", "mkdir", "unlink", "rmdir"} <= kinds, kinds
     return traced
@@ -321,6 +332,64 @@ def test_crashsim_models_rename_exchange(tmp_path: Path) -> None:
         CrashSim(final, initial, across)
     with pytest.raises(SimulationError, match="RENAME_WHITEOUT"):
         parse_strace(call.format(R=final, F="RENAME_WHITEOUT"), final)
+
+
+SYNTHETIC_LINK = """\
+300 mkdir("{R}/b", 0777) = 0
+300 linkat(AT_FDCWD</w>, "{R}/a/f", AT_FDCWD</w>, "{R}/b/f", 0) = 0
+300 fsync(3<{R}/b>) = 0
+300 fsync(4<{R}>) = 0
+300 unlinkat(5<{R}/a>, "f", 0) = 0
+300 rmdir("{R}/a") = 0
+300 fsync(4<{R}>) = 0
+"""
+
+
+def test_crashsim_models_hard_links(tmp_path: Path) -> None:
+    """An incremental save links a committed file into the new step, and retention later
+    deletes the step that first wrote it: the inode's bytes are one under both names, the
+    link is durable with its directory's fsync, and deleting one name leaves the other
+    (worked out by hand)."""
+    initial, final = tmp_path / "initial", tmp_path / "R"
+    (initial / "a").mkdir(parents=True)
+    (initial / "a" / "f").write_bytes(b"frozen")
+    (final / "b").mkdir(parents=True)
+    (final / "b" / "f").write_bytes(b"frozen")
+    ops = parse_strace(SYNTHETIC_LINK.format(R=final), final)
+    assert [op.kind for op in ops] == [
+        "mkdir", "link", "fsync", "fsync", "unlink", "rmdir", "fsync"
+    ]  # fmt: skip
+    sim = CrashSim(final, initial, ops)
+    sim.check_final(final)
+    made = itertools.count()
+
+    def tree(state: CrashState) -> dict[str, bytes | None]:
+        root = sim.materialize(state, tmp_path / f"s-{state.after}-{next(made)}")
+        inodes = {p.stat().st_ino for p in root.rglob("f")}
+        assert len(inodes) <= 1, "the names of one inode were written as two files"
+        return {
+            p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))
+        }
+
+    durable = sim.states()
+    assert [tree(s) for s in durable] == [
+        {"a": None, "a/f": b"frozen"},
+        {"a": None, "a/f": b"frozen", "b": None, "b/f": b"frozen"},  # one inode, two names
+        {"b": None, "b/f": b"frozen"},  # the first name gone, the bytes kept
+    ]
+    assert [s.after for s in durable] == [0, 4, 7]
+    ordered = [tree(s) for s in sim.states(metadata="ordered")]
+    assert {"a": None, "a/f": b"frozen", "b": None} in ordered  # the mkdir before the link
+    assert all(v == b"frozen" for t in ordered for k, v in t.items() if k.endswith("f"))
+    # A final tree with the right names and sizes, but two inodes where the trace links one
+    (final / "a").mkdir()
+    (final / "a" / "f").write_bytes(b"frozen")  # a copy, not a link
+    with pytest.raises(SimulationError, match="links other names"):
+        CrashSim(final, initial, ops[:4]).check_final(final)
+    os.unlink(final / "a" / "f")
+    os.link(final / "b" / "f", final / "a" / "f")
+    CrashSim(final, initial, ops[:4]).check_final(final)
 
 
 # --- the check of one crash state -----------------------------------------------------------
