@@ -67,11 +67,12 @@ class CheckpointConfig:
             save on the same node reads from the disk, not from the page cache.
         incremental: write the model parameters that do not require grad (a frozen backbone)
             to a file of their own per rank, and let a save whose frozen items all hash the
-            same as the last committed save's link that file instead of writing it again
-            (a hard link: every step stays a complete directory, retention and ``gc`` work
-            as before, and every byte is still verified; on an s3:// root, a copy inside the
-            bucket: no byte is uploaded again). A model with no frozen parameter is saved
-            exactly as without it. See docs/ARCHITECTURE.md, "Incremental saves".
+            same as an earlier save's (``incremental_copies``) link that file instead of
+            writing it again (a hard link: every step stays a complete directory, retention
+            and ``gc`` work as before, and every byte is still verified; on an s3:// root, a
+            copy inside the bucket, from rank 0's node: other nodes upload theirs). A model
+            with no frozen parameter writes the same files as without it (its manifest lists
+            the trainable names). See docs/ARCHITECTURE.md, "Incremental saves".
         incremental_copies: with ``incremental``, how many copies of the frozen file the
             newest steps hold: a save links the file of the save ``incremental_copies`` saves
             before it, never a newer one. 2 (default): two consecutive steps never share a
@@ -82,9 +83,9 @@ class CheckpointConfig:
             a file whose step is still kept: with ``keep_last`` below this, none is. On an
             s3:// root a reused file is copied in the bucket, an object of its own, so every
             save reuses the last one's whatever this says.
-        full_every: with ``incremental``, write the frozen file afresh at least every this
-            many saves (0: only when it changes): bounds how many steps share one physical
-            copy, so that one bad sector cannot fail them all.
+        full_every: with ``incremental``, write the frozen file afresh once a written copy
+            serves this many steps (0: only when it changes; 1: never reuse): bounds how many
+            steps one bad sector in a copy can fail.
         async_save: ``True``: write in the background; ``save()`` returns once the state is
             staged. ``False``: ``save()`` returns once the checkpoint is committed. ``"auto"``
             (default): whichever costs the training loop less, measured: the first saves run

@@ -50,7 +50,8 @@ def _job(rank: int, world: int, root: str, phase: str, config: dict[str, Any]) -
         if phase == "resume":
             report = mgr.resume()
             return {"step": report.step, "state": _digests(model, opt)}
-        for step in range(1, STEPS + 1):
+        steps = [10, 20, 30] if phase == "rollback" else range(1, STEPS + 1)
+        for step in steps:
             gen = torch.Generator().manual_seed(step * 10 + rank)
             model(torch.randn(16, 512, generator=gen)).square().mean().backward()
             opt.step()
@@ -59,6 +60,10 @@ def _job(rank: int, world: int, root: str, phase: str, config: dict[str, Any]) -
             mgr.save(step)
             mgr.wait()
             added.append(_allocated(Path(root)) - before)
+        if phase == "rollback":  # back to 10, on from there: 20 and 30 are a dropped branch
+            mgr.load(10)
+            mgr.save(11)
+            mgr.wait()
     return {"added": added, "state": _digests(model, opt)}
 
 
@@ -83,7 +88,10 @@ def _allocated(root: Path) -> int:
     total = 0
     for dirpath, _, files in os.walk(root):
         for name in files:
-            st = os.lstat(os.path.join(dirpath, name))
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:  # the run lock, renewed beside the count
+                continue
             if (st.st_dev, st.st_ino) not in seen:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
@@ -171,6 +179,14 @@ def test_by_default_two_copies_alternate_and_a_bad_one_leaves_the_step_before(
     for s, rc in ((1, 3), (2, 0), (3, 3), (4, 0)):
         assert main(["verify", str(root), "--step", str(s)]) == rc, s
     capsys.readouterr()
+    # After a rollback to 10, the dropped branch (20, 30) is not linked from: step 11 writes
+    # afresh (linking 20's copy recorded an origin after the step: a manifest no reader took)
+    back = tmp_path / "rollback"
+    run_world(_job, 2, str(back), "rollback", {})
+    eleven = back / "step-00000011"
+    assert "reused" not in read_manifest(eleven).incremental
+    assert _inode(eleven / name) != _inode(back / "step-00000010" / name)
+    assert main(["verify", str(back)]) == 0
     other = tmp_path / "every"
     run_world(_job, 2, str(other), "save", {"incremental_copies": 1, "full_every": 2})
     a, a2, c, c2 = _inodes(other)
@@ -182,7 +198,10 @@ def test_by_default_two_copies_alternate_and_a_bad_one_leaves_the_step_before(
 
 def _state() -> dict[str, Any]:
     torch.manual_seed(1)
-    return {"model": {"frozen": torch.randn(64, 64), "head": torch.randn(8)}, "n": 3}
+    # a view of a larger storage (parameters carved from one flat buffer): the writer saves
+    # a clone of its own bytes, and so must the pre-hash
+    frozen = torch.randn(128, 64)[:64]
+    return {"model": {"frozen": frozen, "head": torch.randn(8)}, "n": 3}
 
 
 KEYS = frozenset({"model.frozen"})
@@ -198,7 +217,7 @@ def _base(writer: HashingWriter, directory: Path) -> StableBase:
     assert writer.stable is not None
     path = directory / writer.stable.name
     st = path.stat()
-    return StableBase(writer.stable, path, (st.st_dev, st.st_ino), st.st_size)
+    return StableBase(writer.stable, path, (st.st_dev, st.st_ino), st.st_size, st.st_mtime_ns)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -286,3 +305,22 @@ def test_the_manifest_keeps_what_an_incremental_save_records_and_refuses_lies() 
     ):
         with pytest.raises(ManifestError, match=why):
             parse_manifest(_manifest(**bad), "m")
+
+
+def test_a_file_system_that_refuses_o_direct_after_creating_the_file_still_gets_it(
+    tmp_path: Path,
+) -> None:
+    """ramfs (like FUSE, or tmpfs before Linux 6.6) creates the file, then refuses O_DIRECT
+    with EINVAL: the buffered fallback must not then find its own file in the way (O_EXCL)."""
+    import subprocess
+
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], check=False).returncode:
+        pytest.skip("cannot mount a ramfs here (needs root)")
+    try:
+        with open_for_write(mnt / "f", direct=True) as f:
+            f.write(b"written buffered")
+        assert (mnt / "f").read_bytes() == b"written buffered"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -94,10 +94,11 @@ class Manifest:
     """What the save's value checks let through (``nonfinite``, ``replicas_differ``); empty,
     and then absent from the file (older manifests stay byte-identical), for a clean save."""
     incremental: dict[str, Any] = field(default_factory=dict)
-    """An incremental save's record: ``trainable`` (the names of the parameters that require
-    grad) and ``reused`` (file → the step whose save wrote its bytes, for the files linked
-    from an earlier step); empty, and then absent from the file, otherwise. Every listed file
-    is in the step's own directory either way: older dckpt reads such a step as any other."""
+    """A save with ``incremental`` on records ``trainable`` (the names of the parameters that
+    required grad, as rank 0 holds them) and, when it linked files, ``reused`` (file → the step
+    whose save wrote its bytes); empty, and then absent from the file, with ``incremental``
+    off. Every listed file is in the step's own directory either way: a dckpt that does not
+    know the field reads such a step as any other."""
     schema_version: int = SCHEMA_VERSION
 
     @property

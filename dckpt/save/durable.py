@@ -22,12 +22,15 @@ root (a directory, or an s3:// root through its mirror) does in it:
   except that after a commit each rank remembers its stable file (below).
 
 Incremental saves (``CheckpointConfig.incremental``, on a root whose commit strategy can
-link a committed file: a directory): the frozen parameters of each rank go to a file of their
-own (dckpt.storage.stable_file), and a save whose frozen items all hash the same as those of
-the base, this rank's stable file in the last save this route committed, links it instead of
-writing it. The base is remembered after a commit (its inode, at its committed path) and
-kept across a failed save; ``full_every`` bounds how many steps share one written copy. A
-rank decides alone (its file is its own), so no collective is added and none can diverge.
+link a committed file: a directory, or an s3:// root's mirror on rank 0's node): the frozen
+parameters of each rank go to a file of their own (dckpt.storage.stable_file), and a save
+whose frozen items all hash the same as those of the base links it instead of writing it. The
+base is this rank's stable file in the save ``copies`` saves back (``incremental_copies``
+where a link shares the bytes; 1 in a bucket, where a reused file is copied), remembered after
+each commit (its inode, at its committed path), kept across a failed save, and forgotten for
+a step at or below the one being saved (a rollback, a re-save); ``full_every`` bounds how many
+steps one written copy serves. A rank decides alone (its file is its own), so no collective
+is added and none can diverge.
 """
 
 from __future__ import annotations
@@ -157,8 +160,14 @@ class DurableRoute:
             return None
         return self._bases[0]
 
-    def _reusable(self) -> StableBase | None:
-        """The base a save may link, unless ``full_every`` wants a fresh copy."""
+    def _reusable(self, step: int) -> StableBase | None:
+        """The base the save of ``step`` may link, unless ``full_every`` wants a fresh copy.
+        Bases of this step or later are forgotten first: after a rollback (a load, a lower
+        step) or in a re-save of a step they are not history but the branch being replaced
+        (linking one would record an origin after the step, and a re-save of N would share
+        N-1's copy)."""
+        while self._bases and self._bases[-1].step >= step:
+            self._bases.pop()
         base, every = self._base(), self.config.full_every
         if base is None or (every and base.shared >= every):
             return None
@@ -214,7 +223,7 @@ class DurableRoute:
             tee=uploads.tee(self.strategy.tee(tmp, ticket.step, trace)),
             slim_return=True,  # the planner hands it a copy; dckpt never reads dcp.save's return
             stable_keys=snapshot.stable,
-            base=self._reusable(),
+            base=self._reusable(ticket.step),
         )
         self._pending = None
         error: str | None = None
@@ -364,7 +373,7 @@ class DurableRoute:
         if path is None or st is None:
             self._bases.clear()
             return
-        file = StableBase(stable, path, (st.st_dev, st.st_ino), st.st_size)
+        file = StableBase(stable, path, (st.st_dev, st.st_ino), st.st_size, st.st_mtime_ns)
         self._bases.append(_Base(file, step, origin, shared))
 
     def incremental(self, reports: list[RankReport], snapshot: Snapshot | None) -> dict[str, Any]:
@@ -373,7 +382,7 @@ class DurableRoute:
         if not self.config.incremental or snapshot is None:
             return {}
         reused = {p: s for r in reports for p, s in r.route.get("reused", {}).items()}
-        return {"trainable": list(snapshot.trainable), "reused": reused}
+        return {"trainable": list(snapshot.trainable), **({"reused": reused} if reused else {})}
 
     def abandon(self, snapshot: Snapshot | None, step: int) -> None:
         self._pending = None  # the tmp location, removed by rank 0, held all of it; the base stays

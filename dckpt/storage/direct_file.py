@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -160,6 +161,10 @@ def open_for_write(path: str | os.PathLike[str], *, direct: bool) -> BinaryIO:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
+            # Some file systems (ramfs, FUSE, tmpfs before Linux 6.6) create the file, then
+            # refuse O_DIRECT: O_EXCL proves that file is the one just made, so it goes
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         else:
             return DirectFile(fd)  # type: ignore[return-value]
     return open(path, "xb", buffering=1 << 20)

@@ -11,10 +11,11 @@ How a reuse is decided, keyed by content:
   (``prehash``: ``torch.save`` into a hashing stream with the writer's CRC setting; the bytes
   are deterministic and do not depend on where in the file they go, see tests);
 - the file is reused only when every item's key (name, chunk offsets and sizes, dtype) and
-  digest equal those of the base, the stable file of the last committed save, in order;
+  digest equal those of the base (a stable file of an earlier committed save, which the save
+  layer picks), in order;
 - the base is linked (``link(2)``) into the new step's directory, with its sidecar; the
-  linked name must be the inode that was remembered at the commit, of the remembered size, or
-  the links are removed and the file is written.
+  linked name must be the inode that was remembered at the commit, of the remembered size and
+  modification time, or the links are removed and the file is written.
 
 Invariants:
 - a reused file's bytes are the ones the base's writer hashed: its records (digests) and
@@ -44,7 +45,9 @@ from .digest import format_digest, new_hasher
 from .item_digests import items_name
 from .records import FileRecord
 
-__all__ = ["StableBase", "StableFile", "item_key", "link_base", "prehash", "stable_name"]
+__all__ = [
+    "StableBase", "StableFile", "as_written", "item_key", "link_base", "prehash", "stable_name",
+]  # fmt: skip
 
 ItemKey = tuple[Any, ...]
 
@@ -88,11 +91,21 @@ class _HashSink:
         pass
 
 
+def as_written(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as DCP's writer serialises it (its ``_SerialCpuLoader``): detached, on the
+    CPU, and cloned when its storage holds more than its own bytes (a view), so ``torch.save``
+    writes only its bytes and records the CPU as its device."""
+    out = tensor.detach().cpu()
+    if out.untyped_storage().size() != out.nbytes:
+        out = out.clone()
+    return out
+
+
 def prehash(tensor: Any, algorithm: str) -> str:
-    """The digest of the bytes DCP's writer would write for ``tensor``: call it where the
-    writer's CRC setting is in force (inside ``HashingWriter.write_data``)."""
+    """The digest (and length) of the bytes DCP's writer writes for ``tensor``: call it where
+    the writer's CRC setting is in force (inside ``HashingWriter.write_data``)."""
     sink = _HashSink(algorithm)
-    torch.save(tensor, sink)  # type: ignore[arg-type]
+    torch.save(as_written(tensor), sink)  # type: ignore[arg-type]
     return f"{format_digest(algorithm, sink.hasher)}/{sink.n}"
 
 
@@ -117,8 +130,9 @@ class StableFile:
 
 @dataclass(frozen=True)
 class StableBase:
-    """The stable file of the last committed save, where it now lives, and the inode and size
-    it had when its step was committed (a linked name must still be that file)."""
+    """A stable file of an earlier committed save, where it now lives, and the inode, size
+    and modification time it had when its step was committed (a linked name must still be
+    that file)."""
 
     file: StableFile
     path: Path
@@ -126,6 +140,9 @@ class StableBase:
     inode: tuple[int, int]
     """``(st_dev, st_ino)`` of ``path`` at the commit."""
     size: int
+    mtime_ns: int
+    """Its ``st_mtime_ns`` then (a link does not change it; a freed inode number handed to a
+    file of the same size written later does)."""
 
 
 def link_base(base: StableBase, directory: Path) -> bool:
@@ -146,6 +163,7 @@ def link_base(base: StableBase, directory: Path) -> bool:
         if (
             (st.st_dev, st.st_ino) != base.inode
             or st.st_size != base.size
+            or st.st_mtime_ns != base.mtime_ns
             or (sidecar is not None and os.lstat(made[1]).st_size != sidecar.bytes)
         ):
             raise OSError(errno.ESTALE, "the base now holds another file")

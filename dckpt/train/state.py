@@ -165,19 +165,20 @@ class TrainState:
         ``requires_grad``: the frozen ones are what an incremental save writes to a file of
         their own. Matched by storage, not by name, so wrappers' prefixes (DDP's ``module.``)
         need no knowledge here; an entry that is a copy (an offloaded state dict) matches
-        nothing, and is saved as any other; so does an empty shard (FSDP gives rank 0 a
-        non-empty one of every parameter)."""
+        nothing, and is saved as any other; so do an empty shard (FSDP gives rank 0 a
+        non-empty one of every parameter) and a tensor with no plain storage of its own to
+        point at (sparse, a wrapper subclass: ``_ptr``)."""
         ptrs = {
-            _local(p).data_ptr()
+            ptr
             for p in self.model.parameters()
-            if p.requires_grad == requires_grad and _local(p).numel()
+            if p.requires_grad == requires_grad and (ptr := _ptr(p)) is not None
         }
         if not ptrs:
             return frozenset()
         return frozenset(
             f"model.{k}"
             for k, v in state_dict.get("model", {}).items()
-            if isinstance(v, torch.Tensor) and _local(v).numel() and _local(v).data_ptr() in ptrs
+            if isinstance(v, torch.Tensor) and _ptr(v) in ptrs
         )
 
     def per_rank(self) -> dict[str, PerRank]:
@@ -185,6 +186,14 @@ class TrainState:
         return {name: obj for name, obj in self.extra.items() if isinstance(obj, PerRank)}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank; any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+def _ptr(t: torch.Tensor) -> int | None:
+    """Where the bytes of ``t`` (of a DTensor, its shard on this rank) start; None for an
+    empty tensor and for one whose address says nothing of its bytes (a sparse tensor, a
+    wrapper subclass, whose ``data_ptr`` is 0 or raises)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if local.layout != torch.strided or not local.numel():
+        return None
+    try:
+        return local.data_ptr() or None
+    except RuntimeError:
+        return None

@@ -45,9 +45,12 @@ overwritten) raises ``SimulationError``; so does a RENAME_EXCHANGE whose two
 entries are in different directories (when each half would become durable is file-system specific)
 or one of whose names is missing, and so does RENAME_WHITEOUT; symlinks, mmap writes,
 copy_file_range, sendfile and fallocate are not modelled (the final-tree check catches any that
-changed a size); writes through descriptors of deleted files are ignored; syscalls on paths outside
-the root are ignored, and one that crosses the root's boundary raises. Order is strace's completion
-order, so two ops racing in different threads are taken in the order they returned.
+changed a size); writes through descriptors of deleted files are ignored (strace names an fd
+"(deleted)" once the name it was opened by is gone, even when another link keeps the inode:
+such writes to a linked inode would be missed; dckpt never writes to a linked file); syscalls
+on paths outside the root are ignored, and one that crosses the root's boundary raises. Order is
+strace's completion order, so two ops racing in different threads are taken in the order they
+returned.
 """
 
 from __future__ import annotations
