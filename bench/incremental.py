@@ -52,8 +52,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -140,7 +141,7 @@ def _run_method(
                 mgr.save(step)
             else:
                 sd = {"model": model.module.state_dict(), "optimizer": opt.state_dict()}
-                dcp.save(sd, storage_writer=dcp.FileSystemWriter(root / f"step-{step}"))
+                dcp_save(sd, storage_writer=FileSystemWriter(root / f"step-{step}"))
             secs = _slowest(time.perf_counter() - t0)
             record = {"s": secs, "bytes": float(allocated(root, seen)) if rank == 0 else 0.0}
             if mgr is not None and rank == 0:

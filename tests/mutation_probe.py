@@ -42,6 +42,7 @@ ML = "tests/test_memory_ledger.py"
 PC = "tests/test_plan_cache.py"
 PR = "tests/test_preemption.py"
 RS = "tests/test_resume_share.py"
+IN = "tests/test_incremental.py"
 
 
 @dataclass(frozen=True)
@@ -416,6 +417,55 @@ MUTANTS = (
         (
             "tests/test_comm.py::test_ranks_that_reach_different_agreements_all_raise_instead_of_aborting",
         ),
+    ),
+    Mutant(
+        "incremental: the pre-hash hashes the tensor as given, not as the writer writes it",
+        "dckpt/storage/stable_file.py",
+        "torch.save(as_written(tensor), sink)",
+        "torch.save(tensor, sink)",
+        (f"{IN}::test_the_writer_links_an_unchanged_stable_file_and_writes_a_changed_one",),
+    ),
+    Mutant(
+        "incremental: a stable file is linked whatever its items hash to",
+        "dckpt/storage/hashing_writer.py",
+        "and base.file.items == items",
+        "and len(base.file.items) == len(items)",
+        (f"{IN}::test_the_writer_links_an_unchanged_stable_file_and_writes_a_changed_one",),
+    ),
+    Mutant(
+        "incremental: a link to a name that now holds another file is kept",
+        "dckpt/storage/stable_file.py",
+        "        if (\n            (st.st_dev, st.st_ino) != base.inode",
+        "        if False and (\n            (st.st_dev, st.st_ino) != base.inode",
+        (f"{IN}::test_a_base_that_is_gone_or_replaced_is_written_afresh_leaving_no_link",),
+    ),
+    Mutant(
+        "incremental: consecutive steps share one copy by default",
+        "dckpt/save/durable.py",
+        "        return self._bases[0]",
+        "        return self._bases[-1]",
+        (f"{IN}::test_by_default_two_copies_alternate_and_a_bad_one_leaves_the_step_before",),
+    ),
+    Mutant(
+        "incremental: a rollback links a file of the dropped branch",
+        "dckpt/save/durable.py",
+        "while self._bases and self._bases[-1].step >= step:",
+        "while False and self._bases:",
+        (f"{IN}::test_by_default_two_copies_alternate_and_a_bad_one_leaves_the_step_before",),
+    ),
+    Mutant(
+        "incremental: the writer truncates a name that is there (a link to a committed file)",
+        "dckpt/storage/direct_file.py",
+        'return open(path, "xb", buffering=1 << 20)',
+        'return open(path, "wb", buffering=1 << 20)',
+        (f"{IN}::test_the_writer_never_opens_an_existing_name",),
+    ),
+    Mutant(
+        "incremental: a file made before O_DIRECT was refused stays in the fallback's way",
+        "dckpt/storage/direct_file.py",
+        "            with contextlib.suppress(FileNotFoundError):\n                os.unlink(path)",
+        "            pass",
+        (f"{IN}::test_a_file_system_that_refuses_o_direct_after_creating_the_file_still_gets_it",),
     ),
 )
 
