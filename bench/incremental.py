@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -59,6 +58,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
+
+from dckpt.root.directory import disk_bytes
 
 METHODS = ("dckpt_incremental", "dckpt_full", "dcp_save", "disk_write")
 JOBS = ("frozen", "trainable")
@@ -81,21 +82,6 @@ def _train(model: Any, opt: Any, hidden: int) -> None:
     model(torch.randn(4, hidden)).square().mean().backward()
     opt.step()
     opt.zero_grad()
-
-
-def allocated(root: Path, seen: set[tuple[int, int]]) -> int:
-    """The blocks of the files under ``root`` whose inodes are not in ``seen`` (added to it)."""
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
 
 
 def _slowest(seconds: float) -> float:
@@ -123,7 +109,7 @@ def _run_method(
         t0 = time.perf_counter()
         h.write_file(root / f"disk-{rank}", share_bytes, chunk)
         secs = _slowest(time.perf_counter() - t0)
-        added = allocated(root, seen) if rank == 0 else 0
+        added = disk_bytes(root, seen) if rank == 0 else 0
         return [{"s": secs, "bytes": float(added)}]
     mgr = None
     if method.startswith("dckpt"):
@@ -143,7 +129,7 @@ def _run_method(
                 sd = {"model": model.module.state_dict(), "optimizer": opt.state_dict()}
                 dcp_save(sd, storage_writer=FileSystemWriter(root / f"step-{step}"))
             secs = _slowest(time.perf_counter() - t0)
-            record = {"s": secs, "bytes": float(allocated(root, seen)) if rank == 0 else 0.0}
+            record = {"s": secs, "bytes": float(disk_bytes(root, seen)) if rank == 0 else 0.0}
             if mgr is not None and rank == 0:
                 manifest = json.loads((root / f"step-{step:08d}" / "manifest.json").read_text())
                 record["prehash_s"] = float(manifest["timings"].get("prehash_s", 0.0))

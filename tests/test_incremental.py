@@ -17,6 +17,7 @@ from dist_harness import run_world
 
 from dckpt.cli import main
 from dckpt.errors import ManifestError
+from dckpt.root.directory import disk_bytes
 from dckpt.root.manifest import Manifest, parse_manifest, read_manifest
 from dckpt.storage import HashingWriter
 from dckpt.storage.direct_file import open_for_write
@@ -58,10 +59,10 @@ def _job(rank: int, world: int, root: str, phase: str, config: dict[str, Any]) -
             model(torch.randn(16, 512, generator=gen)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-            before = _allocated(Path(root))
+            before = disk_bytes(Path(root))
             mgr.save(step)
             mgr.wait()
-            added.append(_allocated(Path(root)) - before)
+            added.append(disk_bytes(Path(root)) - before)
         if phase == "rollback":  # back to 10, on from there: 20 and 30 are a dropped branch
             mgr.load(10)
             mgr.save(11)
@@ -81,23 +82,6 @@ def _digests(model: Any, opt: Any) -> dict[str, str]:
         h.update(t.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
         out[name] = h.hexdigest()
     return out
-
-
-def _allocated(root: Path) -> int:
-    """The bytes the root holds on disk, each inode once (``st_blocks``: what a link adds is
-    a name, no block)."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:  # the run lock, renewed beside the count
-                continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
 
 
 def _inode(path: Path) -> int:

@@ -48,19 +48,34 @@ from .verify import VerifyResult, read_verification, record_verification, verify
 __all__ = ["DirectoryRoot", "dir_bytes"]
 
 
-def dir_bytes(path: Path, *, shared: bool = False) -> int:
-    """The bytes of every file under ``path`` (links not followed); what a step takes. With
-    ``shared``, only of the files that have another name too (a hard link from a later or
-    earlier step: dckpt.storage.stable_file)."""
-    total = 0
+def _stats(path: Path) -> Iterator[os.stat_result]:
+    """The ``lstat`` of every file under ``path`` (links not followed; one that vanished
+    while listed is skipped)."""
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
             try:
-                st = os.lstat(os.path.join(dirpath, name))
+                yield os.lstat(os.path.join(dirpath, name))
             except OSError:
                 continue
-            if not shared or st.st_nlink > 1:
-                total += st.st_size
+
+
+def dir_bytes(path: Path, *, shared: bool = False) -> int:
+    """The bytes of every file under ``path``; what a step takes. With ``shared``, only of
+    the files that have another name too (a hard link from a later or earlier step:
+    dckpt.storage.stable_file)."""
+    return sum(st.st_size for st in _stats(path) if not shared or st.st_nlink > 1)
+
+
+def disk_bytes(path: Path, seen: set[tuple[int, int]] | None = None) -> int:
+    """The disk blocks of the files under ``path``, each inode once, leaving out those in
+    ``seen`` (which it extends): what a directory, or what was added to it since ``seen`` was
+    filled, holds on the disk (a hard link adds a name, no block)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for st in _stats(path):
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
     return total
 
 
