@@ -390,7 +390,7 @@ class DurableRoute:
 
 @dataclasses.dataclass(frozen=True)
 class _Base:
-    """This rank's stable file as its last committed save left it."""
+    """One of this rank's stable files, as a committed save left it."""
 
     file: StableBase
     step: int

@@ -7,9 +7,10 @@ committed file is the base, how often a fresh copy is forced) is the save layer'
 (dckpt.save.durable); this module knows files and DCP write items only.
 
 How a reuse is decided, keyed by content:
-- before the stable file is written, each of its items is hashed as the writer would write it
-  (``prehash``: ``torch.save`` into a hashing stream with the writer's CRC setting; the bytes
-  are deterministic and do not depend on where in the file they go, see tests);
+- before the stable file is written, each of its items is hashed as the writer writes it
+  (``prehash``: ``torch.save`` of the tensor as DCP's loader hands it over, ``as_written``,
+  into a hashing stream with the writer's CRC setting; the bytes are deterministic and do
+  not depend on where in the file they go, see tests);
 - the file is reused only when every item's key (name, chunk offsets and sizes, dtype) and
   digest equal those of the base (a stable file of an earlier committed save, which the save
   layer picks), in order;
@@ -151,9 +152,9 @@ def link_base(base: StableBase, directory: Path) -> bool:
     base was deleted or moved, the file system has no hard links, the name now holds another
     file."""
     made: list[Path] = []
-    pairs = [(base.path, directory / base.file.name)]
-    pairs.append((base.path.with_name(items_name(base.path.name)), pairs[0][1].with_name(
-        items_name(base.file.name))))  # fmt: skip
+    data = directory / base.file.name
+    sidecar_src = base.path.with_name(items_name(base.path.name))
+    pairs = [(base.path, data), (sidecar_src, data.with_name(items_name(data.name)))]
     try:
         for src, dst in pairs:
             os.link(src, dst, follow_symlinks=False)
