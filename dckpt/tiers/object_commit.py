@@ -15,7 +15,9 @@ unchanged), then:
    manifest is of the bytes that went out. A file is complete in the store when it closes
    cleanly (its upload is aborted otherwise; rank 0's include ``.metadata``); ``publish``
    then checks that every file this rank wrote went up whole (and uploads, re-hashing, any
-   that did not);
+   that did not). A file an incremental save linked from the mirror's copy of an earlier
+   step instead of writing it (dckpt.storage.stable_file) is copied inside the store from that
+   step's object, its size checked (uploaded when the store refuses the copy);
 3. ``finalize`` (rank 0, after every rank reported success): every object the manifest names
    must be listed at its size, and the run lock must still be this job's (read back); then
    ``manifest.json`` is put last: that PUT is the commit point (a PUT that errors is read
