@@ -149,9 +149,11 @@ class DurableRoute:
         else:
             snap = self.stager.live(state_dict, checks)  # the caller waits for the commit
         if self.config.incremental:
-            snap.trainable = tuple(sorted(self.state.param_keys(state_dict, requires_grad=True)))
+            trainable, frozen = self.state.param_keys(state_dict)
+            if self.rank == 0:  # the manifest's record of them (``incremental``)
+                snap.trainable = tuple(sorted(trainable))
             if self.links:
-                snap.stable = self.state.param_keys(state_dict, requires_grad=False)
+                snap.stable = frozen
         return snap
 
     def _base(self) -> _Base | None:

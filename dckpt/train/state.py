@@ -159,27 +159,23 @@ class TrainState:
             if name in state_dict.get("extra", {}):  # absent: a PerRank started fresh
                 obj.load_state_dict(state_dict["extra"][name])
 
-    def param_keys(self, state_dict: dict[str, Any], *, requires_grad: bool) -> frozenset[str]:
+    def param_keys(self, state_dict: dict[str, Any]) -> tuple[frozenset[str], frozenset[str]]:
         """The keys DCP gives (``model.<name>``) to the entries of ``state_dict`` (as
-        ``state_dict()`` made it) that hold a model parameter whose ``requires_grad`` is
-        ``requires_grad``: the frozen ones are what an incremental save writes to a file of
-        their own. Matched by storage, not by name, so wrappers' prefixes (DDP's ``module.``)
-        need no knowledge here; an entry that is a copy (an offloaded state dict) matches
-        nothing, and is saved as any other; so do an empty shard (FSDP gives rank 0 a
+        ``state_dict()`` made it) that hold a model parameter, in one pass: (those that
+        require grad, those that do not). The frozen ones are what an incremental save writes
+        to a file of their own. Matched by storage, not by name, so wrappers' prefixes (DDP's
+        ``module.``) need no knowledge here; an entry that is a copy (an offloaded state dict)
+        matches nothing, and is saved as any other; so do an empty shard (FSDP gives rank 0 a
         non-empty one of every parameter) and a tensor with no plain storage of its own to
         point at (sparse, a wrapper subclass: ``_ptr``)."""
-        ptrs = {
-            ptr
-            for p in self.model.parameters()
-            if p.requires_grad == requires_grad and (ptr := _ptr(p)) is not None
-        }
-        if not ptrs:
-            return frozenset()
-        return frozenset(
-            f"model.{k}"
-            for k, v in state_dict.get("model", {}).items()
-            if isinstance(v, torch.Tensor) and _ptr(v) in ptrs
-        )
+        grad = {ptr: p.requires_grad for p in self.model.parameters() if (ptr := _ptr(p))}
+        trainable: set[str] = set()
+        frozen: set[str] = set()
+        if grad:
+            for k, v in state_dict.get("model", {}).items():
+                if isinstance(v, torch.Tensor) and (g := grad.get(_ptr(v) or 0)) is not None:
+                    (trainable if g else frozen).add(f"model.{k}")
+        return frozenset(trainable), frozenset(frozen)
 
     def per_rank(self) -> dict[str, PerRank]:
         """The ``extra`` entries that are per rank."""
