@@ -45,12 +45,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -84,33 +82,19 @@ def _train(model: Any, opt: Any, hidden: int) -> None:
     opt.zero_grad()
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _run_method(
-    method: str, job: str, model: Any, opt: Any, root: Path, args: argparse.Namespace,
-    share_bytes: int,
+    method: str, ranks: h.Ranks, model: Any, opt: Any, root: Path, args: argparse.Namespace,
+    disk: h.Disk,
 ) -> list[dict[str, float]]:  # fmt: skip
-    """One run of ``method``: the figures of each of its saves."""
+    """One run of ``method``: the figures of each of its saves (seconds: the slowest rank's,
+    ``Ranks.timed``)."""
     import dckpt
 
-    rank = dist.get_rank()
-    saves: list[dict[str, float]] = []
     seen: set[tuple[int, int]] = set()
-    if rank == 0:
-        root.mkdir(parents=True)
-    dist.barrier()
-    if method == "disk_write":
-        chunk = memoryview(bytearray(h.CHUNK))
-        dist.barrier()
-        t0 = time.perf_counter()
-        h.write_file(root / f"disk-{rank}", share_bytes, chunk)
-        secs = _slowest(time.perf_counter() - t0)
-        added = disk_bytes(root, seen) if rank == 0 else 0
-        return [{"s": secs, "bytes": float(added)}]
+    if method == "disk_write":  # each rank its share of a full save, fdatasync'd
+        secs = disk.measure(root, parallel=True)
+        return [{"s": secs, "bytes": float(disk_bytes(root, seen))}]
+    ranks.on_rank0(lambda: root.mkdir(parents=True))
     mgr = None
     if method.startswith("dckpt"):
         cfg = dckpt.CheckpointConfig(
@@ -118,19 +102,22 @@ def _run_method(
             timeout_s=600, replay_check="off",
         )  # fmt: skip
         mgr = dckpt.CheckpointManager(cfg, dckpt.TrainState(model, opt))
+
+    def save(step: int) -> None:
+        if mgr is not None:
+            mgr.save(step)
+            return
+        sd = {"model": model.module.state_dict(), "optimizer": opt.state_dict()}
+        dcp_save(sd, storage_writer=FileSystemWriter(root / f"step-{step}"))
+
+    saves: list[dict[str, float]] = []
     try:
         for step in range(1, args.saves + 1):
             _train(model, opt, args.hidden)
-            dist.barrier()
-            t0 = time.perf_counter()
-            if mgr is not None:
-                mgr.save(step)
-            else:
-                sd = {"model": model.module.state_dict(), "optimizer": opt.state_dict()}
-                dcp_save(sd, storage_writer=FileSystemWriter(root / f"step-{step}"))
-            secs = _slowest(time.perf_counter() - t0)
-            record = {"s": secs, "bytes": float(disk_bytes(root, seen)) if rank == 0 else 0.0}
-            if mgr is not None and rank == 0:
+            record = {"s": ranks.timed(lambda: save(step))}  # noqa: B023 (called at once)
+            if ranks.rank == 0:
+                record["bytes"] = float(disk_bytes(root, seen))
+            if mgr is not None and ranks.rank == 0:
                 manifest = json.loads((root / f"step-{step:08d}" / "manifest.json").read_text())
                 record["prehash_s"] = float(manifest["timings"].get("prehash_s", 0.0))
                 record["reused_bytes"] = float(manifest["timings"].get("reused_bytes", 0.0))
@@ -142,24 +129,21 @@ def _run_method(
 
 
 def _rank(args: argparse.Namespace, base: str) -> dict[str, Any] | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = h.Ranks(settle_s=0.0)
     out: dict[str, Any] = {}
     for job in JOBS:
         model, opt = _build(job, args.gb, args.hidden)
         state_bytes = h.tensor_bytes([model.module.state_dict(), opt.state_dict()])
-        share = state_bytes // world
+        disk = h.Disk(ranks, state_bytes)
         runs: dict[str, list[list[dict[str, float]]]] = {m: [] for m in METHODS}
         for rnd in range(args.repeats):
             for method in h.round_order(list(METHODS), rnd):
                 root = Path(base) / f"{job}-{method}-{rnd}"
-                h.touch(int(share * h.PREFAULT_FACTOR))
-                runs[method].append(_run_method(method, job, model, opt, root, args, share))
-                dist.barrier()
-                if rank == 0:
-                    h.remove(root, 0.0)
-                dist.barrier()
+                h.touch(int(state_bytes / ranks.world_size * h.PREFAULT_FACTOR))
+                runs[method].append(_run_method(method, ranks, model, opt, root, args, disk))
+                ranks.cleanup(root)
         out[job] = {"state_bytes": state_bytes, "runs": runs}
-    return out if rank == 0 else None
+    return out if ranks.rank == 0 else None
 
 
 LINKING = 2
