@@ -17,7 +17,14 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dckpt"
 
-BASE = {"dckpt.errors", "dckpt.units", "dckpt.phases", "dckpt.faults", "dckpt.robust"}
+BASE = {
+    "dckpt.errors",
+    "dckpt.units",
+    "dckpt.phases",
+    "dckpt.faults",
+    "dckpt.robust",
+    "dckpt.owned",
+}
 
 
 def layer_of(module: str, *, importer: bool = False) -> str:

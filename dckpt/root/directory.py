@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, LockError
+from ..owned import make_dir
 from .commit import CommitStrategy, RenameCommit
 from .layout import (
     LOCK_FILE,
@@ -114,7 +115,7 @@ class DirectoryRoot:
             return  # one directory, shared: the coordinator makes it
         if self.path.exists() and not self.path.is_dir():
             raise CheckpointError(f"{self.path} exists and is not a directory")
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_dir(self.path, parents=True)
 
     def locks(self, run_id: str, lease_s: float) -> list[Lock]:
         return [RunLock(self.path, run_id, lease_s, name=self._name)]

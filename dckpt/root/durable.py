@@ -8,9 +8,9 @@ by the rename commit and by upkeep (quarantine, deletes, recovery). No torch.
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
+from ..owned import write_atomic
 from .layout import LATEST_FILE, committed_steps, read_latest, step_dir_name
 
 __all__ = ["fsync_dir", "fsync_file", "publish_latest"]
@@ -43,10 +43,4 @@ def publish_latest(root: Path) -> None:
     name = step_dir_name(steps[-1])
     if read_latest(root) == name:
         return
-    tmp = root / f"{LATEST_FILE}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, latest)
-    fsync_dir(root)
+    write_atomic(root, LATEST_FILE, (name + "\n").encode())  # tmp, fsync, rename, fsync root

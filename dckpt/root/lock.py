@@ -36,6 +36,7 @@ from typing import Any
 import psutil
 
 from ..errors import LockError
+from ..owned import create_new, write_atomic
 from .layout import LOCK_FILE, read_small_file
 
 __all__ = ["MAX_RECORD_BYTES", "LockOwner", "RunLock", "stale_reason"]
@@ -230,15 +231,13 @@ class RunLock:
         return LockOwner.parse(raw, str(self.path), f"rm {self.path}")
 
     def _write_over(self) -> None:
-        tmp = self.path.with_name(f"{LOCK_FILE}.tmp-{self._token}")
-        tmp.write_text(json.dumps(asdict(self._me())), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_atomic(self.path.parent, LOCK_FILE, json.dumps(asdict(self._me())).encode())
 
     def acquire(self) -> None:
         """Take the lock, or raise LockError naming the live owner (or what is wrong with
         the lock record found)."""
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = create_new(self.path)
         except FileExistsError:
             current = self._read()
             if isinstance(current, LockOwner):

@@ -31,6 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import IncompatibleCheckpointError, IntegrityError, ManifestError, StorageError
+from ..owned import write_atomic
 from ..storage.digest import ALGORITHMS, digest_of_digests, new_hasher, parse_digest
 from ..storage.records import FileRecord
 
@@ -164,11 +165,7 @@ def manifest_bytes(manifest: Manifest) -> bytes:
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> FileRecord:
     """Write ``manifest.json`` (sealed) into ``directory``, fsynced; returns what was written."""
     data = _encode(manifest.sealed().to_json_obj())
-    path = Path(directory) / MANIFEST_FILE
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_atomic(directory, MANIFEST_FILE, data)  # never through a link; fsynced
     return FileRecord(path=MANIFEST_FILE, bytes=len(data), digest="", rank=0)
 
 

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..owned import create_new, make_dir
 from .layout import read_small_file, step_dir_name
 
 __all__ = ["MAX_ENTRIES", "REPLAY_DIR", "Journal", "JournalWriter", "read_journal"]
@@ -133,8 +134,10 @@ class JournalWriter:
         path = journal_path(self.dir.parent, step)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            self.dir.mkdir(exist_ok=True)
-            with open(tmp, "w", encoding="ascii") as f:
+            make_dir(self.dir)
+            with contextlib.suppress(FileNotFoundError):  # a crashed process of this pid's
+                tmp.unlink()
+            with os.fdopen(create_new(tmp), "w", encoding="ascii") as f:  # no link followed
                 f.write(body)
             os.replace(tmp, path)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))

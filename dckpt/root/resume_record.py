@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..owned import make_dir, write_atomic
 from .durable import fsync_dir
 from .layout import read_small_file, step_dir_name
 
@@ -294,33 +295,20 @@ class DirectoryRecords:
 
     def add(self, record: ResumeRecord) -> list[ResumeRecord]:
         if not self.dir.exists():
-            self.dir.mkdir(exist_ok=True)
+            make_dir(self.dir)
             fsync_dir(self.root)
         fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             name = record_name(record.step)
             for debris in os.listdir(fd):  # a write a crash cut short: one writer, rank 0
-                if debris.startswith(f".{name}.tmp-"):
+                if debris.startswith((f".{name}.tmp-", f"{name}.tmp-")):
                     with contextlib.suppress(OSError):
                         os.unlink(debris, dir_fd=fd)
             raw = read_small_file(name, MAX_RECORDS_BYTES + 1, dir_fd=fd)
-            kept = [*decode(raw, record.step), record][-KEEP:]
-            data = encode(record.step, kept)
-            # A fresh name, created exclusively: nothing already there (a link, a FIFO) is
-            # ever opened for writing; the rename replaces the old file whole.
-            tmp = f".{name}.tmp-{uuid.uuid4().hex}"
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
-            try:
-                with os.fdopen(out, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=fd)
-                raise
-            os.fsync(fd)
         finally:
             os.close(fd)
+        kept = [*decode(raw, record.step), record][-KEEP:]
+        # A fresh name, created exclusively: nothing already there (a link, a FIFO) is ever
+        # opened for writing; the rename replaces the old file whole (fsynced, and the dir).
+        write_atomic(self.dir, name, encode(record.step, kept))
         return kept

@@ -16,6 +16,7 @@ Knows directories and files only, never tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from ..errors import IntegrityError, ManifestError
 from ..faults import fault_point
+from ..owned import create_new, make_dir, write_atomic
 from ..phases import Phase
 from .durable import fsync_dir, publish_latest
 from .layout import (
@@ -99,13 +101,12 @@ def quarantine(root: str | os.PathLike[str], step_dir: Path, reason: str) -> Pat
     base = Path(root)
     if not STEP_RE.fullmatch(step_dir.name) or step_dir.parent != base:
         raise ValueError(f"{step_dir} is not a committed step dir under {base}")
-    qdir = base / QUARANTINE_DIR
-    qdir.mkdir(exist_ok=True)
+    qdir = make_dir(base / QUARANTINE_DIR)
     target = qdir / step_dir.name
     if target.exists():
         target = qdir / f"{step_dir.name}-{uuid.uuid4().hex[:8]}"
     os.rename(step_dir, target)
-    (target.parent / f"{target.name}.reason.txt").write_text(reason + "\n", encoding="utf-8")
+    write_atomic(target.parent, f"{target.name}.reason.txt", (reason + "\n").encode(), sync=False)
     fsync_dir(qdir)
     fsync_dir(base)
     publish_latest(base)
@@ -144,10 +145,10 @@ def pin(root: str | os.PathLike[str], step: int) -> Path:
     base = Path(root)
     if not (base / step_dir_name(step) / MANIFEST_FILE).is_file():
         raise FileNotFoundError(f"no committed checkpoint for step {step} under {base}")
-    pins = base / PINS_DIR
-    pins.mkdir(exist_ok=True)
+    pins = make_dir(base / PINS_DIR)
     marker = pins / step_dir_name(step)
-    marker.touch()
+    with contextlib.suppress(FileExistsError):  # pinned already
+        os.close(create_new(marker))
     fsync_dir(pins)
     return marker
 

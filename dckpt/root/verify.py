@@ -7,16 +7,17 @@ receives byte counts so a caller can draw a bar.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import IntegrityError, ManifestError, StorageError
+from ..owned import make_dir, write_atomic
 from ..storage.records import FileRecord
 from ..storage.verified_files import open_verified
 from .layout import read_small_file
@@ -158,23 +159,11 @@ def record_verification(result: VerifyResult) -> None:
         return
     path = _record_path(result.step_dir)
     record = {"ok": result.ok, "time": time.time(), "files_digest": manifest.files_digest}
-    try:
-        path.parent.mkdir(exist_ok=True)
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return
-    try:
-        # A fresh name, created exclusively: nothing already there (a link, a FIFO, a hard
-        # link to a file elsewhere) is ever opened for writing.
-        tmp = f"{path.name}.tmp-{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(record))
-        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except OSError:
-        return
-    finally:
-        os.close(dir_fd)
+    # A fresh name, created exclusively through a descriptor of the record directory: nothing
+    # already there (a link, a FIFO, a hard link to a file elsewhere) is ever opened for writing.
+    with contextlib.suppress(OSError):
+        make_dir(path.parent)
+        write_atomic(path.parent, path.name, json.dumps(record).encode(), sync=False)
 
 
 def read_verification(step_dir: Path, files_digest: str) -> dict[str, object] | None:

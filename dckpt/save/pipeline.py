@@ -78,6 +78,7 @@ from ..collective.comm import Comm
 from ..collective.progress import DECIDED, Progress, SaveTrace
 from ..config import CheckpointConfig
 from ..errors import SaveError, StorageError, describe_os_error
+from ..owned import make_dir
 from ..phases import Phase
 from ..robust import same_level_margin
 from ..root.manifest import Manifest
@@ -305,7 +306,7 @@ class SavePipeline:
                         raise _PreparingError(
                             f"cannot prepare {strategy.where(self.root, job.step)}: {exc}"
                         ) from exc
-                tmp.mkdir(parents=True, exist_ok=True)  # every rank; DCP's mkdir finds it
+                make_dir(tmp, parents=True)  # every rank; DCP's mkdir finds it
             except _PreparingError as exc:
                 error = str(exc)
             except Exception as exc:  # reported to every rank by the agreement below

@@ -35,6 +35,7 @@ import os
 import threading
 from typing import Any, BinaryIO
 
+from ..owned import create_new
 from .digest import Hasher
 
 __all__ = ["ALIGN", "BOUNCE_BYTES", "DirectFile", "open_for_write"]
@@ -157,7 +158,7 @@ def open_for_write(path: str | os.PathLike[str], *, direct: bool) -> BinaryIO:
     truncating it would change that step's bytes."""
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o666)
+            fd = create_new(path, flags=os.O_WRONLY | os.O_DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -167,4 +168,4 @@ def open_for_write(path: str | os.PathLike[str], *, direct: bool) -> BinaryIO:
                 os.unlink(path)
         else:
             return DirectFile(fd)  # type: ignore[return-value]
-    return open(path, "xb", buffering=1 << 20)
+    return os.fdopen(create_new(path), "wb", buffering=1 << 20)

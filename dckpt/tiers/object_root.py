@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from ..owned import make_dir
 from ..root import upkeep
 from ..root.commit import CommitStrategy
 from ..root.layout import (
@@ -119,7 +120,7 @@ class ObjectRoot:
         if mirror.exists() and not mirror.is_dir():
             raise CheckpointError(f"the local mirror {mirror} exists and is not a directory")
         try:
-            mirror.mkdir(parents=True, exist_ok=True)
+            make_dir(mirror, parents=True)
             if not coordinator and local_share()[0] == 0:
                 upkeep.recover(mirror)
         except OSError as exc:  # this node's disk, not the bucket: say which

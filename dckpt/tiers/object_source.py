@@ -32,12 +32,12 @@ import os
 import shutil
 import stat
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, IntegrityError, StorageError
+from ..owned import file_mode, make_dir, write_atomic
 from ..root.layout import step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..storage.records import FileRecord
@@ -189,7 +189,7 @@ class ObjectSource:
         assert self._read is not None
         raw = self._read[1]
         target = self.local / name
-        target.mkdir(parents=True, exist_ok=True)
+        make_dir(target, parents=True)
         if write_manifest and _read_or_none(target / MANIFEST_FILE) != raw:
             _write_replacing(target / MANIFEST_FILE, raw)
         downloaded = reused = nbytes = 0
@@ -312,7 +312,9 @@ def _session() -> str:
 @contextlib.contextmanager
 def _turn(target: Path, name: str, session: str) -> Iterator[_Turn]:
     """This process's turn at the mirror's file ``name`` (see ``_Turn``)."""
-    fd = os.open(target / f".{name}.turn", os.O_RDWR | os.O_CREAT, 0o644)
+    # shared by the node's ranks (so not exclusive), but never through a link
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(target / f".{name}.turn", flags, file_mode())
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -352,6 +354,4 @@ def _size_or_none(path: Path) -> int | None:
 
 
 def _write_replacing(path: Path, data: bytes) -> None:
-    part = path.with_name(f".{path.name}.part-{uuid.uuid4().hex}")  # pids repeat across nodes
-    part.write_bytes(data)
-    os.replace(part, path)
+    write_atomic(path.parent, path.name, data, sync=False)  # tmp names unique across nodes

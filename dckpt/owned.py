@@ -1,0 +1,283 @@
+"""Files and directories that are the job's own: created private, never through a link, and,
+under a directory every local user can write (``/dev/shm``, ``/tmp``), proven the job's.
+
+Shared hosts are hostile: a name dckpt computes, another local user can compute first and
+plant, and a path dckpt re-opens may by then be another file. The rules, each written once:
+
+- **Modes that do not depend on the umask.** Every file dckpt creates gets ``file_mode()``
+  (0600 unless ``$DCKPT_FILE_MODE`` says 0640, 0644 or 0604), every directory the same with
+  the search bits (0700 by default), set with ``fchmod`` on the descriptor that created it:
+  the umask can only remove bits, and a team that shares checkpoints sets the variable.
+  Group or other write is never given.
+- **No write follows a link, and nothing already there is written into.** A file is created
+  with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a planted name, link or FIFO makes the create fail,
+  never redirects it), relative to a directory descriptor opened ``O_NOFOLLOW``, and a record
+  replaced whole by a rename relative to that descriptor (``write_atomic``).
+- **A directory is trusted only when proven.** ``private_tree`` makes or checks every
+  directory from the job's own base down, one ``openat(O_NOFOLLOW)`` at a time: each must be a
+  real directory owned by the job's user, and is narrowed to the private mode through its
+  descriptor. Every directory above the base must be owned by root or the job's user and be
+  writable by no one else unless sticky (``/dev/shm``, ``/tmp``: then nobody else can rename
+  or remove the job's entries in it). A symlink is followed above the base only when root or
+  the job's user owns it. Anything else is a ``NotOwnedError`` naming the directory and its
+  owner. Running as root changes none of this: root is refused another user's directory too.
+
+No torch; used by every layer that writes (storage, root, tiers, load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pwd
+import stat
+import uuid
+from pathlib import Path
+
+from .errors import CheckpointError
+
+__all__ = [
+    "FILE_MODE_ENV",
+    "NotOwnedError",
+    "check_ancestors",
+    "create_new",
+    "dir_mode",
+    "file_mode",
+    "make_dir",
+    "open_dir",
+    "owner_name",
+    "private_tree",
+    "write_atomic",
+]
+
+FILE_MODE_ENV = "DCKPT_FILE_MODE"
+_ALLOWED = {0o600, 0o640, 0o644, 0o604}
+"""Owner read and write always; read for the group and others if asked; never write or
+execute for anyone else."""
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class NotOwnedError(CheckpointError):
+    """A directory or file dckpt would use is not provably the job's own: owned by another
+    user, writable by others, or a link. Nothing was written into it or read from it."""
+
+
+def file_mode() -> int:
+    """The mode of every file dckpt creates: ``$DCKPT_FILE_MODE`` (octal), else 0600."""
+    raw = os.environ.get(FILE_MODE_ENV, "").strip()
+    if not raw:
+        return 0o600
+    try:
+        mode = int(raw, 8)
+    except ValueError:
+        mode = -1
+    if mode not in _ALLOWED:
+        raise ValueError(
+            f"{FILE_MODE_ENV}={raw!r}: use 600 (the default: only the job's user reads its "
+            "checkpoints), 640 (its group reads them too), 644 or 604; dckpt never gives "
+            "write to anyone else"
+        )
+    return mode
+
+
+def dir_mode() -> int:
+    """The mode of every directory dckpt creates: the file mode with a search bit wherever
+    it reads (0700 by default, 0750 with a file mode of 0640)."""
+    mode = file_mode()
+    return mode | 0o100 | (0o010 if mode & 0o040 else 0) | (0o001 if mode & 0o004 else 0)
+
+
+def owner_name(uid: int) -> str:
+    """``name (uid N)`` for messages."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def open_dir(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A descriptor of the directory ``path`` (never through a symlink at its last name)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+
+
+def create_new(
+    name: str | os.PathLike[str], *, dir_fd: int | None = None, flags: int = os.O_WRONLY
+) -> int:
+    """A new file ``name`` (relative to ``dir_fd`` when given), created here and now with the
+    private mode: ``FileExistsError`` when anything is at that name (a planted file, a
+    symlink, a hard link to a file elsewhere), so nothing there is ever written into."""
+    fd = os.open(
+        name, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, file_mode(), dir_fd=dir_fd
+    )
+    try:
+        os.fchmod(fd, file_mode())  # the umask removed nothing the job asked for
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_atomic(
+    directory: str | os.PathLike[str], name: str, data: bytes, *, sync: bool = True
+) -> None:
+    """Replace ``directory/name`` with ``data`` whole: a fresh temporary name created
+    exclusively through a descriptor of ``directory`` (opened without following a link),
+    fsynced when ``sync``, renamed over ``name`` relative to that descriptor. A symlink,
+    FIFO or hard link planted at either name is never written through."""
+    dfd = open_dir(directory)
+    try:
+        tmp = f"{name}.tmp-{uuid.uuid4().hex}"
+        fd = create_new(tmp, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        if sync:
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def make_dir(path: str | os.PathLike[str], *, parents: bool = False) -> Path:
+    """``path`` as a directory (an existing one is left as it is), each directory made here
+    with the private mode, whatever the umask."""
+    path = Path(path)
+    missing: list[Path] = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        if not parents or probe.parent == probe:
+            break
+        probe = probe.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, dir_mode())
+        except FileExistsError:  # another rank made it: not ours to change
+            continue
+        with contextlib.suppress(OSError):
+            fd = open_dir(d)
+            try:
+                os.fchmod(fd, dir_mode())
+            finally:
+                os.close(fd)
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    return path
+
+
+def _shared(st: os.stat_result) -> bool:
+    """Writable by someone other than its owner."""
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def check_ancestors(path: str | os.PathLike[str]) -> Path:
+    """The real path of the existing directory ``path``, after proving that no other user
+    (root aside) can move anything on the way to it: each directory on its real path is owned
+    by root or the job's user, and one that others may write is sticky; a symlink on the way
+    is owned by root or the job's user. ``NotOwnedError`` otherwise."""
+    me = os.geteuid()
+    given = Path(os.path.abspath(path))
+    for prefix in [*reversed(given.parents), given]:
+        try:
+            st = os.lstat(prefix)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
+            raise NotOwnedError(
+                f"{prefix} is a symlink owned by {owner_name(st.st_uid)}: another user "
+                "decides where it leads"
+            )
+    real = Path(os.path.realpath(given))
+    for d in [*reversed(real.parents), real]:
+        st = os.lstat(d)
+        if st.st_uid not in (0, me):
+            raise NotOwnedError(
+                f"{d} belongs to {owner_name(st.st_uid)}, not to this job's user "
+                f"{owner_name(me)} or root"
+            )
+        if _shared(st) and not st.st_mode & stat.S_ISVTX:
+            raise NotOwnedError(
+                f"{d} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}) and not "
+                "sticky: any user with that access can replace what is in it"
+            )
+    return real
+
+
+def private_tree(top: str | os.PathLike[str], base: str | os.PathLike[str]) -> Path:
+    """Make or prove every directory from ``base`` (``top`` or one of its parents) down to
+    ``top`` the job's own: created with the private mode, or, when it exists, a real
+    directory (not a link) owned by the job's user, narrowed to the private mode through its
+    descriptor. The parents of ``base`` must pass ``check_ancestors``. Returns ``top`` on its
+    real path. ``NotOwnedError`` names the first directory that fails and its owner."""
+    top, base = Path(os.path.abspath(top)), Path(os.path.abspath(base))
+    if top != base and base not in top.parents:
+        raise ValueError(f"{base} is not {top} or one of its parents")
+    parent = check_ancestors(_existing(base.parent))
+    for missing in _between(parent, base.parent):  # parents of base that do not exist yet
+        make_dir(missing)
+        parent = missing
+    me = os.geteuid()
+    fd = open_dir(parent)
+    try:
+        for name in [base.name, *top.relative_to(base).parts]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, dir_mode(), dir_fd=fd)
+            try:
+                child = open_dir(name, dir_fd=fd)
+            except OSError as exc:
+                where = os.path.join(_fd_path(fd), name)
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotOwnedError(
+                        f"{where} is not a directory (a symlink or a file put there): dckpt "
+                        "neither follows nor replaces it"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = child
+            st = os.fstat(fd)
+            if st.st_uid != me:
+                raise NotOwnedError(
+                    f"{_fd_path(fd)} belongs to {owner_name(st.st_uid)}, not to this job's user "
+                    f"{owner_name(me)}: another user may have made it to read or replace what "
+                    "dckpt keeps there"
+                )
+            if stat.S_IMODE(st.st_mode) != dir_mode():
+                os.fchmod(fd, dir_mode())
+        return Path(_fd_path(fd))
+    finally:
+        os.close(fd)
+
+
+def _existing(path: Path) -> Path:
+    while not os.path.lexists(path) and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _between(real_existing: Path, wanted: Path) -> list[Path]:
+    """The directories from below ``real_existing`` down to ``wanted`` that do not exist."""
+    have = _existing(wanted)
+    rest = wanted.relative_to(have).parts
+    out: list[Path] = []
+    cur = real_existing
+    for part in rest:
+        cur = cur / part
+        out.append(cur)
+    return out
+
+
+def _fd_path(fd: int) -> str:
+    """The path the kernel knows a directory descriptor by (for messages and the result)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"<fd {fd}>"
