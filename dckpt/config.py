@@ -204,13 +204,21 @@ class CheckpointConfig:
         return self.remote or Path(self.root)
 
     @property
+    def memory_base(self) -> Path:
+        """The directory from which every directory of the memory tier is the job's own
+        (made 0700, or proven owned by its user: dckpt.owned.private_tree): ``memory_dir``
+        when given, else ``$DCKPT_MEMORY_DIR`` or ``/dev/shm/dckpt-<uid>``."""
+        if self.memory_dir is not None:
+            return Path(self.memory_dir)
+        return Path(os.environ.get("DCKPT_MEMORY_DIR") or f"/dev/shm/dckpt-{os.geteuid()}")
+
+    @property
     def memory_root(self) -> Path:
         """Where this run's memory tier lives (``node-<n>/`` under it, one per node)."""
         if self.memory_dir is not None:
             return Path(self.memory_dir)
-        base = Path(os.environ.get("DCKPT_MEMORY_DIR") or f"/dev/shm/dckpt-{os.geteuid()}")
         key = xxhash.xxh64_hexdigest((self.remote or str(Path(self.root).resolve())).encode())
-        return base / f"{Path(self.remote or self.root).name or 'root'}-{key[:12]}"
+        return self.memory_base / f"{Path(self.remote or self.root).name or 'root'}-{key[:12]}"
 
     @property
     def watchdog_s(self) -> float:

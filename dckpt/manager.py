@@ -27,10 +27,12 @@ use, and building a group costs it a few store calls at any world size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import secrets
 import socket
 import sys
 import uuid
@@ -44,7 +46,7 @@ import torch
 from .collective.comm import Comm
 from .collective.progress import Progress
 from .config import CheckpointConfig
-from .errors import CheckpointError, LockError
+from .errors import CheckpointError, LockError, describe_os_error
 from .load.checks import CandidateChecks
 from .load.config_check import ConfigPolicy
 from .load.durable import DurableReader
@@ -53,7 +55,9 @@ from .load.memory import MemoryReader, MemorySource
 from .load.replay import Replay, ReplayMode
 from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer, ResumeTier
+from .owned import NotOwnedError, private_tree
 from .preemption import CHECK_EVERY_S, DEFAULT_SIGNALS, Preemption, PreemptionStop
+from .root.memory_ledger import MemoryLedger
 from .root.protocol import Lock, Root
 from .root.source import CheckpointSource
 from .save.durable import DurableRoute
@@ -184,14 +188,18 @@ class CheckpointManager:
         self.rank = self._ctl.rank
         self.world_size = self._ctl.world_size
         self._closed = False
-        self.run_id = str(
-            self._ctl.broadcast(
+        told = self._ctl.broadcast(
+            (
                 run_id
                 or os.environ.get("DCKPT_RUN_ID")
                 or os.environ.get("TORCHELASTIC_RUN_ID")
-                or uuid.uuid4().hex
+                or uuid.uuid4().hex,
+                secrets.token_hex(16),  # rank 0's draw: the job's store keys live under it
             )
         )
+        self.run_id = str(told[0])
+        for comm in (self._ctl, self._io):
+            comm.use_token(told[1])
         try:
             self._root: Root = open_root(config.where, mirror=config.directory)
         except (CheckpointError, ValueError):  # boto3 missing, a bad DCKPT_S3_* setting
@@ -229,12 +237,21 @@ class CheckpointManager:
             )
         ]
         self._memory: tuple[MemoryRoute, MemorySource] | None = None
+        self._memory_off_why: str | None = None
+        notes: list[str] = []
         if config.memory:
-            self._memory = self._open_memory(lineage, source)
-            route, memory_source = self._memory
-            routes[route.tier] = route
-            reader = MemoryReader(ctl=self._ctl, source=memory_source, state=state, checks=checks)
-            tiers.insert(0, ResumeTier("memory tier", memory_source, reader))
+            opened = self._open_memory(lineage, source)
+            if isinstance(opened, str):
+                self._memory_off_why = opened
+                notes.append(self._memory_off(opened))
+            else:
+                self._memory = opened
+                route, memory_source = opened
+                routes[route.tier] = route
+                reader = MemoryReader(
+                    ctl=self._ctl, source=memory_source, state=state, checks=checks
+                )
+                tiers.insert(0, ResumeTier("memory tier", memory_source, reader))
         clock, mode, progress = StepClock(), SaveMode(config.async_save), Progress(self._io)
         self._pipeline = SavePipeline(
             io=self._io,
@@ -273,6 +290,7 @@ class CheckpointManager:
             replay=replay,
             state=state,
             run_id=self.run_id,
+            notes=notes,
         )
         self._stop = PreemptionStop(self._ctl, self._saver)
         self._hook: Any = None
@@ -325,12 +343,17 @@ class CheckpointManager:
 
     def _open_memory(
         self, lineage: Lineage, durable: CheckpointSource
-    ) -> tuple[MemoryRoute, MemorySource]:
+    ) -> tuple[MemoryRoute, MemorySource] | str:
         """The memory tier: every rank learns the topology (which node each rank is on);
-        each node's first rank makes the node's memory directory private (0700) and removes
-        what the last workers left half-written; rank 0 tidies the ledger's saves in flight.
-        Fails on every rank if any node fails. Nothing listens: replicas move over dckpt's
-        gloo groups (dckpt.collective.transfer)."""
+        each node's first rank proves the node's memory directory the job's own and this
+        root's (dckpt.tiers.memory_layout.claim_memory_dir) and removes what the last
+        workers left half-written; rank 0 tidies the ledger's saves in flight. Nothing
+        listens: replicas move over dckpt's gloo groups (dckpt.collective.transfer).
+
+        A directory that is not provably the job's (another user's, writable by others, a
+        link, another root's) or that cannot be made, on any node, turns the memory tier off
+        for this start on every rank (returns why): the durable tier goes on, and nothing is
+        written into, read from or freed in that directory."""
         found = _node_indices(
             self._ctl.all_gather((os.environ.get("GROUP_RANK"), socket.gethostname()))
         )
@@ -342,21 +365,25 @@ class CheckpointManager:
         memory_dir = self.config.memory_root
         ledger = self._root.memory_ledger()
         commit = MemoryCommit(ledger, self.config.memory_keep, str(memory_dir))
+        identity = self._ctl.broadcast(self._memory_identity(ledger) if self.rank == 0 else None)
         failure: CheckpointError | None = None
         try:
+            if not isinstance(identity, str):
+                raise identity if identity is not None else CheckpointError("no identity")
             if topology.ranks_of(node)[0] == self.rank:
-                node_dir = memory_layout.private_dir(memory_layout.node_dir(memory_dir, node))
+                base = self.config.memory_base
+                memory_layout.claim_memory_dir(memory_dir, base, identity, str(self._root))
+                node_dir = private_tree(memory_layout.node_dir(memory_dir, node), base)
                 memory_layout.clean_abandoned(node_dir)
-            if self.rank == 0:
-                commit.recover(self.root)
+        except (NotOwnedError, CheckpointError) as exc:
+            failure = exc
         except OSError as exc:
-            failure = CheckpointError(
-                f"the memory tier cannot start on node {node} ({memory_dir}): {exc}"
-            )
+            failure = CheckpointError(f"{describe_os_error(exc, memory_dir)}")
         failed = self._ctl.first_failure(failure)
         if failed is not None:
-            self._close_on_failure()
-            raise failed.error
+            return f"node {topology.node_of[failed.rank]}: {failed.error}"
+        if self.rank == 0:
+            commit.recover(self.root)
         slots = memory_layout.Slots(memory_layout.node_dir(memory_dir, node))
         route = MemoryRoute(
             io=self._io,
@@ -382,6 +409,35 @@ class CheckpointManager:
             slots=slots,
         )
         return route, source
+
+    def _memory_identity(self, ledger: MemoryLedger) -> str | CheckpointError:
+        """Rank 0: the root's memory identity, made at its first memory start (or why not)."""
+        try:
+            found = ledger.identity(create=True)
+        except (OSError, CheckpointError) as exc:
+            return CheckpointError(f"cannot read or make the memory identity in {ledger}: {exc}")
+        return found or CheckpointError(f"{ledger} holds no readable memory identity (root-id)")
+
+    def _memory_off(self, why: str) -> str:
+        """The memory tier is off for this start: rank 0 says so once, with the memory steps
+        the root's ledger records (not considered by this start's resume); the note every
+        resume report carries."""
+        recorded: list[int] = []
+        if self.rank == 0:
+            with contextlib.suppress(OSError, CheckpointError):
+                recorded = self._root.memory_ledger().steps()
+        note = (
+            f"the memory tier is off for this start: {why}. Memory saves are skipped and "
+            "durable saves go on"
+            + (
+                f"; memory steps {recorded} recorded in the root were not considered"
+                if recorded
+                else ""
+            )
+        )
+        if self.rank == 0:
+            log.error("dckpt: %s", note)
+        return note
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -427,9 +483,12 @@ class CheckpointManager:
         if tier not in ("durable", "memory"):
             raise ValueError(f"tier must be 'durable' or 'memory', got {tier!r}")
         if tier == "memory" and self._memory is None:
-            raise ValueError(
-                "save(tier='memory') needs the memory tier: CheckpointConfig(memory=True)"
-            )
+            if self._memory_off_why is None:
+                raise ValueError(
+                    "save(tier='memory') needs the memory tier: CheckpointConfig(memory=True)"
+                )
+            # off for this start (said once at start): the same on every rank, no collective
+            return self._saver.skipped(step, f"the memory tier is off: {self._memory_off_why}")
         handle = self._saver.save(
             step,
             epoch=epoch,

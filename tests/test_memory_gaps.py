@@ -17,6 +17,7 @@ third on two gloo ranks, each its own node (``GROUP_RANK``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ from dist_harness import run_world
 from test_memory_ledger import _manager  # the same one-process memory-tier manager
 
 import dckpt
-from dckpt.root.layout import step_dir_name
+from dckpt.root.layout import committed_steps, step_dir_name
 from dckpt.root.manifest import manifest_bytes, parse_manifest
 from dckpt.storage.digest import hash_file
 
@@ -272,3 +273,46 @@ def test_a_replica_the_partner_cannot_hold_leaves_its_previous_replica_restorabl
     text = resumed[0]["report"]
     assert "memory tier: step 3 not used: no node holds rank-00000.mem" in text, text
     assert "rank 0: from node 1 (" in text, text  # node 0's file came from node 1's replica
+
+
+def _lost_then_save(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Memory step 2's replicas stall on rank 1 (its save thread sleeps past timeout_s at the
+    first chunk), so dckpt's group is lost under it; ``save(3)`` comes at once, while that
+    save is still in flight on both ranks."""
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = dckpt.CheckpointConfig(
+        root=Path(base) / "root", memory=True, memory_dir=Path(base) / "mem", timeout_s=3.0
+    )
+    out: dict[str, Any] = {}
+    mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
+    try:
+        mgr.save(1).result()
+        os.environ["DCKPT_FAULT"] = "phase=replicate,rank=1,action=sleep,seconds=9,step=2"
+        mgr.save(2, tier="memory")  # returns at once: the copy in save() is the snapshot
+        try:
+            mgr.save(3)
+            out["next"] = "saved"
+        except dckpt.CheckpointError as exc:
+            out["next"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        os.environ.pop("DCKPT_FAULT", None)
+        with contextlib.suppress(Exception):
+            mgr.close()
+    return out
+
+
+def test_a_save_after_a_memory_save_lost_the_group_refuses_instead_of_using_it(
+    tmp_path: Path,
+) -> None:
+    """Whether the group is usable is checked once the save in flight has ended, not before
+    (the issue: the next save ran its collectives on the broken group and gloo aborted the
+    process, or the final durable save was lost). Both ranks refuse, in words, and live."""
+    got = run_world(_lost_then_save, 2, str(tmp_path), expect_failure=True, timeout=120)
+    for rank, result in enumerate(got):
+        assert isinstance(result, dict), f"rank {rank} did not return: {result}"
+        assert result["next"].startswith("WorldError:"), result
+        assert "Restart the job" in result["next"], result
+    assert committed_steps(tmp_path / "root") == [1]

@@ -58,7 +58,7 @@ def _exchange(
     try:
         if rank == 0:
             src = node / "own" / "f.mem"
-            mm = slots.open(src, size)
+            mm = slots.open(src, size).buffer
             mm[:] = payload
             if send == "trickle":  # each chunk well within the deadline, all of them not
                 import torch.distributed as dist

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from rich.table import Table
 
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
+from ..owned import NotOwnedError
 from ..root.manifest import Manifest, parse_manifest
 from ..root.memory_ledger import MemoryLedger
 from ..tiers import memory_layout as layout
@@ -37,8 +39,11 @@ __all__ = [
 
 def memory_dir_for(root: str, memory_dir: str | None) -> Path:
     """The memory directory a job on ``root`` uses (the same default the manager derives)."""
-    given = Path(memory_dir) if memory_dir else None
-    return CheckpointConfig(root=root, memory_dir=given).memory_root
+    return _config(root, memory_dir).memory_root
+
+
+def _config(root: str, memory_dir: str | None) -> CheckpointConfig:
+    return CheckpointConfig(root=root, memory_dir=Path(memory_dir) if memory_dir else None)
 
 
 def _manifests(ledger: MemoryLedger) -> dict[int, Manifest | str]:
@@ -153,9 +158,10 @@ def memory_costs(ledger: MemoryLedger, memory_root: Path) -> dict[str, float] | 
 
 
 def cmd_memory_clear(args: argparse.Namespace) -> int:
-    """``dckpt memory clear ROOT``: free this host's memory tier of a root (every node
-    directory under its memory directory here); with ``--records``, also remove the root's
-    ledger, so no resume looks for that memory again."""
+    """``dckpt memory clear ROOT``: free this host's memory tier of a root (dckpt's memory
+    files in every node directory under its memory directory here, nothing else, and only
+    when the directory is the user's own and records this root); with ``--records``, also
+    remove the root's ledger, so no resume looks for that memory again."""
     root = cli_root(args.root)
     owner, ledger, root_name = root.lock_holder(), root.memory_ledger(), str(root)
     if owner is not None and not args.force:
@@ -165,7 +171,12 @@ def cmd_memory_clear(args: argparse.Namespace) -> int:
             "first, or use --force.",
         )
     memory_root = memory_dir_for(root_name, args.memory_dir)
-    freed = layout.clear(memory_root) if memory_root.exists() else 0
+    freed = 0
+    if os.path.lexists(memory_root):
+        try:
+            freed = layout.clear(memory_root, ledger.identity(create=False), root_name)
+        except NotOwnedError as exc:
+            fail(EXIT_USAGE, f"{exc}. Nothing was freed.")
     records = ledger.keep_newest(0) if args.records else []
     if args.json:
         doc = {"memory_dir": str(memory_root), "freed_bytes": freed, "records_removed": records}

@@ -115,6 +115,7 @@ class Comm:
         if not self.distributed:
             self.group: dist.ProcessGroup | None = None
             self.rank, self.world_size = 0, 1
+            self.keys = "dckpt"
             return
         if group is None:
             # Same ranks as the default group; gloo so it carries CPU objects beside NCCL.
@@ -125,8 +126,19 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.keys = "dckpt"
+        """The prefix of every key dckpt puts in the job's store for this group (meetings,
+        progress markers, stop flags): ``dckpt/<token>`` once the manager agreed on a random
+        token (``use_token``), so no process outside the job can aim at a key it will use."""
         self._met: dict[int, int] = {}  # meetings with each peer so far (``meet``)
         self._agreements = 0  # ``_reduce`` calls so far: the same count on every rank
+
+    def use_token(self, token: str) -> None:
+        """Put this group's store keys under ``dckpt/<token>``: a token rank 0 drew at random
+        and sent over dckpt's own group, the same on every rank. The job's store (torch's
+        TCPStore) takes writes from anyone who reaches its port; a key nobody outside the job
+        can predict cannot be pre-set to make a meeting fail or a marker lie."""
+        self.keys = f"dckpt/{token}"
 
     def connect(self) -> None:
         """Connect the pairs this group's agreements use, now, while every rank is at the same
@@ -284,7 +296,8 @@ class Comm:
         marked the meeting abandoned, which it does atomically the same way. So the two ends
         agree on whether they met, and neither posts a message to a peer that left. Keys are
         under the group's name (two groups, or a later manager's, never share a meeting) and
-        removed once met. Each rank pays two or three store calls per peer, at any N."""
+        removed once met, under the job's random token (``use_token``). Each rank pays two or
+        three store calls per peer, at any N."""
         if not self.distributed or not peers:
             return []
         store = dist.distributed_c10d._get_default_store()
@@ -298,7 +311,7 @@ class Comm:
             n = self._met.get(peer, 0) + 1
             self._met[peer] = n
             them = dist.get_global_rank(group, peer)
-            key = f"dckpt/meet/{group.group_name}/{min(me, them)}-{max(me, them)}/{n}"
+            key = f"{self.keys}/meet/{group.group_name}/{min(me, them)}-{max(me, them)}/{n}"
             if store.compare_set(key, "", mine).decode() == mine:
                 first.append((peer, key))  # the peer is not there yet: wait for its mark
             elif store.compare_set(f"{key}/second", "", mine).decode() == _GONE:

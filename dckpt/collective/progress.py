@@ -43,6 +43,7 @@ class Progress:
     def __init__(self, comm: Comm) -> None:
         self._world = comm.world_size
         self._rank = comm.rank
+        self._comm = comm  # its key prefix (the job's random token) is read at each use
         self._store: Any = None
         if comm.distributed:
             try:
@@ -51,7 +52,7 @@ class Progress:
                 self._store = None
 
     def _key(self, save_id: str, phase: Phase, rank: int) -> str:
-        return f"dckpt/{save_id}/{phase.value}/{rank}"
+        return f"{self._comm.keys}/{save_id}/{phase.value}/{rank}"
 
     def mark(self, save_id: str, phase: Phase) -> None:
         if self._store is not None:
@@ -104,7 +105,7 @@ class Progress:
         beyond, less often (at most every 5 s), so the store serves about 1000 looks a
         second whatever the world's size."""
         every_s = min(5.0, max(1.0, self._world / 1000))
-        return StopFlag(self._store, f"dckpt/stop/{name}", every_s)
+        return StopFlag(self._store, f"{self._comm.keys}/stop/{name}", every_s)
 
 
 class StopFlag:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..errors import CheckpointError
 from ..phases import Phase, Trace
 from ..storage.digest import format_digest, new_hasher
 from .comm import Comm
@@ -58,6 +58,8 @@ _CHUNKS_PER_FILE = 1 << 20  # tags: (file of this pair) << 20 | chunk; 16 TiB pe
 class Claim(Protocol):
     buffer: Any
     """A writable mapping of the file."""
+    key: tuple[int, int]
+    """The file's (device, inode)."""
 
     def allocate(self, start: int, end: int) -> None:
         """Allocate the pages of ``[start, end)`` (OSError, ENOSPC, when it cannot)."""
@@ -73,6 +75,10 @@ class Targets(Protocol):
 
     def drop(self, path: Path) -> None:
         """Delete ``path`` and let go of its mapping."""
+        ...
+
+    def rename(self, src: Path, dst: Path, *, key: tuple[int, int] | None = None) -> None:
+        """Give the file ``key`` at ``src`` the name ``dst`` (checked to be that file)."""
         ...
 
 
@@ -170,7 +176,7 @@ def move(
             posted.append(got)  # before a chunk is posted: a failure below still drops it
             try:
                 claim = item.claim or slots.claim(part, item.size, spare_of=item.spare_of)
-                got.mm = claim.buffer
+                got.mm, got.key = claim.buffer, claim.key
                 chunks = _view(got.mm, item.size)
             except OSError as exc:
                 got.refused = f"this node's memory cannot hold {item.into.name} ({exc})"
@@ -232,6 +238,7 @@ class _Posted:
     item: Incoming
     part: Path
     mm: Any = None
+    key: tuple[int, int] | None = None
     refused: str | None = None
     works: list[Any] = field(default_factory=list)
 
@@ -250,8 +257,8 @@ def _settle(got: _Posted, algorithm: str, hasher: Any, slots: Targets, seconds: 
     if error is None:
         try:
             slots.drop(item.into)  # a damaged or older copy at the target goes
-            os.replace(got.part, item.into)
-        except OSError as exc:
+            slots.rename(got.part, item.into, key=got.key)  # the very file that was hashed
+        except (OSError, CheckpointError) as exc:
             error, refused = f"cannot name {item.into}: {exc}", True
     if error is not None:
         slots.drop(got.part)

@@ -115,7 +115,7 @@ def warmup_collective(nonce: str, timeout_s: float) -> WarmupResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     broken = fault_point(Phase.WARMUP, rank)  # True: act as a backend that sums wrong here
     store = _store()
-    key = f"dckpt/warmup/{nonce}"
+    key = f"{nonce}/warmup"
     if store is not None:
         store.set(f"{key}/{rank}", "1")
     device = _group_device(0)

@@ -38,6 +38,7 @@ from the root's ledger; ranks never mix steps or tiers (every choice is a collec
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import mmap
@@ -60,6 +61,7 @@ from ..errors import (
     StateMismatchError,
     WorldError,
 )
+from ..owned import owner_name, write_atomic
 from ..root.layout import step_dir_name
 from ..root.manifest import Manifest, parse_manifest
 from ..root.memory_ledger import MemoryLedger
@@ -351,8 +353,9 @@ class MemorySource:
             if result.error is not None:
                 (refused if result.refused else damaged).append(f"rank {self.rank}: {result.error}")
                 continue
-            arrived[item.into.name] = (str(item.into), _identity(os.stat(item.into)))
-            fetched.held[item.into.name] = self.slots.view(item.into)  # mapped as it came
+            held = self.slots.mapped_at(item.into)  # the mapping it arrived into, hashed
+            arrived[item.into.name] = (str(item.into), _identity(os.lstat(item.into)))
+            fetched.held[item.into.name] = held
         outcomes = self.ctl.all_gather(
             (damaged, refused, sent_bad, arrived, time.perf_counter() - t0)
         )
@@ -598,10 +601,10 @@ class MemoryReader:
             "origin": origin,
             "at": time.time(),
         }
-        with contextlib.suppress(OSError):
-            part = self.source.dir / f".{layout.RESTORE_FILE}.part"
-            part.write_text(json.dumps(record))
-            os.replace(part, self.source.dir / layout.RESTORE_FILE)
+        with contextlib.suppress(OSError):  # never through a link planted at either name
+            write_atomic(
+                self.source.dir, layout.RESTORE_FILE, json.dumps(record).encode(), sync=False
+            )
 
 
 def _flat_file(buf: mmap.mmap, source: str, rank: int) -> FlatFile:
@@ -654,12 +657,15 @@ class _SizeMismatchError(ValueError):
 
 def _map_sized(path: Path, size: int) -> tuple[mmap.mmap, os.stat_result]:
     """A read-only mapping of ``path``, which must be a regular file of ``size`` bytes
-    (``_SizeMismatchError`` otherwise, before anything is mapped), and its ``fstat``."""
+    (``_SizeMismatchError`` otherwise, before anything is mapped) owned by the job's user
+    (``PermissionError`` otherwise: not this job's file, so no evidence about the step), and
+    its ``fstat``; the caller hashes through this very mapping."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             raise _SizeMismatchError(st, size)
+        _check_owner(path, st)
         return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ), st
     finally:
         os.close(fd)
@@ -688,11 +694,26 @@ def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, i
 
 def _map(path: str, identity: tuple[int, int, int]) -> mmap.mmap:
     """Map ``path`` if it is still the file that was proven (the proof and the read may be on
-    two ranks of the node, so the file is opened twice)."""
-    with open(path, "rb") as f:
-        if _identity(os.fstat(f.fileno())) != identity:
+    two ranks of the node, so the file is opened twice: never through a link, and checked
+    on the descriptor to be that inode, unchanged, and the job's user's)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if _identity(st) != identity:
             raise CheckpointError(f"{path} changed after it was proven: not read")
-        return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        _check_owner(Path(path), st)
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _check_owner(path: Path, st: os.stat_result) -> None:
+    """A memory file is read only if the job's user owns it (the directory is the job's own,
+    proven at start: a file of another user in it was put there by other hands)."""
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            errno.EPERM, f"owned by {owner_name(st.st_uid)}, not this job's user", str(path)
+        )
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:

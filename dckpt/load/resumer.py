@@ -167,8 +167,11 @@ class Resumer:
         replay: Replay,
         state: TrainState,
         run_id: str | None = None,
+        notes: list[str] | None = None,
     ) -> None:
         self._ctl = ctl
+        self._notes = list(notes or [])
+        """Said in every resume's report (the same on every rank): a tier off this start."""
         self._config = config
         self.root = config.directory
         self.tiers = tiers
@@ -332,7 +335,7 @@ class Resumer:
                 # The report keeps the first sentence; the reason file has it all.
                 skipped.append((step, f"{type(exc).__name__}: {str(exc).split('. ')[0]}"))
         report = ResumeReport.of(chosen, skipped, self.world_size, looped)
-        report.warnings.extend([*passed, *surveyed])
+        report.warnings.extend([*self._notes, *passed, *surveyed])
         if result is None:
             self._nothing_loaded(report, len(candidates), passed)
             return report
@@ -341,7 +344,8 @@ class Resumer:
         report.warnings.extend(o.describe() for o in self._overrides)
         t_loaded = time.perf_counter()
         if self._config.warmup and self._ctl.distributed:  # 7
-            mine = warmup_collective(result.manifest.save_id, self._config.timeout_s)
+            nonce = f"{self._ctl.keys}/{result.manifest.save_id}"  # the job's token first
+            mine = warmup_collective(nonce, self._config.timeout_s)
             report.check("warmup all-reduce", True, self._agree_on_warmup(mine))
         report.timings = {
             "load_and_verify": t_loaded - t0,

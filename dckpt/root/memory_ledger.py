@@ -6,6 +6,7 @@ process of the node's user could write; its manifest lives here, where only the 
 
 ```
 ROOT/memory/
+  root-id                        the root's memory identity (32 hex), made at first use
   step-00000008.json             the manifest of memory step 8: its commit point
   step-00000010.tmp-<32 hex>/    a memory save in flight (rank 0 writes its manifest there)
   quarantine/step-00000006.json  a memory step every copy of which failed its digests
@@ -26,20 +27,40 @@ Knows files and manifests, never tensors (no torch).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Protocol
 
 from ..errors import ManifestError
+from ..owned import create_new, make_dir, write_atomic
 from .durable import fsync_dir, fsync_file
 from .layout import QUARANTINE_DIR, read_small_file, step_dir_name
 from .manifest import MAX_MANIFEST_BYTES
 
-__all__ = ["LEDGER_DIR", "DirectoryLedger", "MemoryLedger", "Pruning", "record_name"]
+__all__ = [
+    "IDENTITY",
+    "LEDGER_DIR",
+    "DirectoryLedger",
+    "MemoryLedger",
+    "Pruning",
+    "parse_identity",
+    "record_name",
+]
 
 LEDGER_DIR = "memory"
 RECORD_RE = re.compile(r"step-([0-9]{8,})\.json")
+IDENTITY = "root-id"
+"""Beside the records: the root's memory identity (``MemoryLedger.identity``)."""
+_ID_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def parse_identity(raw: bytes | None) -> str | None:
+    """A ``root-id``'s id, or None when it does not hold one."""
+    text = (raw or b"").decode("ascii", "replace").strip()
+    return text if _ID_RE.fullmatch(text) else None
 
 
 def record_name(step: int) -> str:
@@ -80,6 +101,13 @@ class MemoryLedger(Protocol):
 
     def where(self, step: int) -> str:
         """Where ``step``'s record is (for logs)."""
+        ...
+
+    def identity(self, *, create: bool) -> str | None:
+        """The root's memory identity: a random id kept beside the records (``root-id``),
+        made at the first memory start (``create``; the first writer wins a race), which a
+        memory directory records as the root it serves. It travels with the root (a copy
+        or a move keeps it), and two roots never share one. None: none yet (and not made)."""
         ...
 
 
@@ -126,7 +154,7 @@ class DirectoryLedger(Pruning):
 
     def commit(self, step: int, manifest: Path) -> str:
         fresh = not self.dir.is_dir()
-        self.dir.mkdir(exist_ok=True)
+        make_dir(self.dir)
         if fresh:
             fsync_dir(self.dir.parent)
         fsync_file(manifest)
@@ -143,10 +171,9 @@ class DirectoryLedger(Pruning):
         return steps
 
     def quarantine(self, step: int, reason: str) -> str:
-        aside = self.dir / QUARANTINE_DIR
-        aside.mkdir(exist_ok=True)
+        aside = make_dir(self.dir / QUARANTINE_DIR)
         target = aside / record_name(step)
-        (aside / f"{step_dir_name(step)}.reason.txt").write_text(reason + "\n")
+        write_atomic(aside, f"{step_dir_name(step)}.reason.txt", (reason + "\n").encode())
         os.replace(self.dir / record_name(step), target)
         fsync_dir(self.dir)
         return str(target)
@@ -159,3 +186,21 @@ class DirectoryLedger(Pruning):
 
     def where(self, step: int) -> str:
         return str(self.dir / record_name(step))
+
+    def identity(self, *, create: bool) -> str | None:
+        found = parse_identity(read_small_file(self.dir / IDENTITY, 64))
+        if found is not None or not create:
+            return found
+        make_dir(self.dir)
+        tmp = self.dir / f"{IDENTITY}.tmp-{uuid.uuid4().hex}"
+        with os.fdopen(create_new(tmp), "wb") as f:
+            f.write(uuid.uuid4().hex.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        try:  # written whole, then linked: the first writer's id wins, none is seen half made
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, self.dir / IDENTITY, follow_symlinks=False)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(self.dir)
+        return parse_identity(read_small_file(self.dir / IDENTITY, 64))

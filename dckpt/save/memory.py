@@ -9,8 +9,11 @@ one; this route is what differs, step by step:
   (dckpt.storage.memory_file's flat format): that copy is the snapshot. Replicated tensors
   (DCP's rule: plain tensors every rank holds alike) go into one owner rank's file each, as
   the ranks agreed at the previous memory save, so under DDP each rank copies about 1/world;
-- step 5 (``write``): the file is hashed where it lies (the writer's digest), then renamed to
-  ``rank-<r>.mem``; its report carries the layout this rank wrote (``settle`` reads it);
+- step 5 (``write``): the file is hashed through the mapping ``save()`` copied into (the
+  writer's digest: the bytes written, whatever a name points to by then), then renamed to
+  ``rank-<r>.mem`` relative to its directory's descriptor, checked to be that very file (a
+  file swapped in under the name fails the save); its report carries the layout this rank
+  wrote (``settle`` reads it);
 - step 6 (``settle``, every rank): the layout the ranks' files were written with must be one
   (else no rank could restore the save: refused), and the next save's owners are agreed on;
 - step 7: rank 0's manifest records the nodes, the replica ring, the layout and the durable
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import time
@@ -45,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from ..collective.comm import Comm
 from ..collective.transfer import Incoming, Outgoing, move
-from ..errors import StorageError, describe_os_error
+from ..errors import CheckpointError, StorageError, describe_os_error
 from ..phases import Phase, Trace
 from ..root.commit import CommitStrategy
 from ..root.layout import STEP_RE, step_dir_name
@@ -80,6 +84,9 @@ class Staged:
 
     part: Path
     final: Path
+    key: tuple[int, int]
+    """The file's (device, inode): its bytes are read back only through this rank's mapping
+    of it (``Slots.mapping``), never by opening a name again."""
     size: int
     signature: str
     """Digest of this rank's replicated-looking tensors (dckpt.storage.memory_file)."""
@@ -185,8 +192,8 @@ class MemoryRoute:
         except MemoryFileError as exc:
             raise StorageError(f"this state cannot be kept in the memory tier: {exc}") from None
         try:
-            mm = self.slots.open(part, plan.size, spare_of=self.name)
-            write_into(mm, plan)
+            claim = self.slots.open(part, plan.size, spare_of=self.name)
+            write_into(claim.buffer, plan)
         except OSError as exc:
             self.slots.drop(part)
             with contextlib.suppress(OSError):
@@ -200,7 +207,7 @@ class MemoryRoute:
             ) from None
         trace.at(Phase.MEMORY_COPY)
         checks, held = self._begin_checks(state_dict, plan, skip)
-        return Staged(part, final, plan.size, sig, shared, checks, held)
+        return Staged(part, final, claim.key, plan.size, sig, shared, checks, held)
 
     def _begin_checks(
         self, state_dict: dict[str, Any], plan: FlatPlan, skip: frozenset[str]
@@ -242,7 +249,9 @@ class MemoryRoute:
     def write(
         self, staged: Staged, ticket: SaveTicket, trace: Trace, tmp: Path, report: RankReport
     ) -> RankReport:
-        """Hash this rank's file where it lies and give it its name; its report."""
+        """Hash this rank's file through the mapping it was written through (the bytes
+        ``save()`` copied, whatever a name points to now) and give it its name, relative to
+        the directory's descriptor, checked to be that file; its report."""
         ticket.staged.set()  # the copy in save() is the snapshot
         t0 = time.perf_counter()
         records: tuple[FileRecord, ...] = ()
@@ -251,7 +260,7 @@ class MemoryRoute:
         check_s = 0.0
         try:
             hasher = new_hasher(self.digest)
-            view = memoryview(self.slots.view(staged.part))
+            view = memoryview(self.slots.mapping(staged.key))
             hasher.update(view[: staged.size])
             del view
             t_check = time.perf_counter()
@@ -259,8 +268,8 @@ class MemoryRoute:
             check_s = time.perf_counter() - t_check
             trace.at(Phase.MEMORY_HASH)
             if staged.final.exists():  # this step saved again: the old copy stays, aside,
-                os.replace(staged.final, _aside(staged))  # until the new one commits
-            os.rename(staged.part, staged.final)
+                self.slots.rename(staged.final, _aside(staged))  # until the new one commits
+            self.slots.rename(staged.part, staged.final, key=staged.key)
             self._named = staged.final
             records = (
                 FileRecord(
@@ -288,7 +297,7 @@ class MemoryRoute:
         checks = staged.checks
         if not checks.active:
             return None
-        buf = self.slots.view(staged.part)
+        buf = self.slots.mapping(staged.key)
         for key, dtype, shape, offset, nbytes, replica in staged.held:
             if nbytes:
                 raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
@@ -363,8 +372,10 @@ class MemoryRoute:
         mine: dict[str, Any] = {"received": [], "seconds": 0.0}
         data: Any = None
         if holder is not None:
-            try:
-                data = self.slots.view(own)
+            try:  # the bytes this rank wrote and hashed, through its own mapping
+                if job.snapshot is None:
+                    raise OSError(errno.ENOENT, "no file of this save")
+                data = self.slots.mapping(job.snapshot.key)
             except (OSError, ValueError) as exc:  # zeros go instead: the holder refuses them
                 mine["error"] = f"rank {self.rank} could not read {own}: {exc}"
         outgoing = [Outgoing(data, holder, records[self.rank].bytes)] if holder is not None else []
@@ -516,7 +527,8 @@ class MemoryRoute:
                 self.slots.retire(path, "failed")
         aside = _aside(staged)
         if aside.exists():
-            os.replace(aside, staged.final)
+            with contextlib.suppress(OSError, CheckpointError):
+                self.slots.rename(aside, staged.final)
 
     def release(self) -> int:
         """Free this rank's files of this run in its node's memory (own, the replicas it

@@ -155,6 +155,10 @@ class Saver:
                 in_flight.step,
             )
         self._thread.raise_if_failed()
+        # The save just joined may have lost dckpt's group (a memory save's replicas whose
+        # peer stopped answering): checked again now that it has ended, never before, so
+        # this save does not run its collectives on a broken group (gloo aborts the process).
+        self._refuse_if_unusable()
 
         job = self._pipeline.prepare(
             route,

@@ -8,13 +8,21 @@ lock (the lock is read back first, as for a durable commit). Knows keys, never t
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ManifestError
 from ..root.layout import QUARANTINE_DIR, step_dir_name
 from ..root.manifest import MAX_MANIFEST_BYTES
-from ..root.memory_ledger import LEDGER_DIR, RECORD_RE, Pruning, record_name
+from ..root.memory_ledger import (
+    IDENTITY,
+    LEDGER_DIR,
+    RECORD_RE,
+    Pruning,
+    parse_identity,
+    record_name,
+)
 from .object_root import ObjectRoot
 
 __all__ = ["ObjectLedger"]
@@ -78,3 +86,13 @@ class ObjectLedger(Pruning):
 
     def where(self, step: int) -> str:
         return self.objects.url_of(LEDGER_DIR, record_name(step))
+
+    def identity(self, *, create: bool) -> str | None:
+        key = self._key(IDENTITY)
+        got = self.store.get_small(key, 64)
+        found = parse_identity(got[0] if got is not None else None)
+        if found is not None or not create:
+            return found
+        self.store.put_small(key, uuid.uuid4().hex.encode(), if_absent=True)  # first wins
+        got = self.store.get_small(key, 64)
+        return parse_identity(got[0] if got is not None else None)

@@ -243,3 +243,21 @@ def test_the_lock_refuses_a_second_job_and_frees_on_release(
     assert first.lock_holder() is None
     with kind.manager(_net()) as mgr:
         assert mgr.resume().step == 1
+
+
+def test_the_memory_identity_is_made_once_and_stays_with_the_root(kind: Kind) -> None:
+    """A memory directory names the root it serves by this id (tests/faults/
+    test_shared_host.py): none until the first memory start makes it, the same at every
+    later start and for every opener of the root, and another root's is another."""
+    if kind.s3 is None:
+        Path(kind.where).mkdir()  # as every job's start does
+    ledger = kind.root().memory_ledger()
+    assert ledger.identity(create=False) is None
+    made = ledger.identity(create=True)
+    assert made is not None and len(made) == 32
+    assert ledger.identity(create=True) == made
+    assert kind.root().memory_ledger().identity(create=False) == made
+    if kind.s3 is None:
+        Path(kind.where + "-other").mkdir()
+    other = open_root(kind.where + "-other").memory_ledger()
+    assert other.identity(create=True) not in (None, made)
