@@ -200,6 +200,75 @@ def test_an_overlong_body_and_an_endless_listing_are_refused(
     assert sum(1 for m, p, _ in proxy.seen if "list-type=2" in p) == 2
 
 
+def _listing(bucket: str, token: str, keys: list[str], more: bool) -> bytes:
+    contents = "".join(
+        f"<Contents><Key>{k}</Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+        f"<ETag>&quot;x&quot;</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass>"
+        "</Contents>"
+        for k in keys
+    )
+    tail = f"<NextContinuationToken>{token}</NextContinuationToken>" if more else ""
+    return (
+        f"<?xml version='1.0' encoding='UTF-8'?><ListBucketResult><Name>{bucket}</Name>"
+        f"<Prefix>run/</Prefix><KeyCount>{len(keys)}</KeyCount><MaxKeys>1000</MaxKeys>"
+        f"<IsTruncated>{'true' if more else 'false'}</IsTruncated>{contents}{tail}"
+        "</ListBucketResult>"
+    ).encode()
+
+
+def test_a_listing_is_bounded_in_bytes_not_only_in_pages(
+    s3: MotoServer,
+    proxied: tuple[FaultProxy, dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hostile endpoint streaming a fresh marker with every page (the review: 234 MiB per
+    1000 pages, ~23 GiB before the page cap) is refused by size: a marker longer than S3's
+    is refused at once, and the keys and markers held stop at ``MAX_LISTING_BYTES`` (lowered
+    here to 64 KiB). The other side: a listing of many short pages within it is read whole."""
+    from dckpt.tiers import s3_store
+
+    proxy, _ = proxied
+    bucket = s3.bucket()
+    store = _store(bucket, part_bytes=PART, concurrency=1, attempts=2)
+    pages = iter(range(10**6))
+
+    def huge_markers(method: str, path: str, status: int, body: bytes) -> Any:
+        if method == "GET" and "list-type=2" in path:
+            return (200, _listing(bucket, f"{next(pages):08d}" + "m" * 200_000, [], True))
+        return body
+
+    proxy.mangle = huge_markers
+    proxy.seen.clear()
+    with pytest.raises(StorageError, match="continuation marker of 2000"):
+        store.list("run/")
+    assert sum(1 for m, p, _ in proxy.seen if "list-type=2" in p) == 1
+
+    monkeypatch.setattr(s3_store, "MAX_LISTING_BYTES", 64 << 10)
+    long_keys = [f"run/{'k' * 900}{i}" for i in range(10)]
+
+    def fresh_pages(method: str, path: str, status: int, body: bytes) -> Any:
+        if method == "GET" and "list-type=2" in path:
+            return (200, _listing(bucket, f"t{next(pages)}", long_keys, True))
+        return body
+
+    proxy.mangle = fresh_pages
+    proxy.seen.clear()
+    with pytest.raises(StorageError, match=r"over 65\.54 KB of keys and markers"):
+        store.list("run/")
+    assert sum(1 for m, p, _ in proxy.seen if "list-type=2" in p) <= 8
+
+    served = iter(range(20))
+
+    def twenty_pages(method: str, path: str, status: int, body: bytes) -> Any:
+        if method == "GET" and "list-type=2" in path:
+            n = next(served)
+            return (200, _listing(bucket, f"t{n}", [f"run/step-{n:08d}/a"], n < 19))
+        return body
+
+    proxy.mangle = twenty_pages
+    assert [o.key for o in store.list("run/")] == [f"run/step-{n:08d}/a" for n in range(20)]
+
+
 def _model(width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(width, width), nn.ReLU()))

@@ -19,7 +19,9 @@ Invariants:
   re-requested by range here; both are bounded (``attempts``), and an error says how many
   requests were made;
 - a GET reads at most one byte past the span it asked for; a listing refuses a repeated
-  continuation marker and stops at ``MAX_PAGES`` pages;
+  continuation marker and stops at ``MAX_PAGES`` pages or ``MAX_LISTING_BYTES`` of keys and
+  markers held, whichever comes first (a marker is remembered as its 64-bit digest, and one
+  longer than ``MAX_MARKER_BYTES`` is refused): a hostile endpoint cannot grow it past that;
 - a download whose digest differs from the writer's is read once more, fresh, before it is
   called damage (``download_verified``, ``check``): one flipped bit on the wire never
   quarantines an intact checkpoint;
@@ -47,15 +49,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ..errors import IntegrityError, StorageError
+from ..owned import create_new
 from ..storage.digest import format_digest, new_hasher
-from ..units import plural
+from ..units import human_bytes, plural
 from .url import ObjectURL
 
 __all__ = ["ListedObject", "OpenUpload", "S3Store", "UnsupportedError", "UploadStream"]
 
 MIN_PART = 5 << 20  # S3 refuses smaller parts, except the last
 MAX_PAGES = 100_000  # of a listing (1000 keys each): far beyond any root, short of forever
+MAX_LISTING_BYTES = 256 << 20
+"""Keys and markers one listing may hold: a root of a million objects with 100-byte keys is
+100 MB; a store that streams fresh markers or huge keys is refused there, not at 23 GiB."""
+MAX_MARKER_BYTES = 4096  # S3's are under 1 KiB
 Progress = Callable[[int], None]
 """Called with the number of bytes just moved (progress bars, fault points)."""
 
@@ -324,10 +333,29 @@ class S3Store:
         except Exception as exc:
             raise self.fail(exc, src, "copying") from exc
 
-    def _next_page(self, prefix: str, doing: str, seen: set[Any], marker: Any) -> None:
-        """Refuse a listing that would not end: a page marker the store gave before (it
-        would send the same pages again, forever), or more than ``MAX_PAGES`` pages."""
-        if marker in seen:
+    def _next_page(
+        self, prefix: str, doing: str, seen: set[int], marker: Any, held: int = 0
+    ) -> None:
+        """Refuse a listing that would not end or would not fit: a page marker the store
+        gave before (it would send the same pages again, forever), more than ``MAX_PAGES``
+        pages, a marker longer than ``MAX_MARKER_BYTES``, or more than ``MAX_LISTING_BYTES``
+        of keys (``held``) and markers. Markers are remembered by a 64-bit digest."""
+        text = repr(marker)
+        if len(text) > MAX_MARKER_BYTES:
+            raise StorageError(
+                f"{doing} {self._where(prefix)}: the store returned a continuation marker of "
+                f"{len(text)} bytes (S3's are under 1 KiB), after {len(seen)} page(s); dckpt "
+                "refuses it rather than hold what a broken or hostile endpoint sends."
+            )
+        if held + len(seen) * 8 > MAX_LISTING_BYTES:
+            raise StorageError(
+                f"{doing} {self._where(prefix)}: over {human_bytes(MAX_LISTING_BYTES)} of keys "
+                f"and markers after {len(seen)} page(s); dckpt stops there rather than grow "
+                "without bound. "
+                "Give the run a prefix of its own, or check the endpoint."
+            )
+        digest = xxhash.xxh3_64_intdigest(text.encode())
+        if digest in seen:
             raise StorageError(
                 f"{doing} {self._where(prefix)}: the store returned a continuation marker it "
                 f"had already returned ({str(marker)[:80]!r}), after {len(seen)} page(s): the "
@@ -340,32 +368,36 @@ class S3Store:
                 f"{MAX_PAGES * 1000} objects) under one prefix; dckpt stops there rather than "
                 "list without end. Give the run a prefix of its own."
             )
-        seen.add(marker)
+        seen.add(digest)
 
     def list(self, prefix: str) -> builtins.list[ListedObject]:
         """Every object whose key starts with ``prefix`` (bounded: see ``_next_page``)."""
         found: builtins.list[ListedObject] = []
         token: str | None = None
-        seen: set[Any] = set()
+        seen: set[int] = set()
+        held = 0
         while True:
             kwargs: dict[str, Any] = {"Prefix": prefix}
             if token:
                 kwargs["ContinuationToken"] = token
             resp = self._call(prefix, "listing", self.client.list_objects_v2, **kwargs)
-            found += [
+            page = [
                 ListedObject(o["Key"], int(o["Size"]), o["LastModified"].timestamp())
                 for o in resp.get("Contents", [])
             ]
+            found += page
+            held += sum(len(o.key) + 64 for o in page)  # the key and its record
             token = resp.get("NextContinuationToken")
             if not resp.get("IsTruncated") or not token:  # no token: nothing more to ask for
                 return found
-            self._next_page(prefix, "listing", seen, token)
+            self._next_page(prefix, "listing", seen, token, held)
 
     def open_uploads(self, prefix: str) -> builtins.list[OpenUpload]:
         """Multipart uploads begun under ``prefix`` and neither completed nor aborted."""
         found: builtins.list[OpenUpload] = []
         marker: dict[str, Any] = {}
-        seen: set[Any] = set()
+        seen: set[int] = set()
+        held = 0
         while True:
             resp = self._call(
                 prefix,
@@ -374,10 +406,12 @@ class S3Store:
                 Prefix=prefix,
                 **marker,
             )
-            found += [
+            page = [
                 OpenUpload(u["Key"], u["UploadId"], u["Initiated"].timestamp())
                 for u in resp.get("Uploads", [])
             ]
+            found += page
+            held += sum(len(u.key) + len(u.upload_id) + 64 for u in page)
             marker = {
                 k: v
                 for k, v in (
@@ -388,7 +422,7 @@ class S3Store:
             }
             if not resp.get("IsTruncated") or not marker:
                 return found
-            self._next_page(prefix, "listing uploads", seen, tuple(sorted(marker.items())))
+            self._next_page(prefix, "listing uploads", seen, tuple(sorted(marker.items())), held)
 
     def abort(self, upload: OpenUpload) -> None:
         try:
@@ -561,7 +595,8 @@ class S3Store:
         hasher = new_hasher(algorithm)
         part = dest.with_name(f".{dest.name}.part-{os.getpid()}-{threading.get_ident()}")
         try:
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            part.unlink(missing_ok=True)  # a crashed download of this thread's
+            fd = create_new(part)  # private, and never through a link planted at the name
             try:
                 for data in self.iter_ranges(key, size, fd):
                     hasher.update(data)
