@@ -63,7 +63,30 @@ def expected_band(
     keeps its slope leaves it; above that, ``max(sigma * noise, rel * |expected|)``, and twice
     that below, where ``noise`` is the MAD of the tail around its trend, scaled to a standard
     deviation.
+
+    Then the band must hold for the series itself (a backtest): the band its first values
+    give for its own last ``k`` (``min(steps, n - 3)``, with at least 5 values) is checked
+    against their median, and whatever that median lies outside it is added on that side,
+    scaled by ``(steps / k) ** 2`` (a curve bends away from a line with the square of the
+    distance). A curve no line follows (a loss
+    that falls faster than linearly, an LR schedule's turn) widens its own band, so the
+    run's own losses never fail it.
     """
+    low, high, slope, noise = _band(tail, steps, sigma, rel)
+    n, k = len(tail), min(steps, len(tail) - 3)
+    if n >= 5 and k >= 1:
+        lo_k, hi_k, _, _ = _band(tail[:-k], k, sigma, rel)
+        held = statistics.median(tail[-k:])
+        reach = (steps / k) ** 2  # a curve's miss grows with the square of the distance
+        high += max(0.0, held - hi_k) * reach
+        low -= max(0.0, lo_k - held) * reach
+    return low, high, slope, noise
+
+
+def _band(
+    tail: Sequence[float], steps: int, sigma: float, rel: float
+) -> tuple[float, float, float, float]:
+    """``expected_band`` without the backtest."""
     n = len(tail)
     xs = [float(i) for i in range(n)]
     slope = (theil_sen_slope(xs, tail) if n >= 3 else None) or 0.0

@@ -9,9 +9,11 @@ Output contract (tests and scripts read it):
   ``incomplete`` or ``quarantined``), ``path``, ``bytes``, ``milestone``, ``pinned``,
   ``verified`` (``ok``, ``failed`` or null), ``files``, ``created_at``, ``age_s``, ``error``,
   ``resumes`` (the resume records of that very checkpoint, oldest first: each with ``step``,
-  ``tier``, ``save_id``, ``ok``, ``verdict``, ``run_id``, ``attempt``, ``job``, ``start``,
-  ``time``; see dckpt.root.resume_record) and ``resumed`` (``"2 failed"``: failed resumes in a
-  row since the last pass, ``"ok"``, or null when never resumed).
+  ``kind`` (``replay`` or ``loss watch``), ``tier``, ``save_id``, ``ok``, ``verdict``,
+  ``run_id``, ``attempt``, ``job``, ``start``, ``time``; see dckpt.root.resume_record) and
+  ``resumed`` (``"2 replays differed"``: replays that differed in a row since the last one
+  that matched, ``"replay ok"``; with no replay record the loss watch's ``"ok"`` or
+  ``"loss watch warned"``; null when never resumed).
 - ``verify --json``: ``{"ok": bool, "checkpoints": [{"step", "path", "ok", "files_checked",
   "bytes_checked", "problems": [{"path", "error", "expected", "actual"}]}]}``.
 - ``inspect --json``: the manifest, with ``step``, ``world_size``, ``files`` (``path`` relative

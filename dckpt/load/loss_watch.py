@@ -58,7 +58,8 @@ class LossVerdict:
         self.detail = detail
 
     def line(self) -> str:
-        return f"dckpt resume: [{'ok  ' if self.ok else 'FAIL'}] loss watch: {self.detail}"
+        # "warn", never "FAIL": a judgement on a trend, not a failure of the checkpoint
+        return f"dckpt resume: [{'ok  ' if self.ok else 'warn'}] loss watch: {self.detail}"
 
 
 class LossWatch:
@@ -72,6 +73,7 @@ class LossWatch:
         self._checkpoint = ""
         self._band: tuple[float, float, float, float] | None = None
         self._guard = False  # armed without a band: only a non-finite loss fails
+        self._vouched: str | None = None
 
     def summary(self) -> dict[str, Any]:
         values = [v for v in self._recent if math.isfinite(v)]
@@ -149,12 +151,15 @@ class LossWatch:
             raise LossDeviationError(verdict.line())
         return verdict
 
-    def judge(self, loss: float) -> LossVerdict | None:
-        """``observe`` without raising: the caller records the verdict first."""
+    def judge(self, loss: float, *, vouched: str | None = None) -> LossVerdict | None:
+        """``observe`` without raising: the caller records the verdict first. ``vouched``:
+        what the replay check proved of this resume so far (steps identical to the run that
+        stopped, none differing); it outranks the trend: the verdict then passes, saying so."""
         self._recent.append(loss)
         if not self.armed:
             return None
         self._after.append(loss)
+        self._vouched = vouched
         if math.isfinite(loss) and len(self._after) < self._steps:
             return None
         verdict = self._verdict()
@@ -173,6 +178,13 @@ class LossWatch:
 
     def _verdict(self) -> LossVerdict:
         where = f"after resuming from {self._checkpoint}"
+        if self._vouched is not None:  # proof outranks a judgement
+            vouched, self._vouched = self._vouched, None
+            return LossVerdict(
+                True,
+                f"the first {len(self._after)} losses {where} are the run that stopped's own "
+                f"(the replay found {vouched}): nothing to judge",
+            )
         if self._band is None:  # guarded: nothing to compare with
             bad = [v for v in self._after if not math.isfinite(v)]
             if bad:

@@ -80,6 +80,7 @@ class ReplayCheck:
         self._last = -1
         self._same: list[int] = []
         self._worst = 0.0
+        self._differed = False
 
     @property
     def armed(self) -> bool:
@@ -90,8 +91,13 @@ class ReplayCheck:
         self._expected = {s: h for s, h in entries if s > resumed}
         steps = sorted(self._expected)
         self._last = steps[-1] if steps else -1
-        self._same, self._worst = [], 0.0
+        self._same, self._worst, self._differed = [], 0.0, False
         return steps
+
+    def vouched(self) -> str | None:
+        """What this resume's replay proved so far, while it found no difference: the steps
+        it compared and found the run that stopped's own (None: none yet, or one differed)."""
+        return None if self._differed or not self._same else self._agrees()
 
     def observe(self, step: int, loss: float) -> ReplayVerdict | None:
         """The verdict once the last journaled step was replayed, or at the first difference."""
@@ -101,7 +107,7 @@ class ReplayCheck:
         if then is not None:
             if not self._matches(float.fromhex(then), loss):
                 verdict = ReplayVerdict(False, self._differs(step, float.fromhex(then), loss))
-                self._expected = {}
+                self._expected, self._differed = {}, True
                 return verdict
             self._same.append(step)
         if step >= self._last:
@@ -236,3 +242,8 @@ class Replay:
         if self._writer is not None:
             self._writer.close()
         return verdict
+
+    def vouched(self) -> str | None:
+        """Rank 0: the steps this resume's replay found identical to (or within ``rtol`` of)
+        the run that stopped, while none differed; the loss watch defers to it."""
+        return self.check.vouched()

@@ -99,7 +99,14 @@ from ..errors import (
     WorldError,
 )
 from ..root.layout import foreign_entries, step_dir_name
-from ..root.resume_record import ResumeRecord, failed_in_a_row, restart_loop, this_start
+from ..root.resume_record import (
+    LOSS_WATCH,
+    REPLAY,
+    ResumeRecord,
+    failed_in_a_row,
+    restart_loop,
+    this_start,
+)
 from ..root.source import CheckpointSource
 from ..tiers.memory_commit import Lineage
 from ..train.state import TrainState
@@ -212,6 +219,7 @@ class Resumer:
         verdict = self.replay.saved(step, save_id, committed)
         if verdict is not None and self.rank == 0:
             log.info("%s", verdict.line())
+            self._record(REPLAY, verdict.ok, verdict.detail)
 
     def touched(self) -> None:
         """A step of training (the optimizer's step pre-hook): the loaded state is changing.
@@ -381,16 +389,20 @@ class Resumer:
 
     def observe(self, loss: float, step: int | None = None) -> None:
         """Record this step's loss: kept for the manifest and the replay journal, and
-        checked after a resume (the replay, then the loss watch)."""
+        checked after a resume (the replay, then the loss watch). A replay that matched the
+        run that stopped outranks the loss watch: the resumed run is that run, so the watch
+        defers to it (and never fails it)."""
         value = float(loss)
         if self._state.optimizer is None:  # nothing else tells that the state is training
             self._untouched = None
         raising = self._config.loss_watch == "raise"
         replayed = self.replay.observe(value, step)  # rank 0's verdict, None on the others
         replay_failed = replayed is not None and not replayed.ok and raising
-        if replayed is not None and not replay_failed:
-            (log.info if replayed.ok else log.warning)("%s", replayed.line())
-        verdict = self._loss_watch.judge(value)
+        if replayed is not None:
+            if not replay_failed:
+                (log.info if replayed.ok else log.warning)("%s", replayed.line())
+            self._record(REPLAY, replayed.ok, replayed.detail)  # before anything is raised
+        verdict = self._loss_watch.judge(value, vouched=self.replay.vouched())
         if verdict is not None:
             failing = not verdict.ok and raising
             self._tell(verdict, logged=not failing)  # recorded before anything is raised
@@ -401,16 +413,19 @@ class Resumer:
             raise LossDeviationError(replayed.line())
 
     def finish(self) -> None:
-        """At close: the loss watch's verdict on fewer losses than its window, if any. It is
-        logged, not recorded: a run that ends a few steps after its resume (a preemption, a
-        short job) judged too few losses to count towards a restart loop (a non-finite loss
-        gave its verdict, recorded, when it was seen). The replay's, likewise."""
+        """At close: the replay's and the loss watch's verdicts on fewer steps than their
+        windows, if any. The replay's is recorded (every step it compared matched: proof
+        for the checkpoint); the loss watch's is logged, not recorded: a run that ends a few
+        steps after its resume (a preemption, a short job) judged too few losses (a
+        non-finite loss gave its verdict, recorded, when it was seen)."""
         replayed = self.replay.finish()
         if replayed is not None:  # rank 0's
             log.info("%s", replayed.line())
+            self._record(REPLAY, replayed.ok, replayed.detail)
         verdict = self._loss_watch.finish()
         if verdict is not None:
             self._tell(verdict, recorded=False)
+        self._watched = None
 
     def _tell(self, verdict: LossVerdict, *, logged: bool = True, recorded: bool = True) -> None:
         if self.rank != 0:  # one line, not one per rank (each rank judged its own losses)
@@ -418,28 +433,28 @@ class Resumer:
         if logged:
             (log.info if verdict.ok else log.warning)("%s", verdict.line())
         if recorded:
-            self._record(verdict)
-        else:
-            self._watched = None
+            self._record(LOSS_WATCH, verdict.ok, verdict.detail)
 
-    def _record(self, verdict: LossVerdict) -> None:
-        """Rank 0: the verdict of this resume into the root's resume records. Never raises:
-        a lost record costs the restart-loop guard one start, a raise would cost the run."""
-        watched, self._watched = self._watched, None
-        if watched is None or self.records is None:
+    def _record(self, kind: str, ok: bool, detail: str) -> None:
+        """Rank 0: one verdict of this resume (``REPLAY`` or ``LOSS_WATCH``) into the root's
+        resume records. Never raises: a lost record costs the restart-loop guard one start,
+        a raise would cost the run."""
+        watched = self._watched
+        if watched is None or self.records is None or self.rank != 0:
             return
         attempt, job, start = this_start()
         record = ResumeRecord(
             step=watched.step,
             tier=watched.tier,
             save_id=watched.save_id,
-            ok=verdict.ok,
-            verdict=verdict.detail,
+            ok=ok,
+            verdict=detail,
             run_id=self._run_id,
             attempt=attempt,
             job=job,
             start=start,
             time=time.time(),
+            kind=kind,
         )
         where = self.records.where(watched.step)
         try:
@@ -453,7 +468,16 @@ class Resumer:
                 exc,
             )
             return
-        if verdict.ok:
+        if ok:
+            return
+        if kind == LOSS_WATCH:
+            log.warning(
+                "dckpt: the loss watch's verdict on the resume of step %d is recorded in %s: "
+                "a warning, never a strike against the checkpoint (only a replay that differs "
+                "from the run that stopped is)",
+                watched.step,
+                where,
+            )
             return
         row = failed_in_a_row(
             [r for r in kept if (r.tier, r.save_id) == (record.tier, record.save_id)]
@@ -461,12 +485,12 @@ class Resumer:
         then = (
             "the next start quarantines it and resumes from the step before"
             if len(row) >= 2
-            else "if the next start's resume of it fails too, the start after that quarantines "
-            "it and resumes from the step before"
+            else "if the next start's replay of it differs too, the start after that "
+            "quarantines it and resumes from the step before"
         )
         log.warning(
-            "dckpt: the resume of step %d (%s, %s) failed its loss watch, recorded in %s "
-            "(%d failed in a row): %s",
+            "dckpt: the resume of step %d (%s, %s) did not reproduce the run that stopped "
+            "(its replay differed), recorded in %s (%d in a row): %s",
             watched.step,
             watched.tier,
             record.label(),
@@ -510,12 +534,12 @@ class Resumer:
         self, listing: list[tuple[int, int]]
     ) -> tuple[dict[tuple[int, int], str], dict[tuple[int, int], int]]:
         """Rank 0: the candidates whose own records (their tier, their save id) end in
-        failed loss watches from two starts; see dckpt.root.resume_record. One listing of
+        replays that differed, from two starts; see dckpt.root.resume_record. One listing of
         the records, one read per candidate that has any, a manifest read per suspect.
         Records that cannot be read are logged and looked past: they guard, never block.
         Also the loops that continue one set aside before (``_continued``), by the step it
         set aside: those are refused, not quarantined."""
-        if self.records is None or self._config.loss_watch == "off" or not listing:
+        if self.records is None or self._config.replay_check == "off" or not listing:
             return {}, {}
         loops: dict[tuple[int, int], str] = {}
         cascades: dict[tuple[int, int], int] = {}
@@ -570,7 +594,7 @@ class Resumer:
             for group in groups.values():
                 if restart_loop(group) is None:
                     continue
-                aside = max(r.time for r in group if not r.ok)
+                aside = max(r.time for r in group if not r.ok and r.kind == REPLAY)
                 recovered = any(
                     r.ok and aside < r.time < first for records in kept.values() for r in records
                 )
@@ -578,17 +602,23 @@ class Resumer:
                     return later
         return None
 
+    def _forget(self, step: int) -> str:
+        """The one command that removes ``step``'s resume records (a refusal says it)."""
+        where = "" if self.records is None else self.records.where(step)
+        if where.startswith("s3://"):
+            return f"aws s3 rm {where} (with --endpoint-url for a store other than AWS)"
+        return f"rm {where}"
+
     def _refuse_cascade(self, tier: ResumeTier, step: int, loop: str, before: int) -> None:
         """A restart loop right after another was set aside: refused on every rank."""
-        where = "" if self.records is None else self.records.where(step)
         raise CheckpointError(
             f"step {step} ({tier.name}) is a restart loop too ({loop}), right after step "
-            f"{before} was set aside as one, with no resume passing in between. Checkpoint "
-            "after checkpoint failing alike points at a cause outside them (a faulty node or "
-            "GPU, the data, a change to the code or the config), so nothing more is "
-            "quarantined and this resume is refused. Fix the cause, then restart: to resume "
-            f"step {step} again, remove its resume records ({where}); step {before} is in "
-            "quarantine/ with its reason"
+            f"{before} was set aside as one, with no replay matching in between. Checkpoint "
+            "after checkpoint differing alike points at a cause outside them (a faulty node "
+            "or GPU, the data, a change to the code or the config), so nothing more is "
+            "quarantined and this resume is refused. Fix the cause, then start again after "
+            f"this command, which lets step {step} be resumed again: {self._forget(step)} "
+            f"(step {before} is in quarantine/ with its reason)"
         )
 
     def _restart_loop(self, tier: ResumeTier, step: int, loop: str, fallback: bool) -> None:
@@ -599,7 +629,7 @@ class Resumer:
             raise CheckpointError(
                 f"step {step} ({tier.name}) is a restart loop: {loop}. With fallback=False it "
                 "is neither resumed a third time nor fallen back past. Resume with fallback, "
-                f"or fix the cause and remove its resume records ({where})"
+                f"or fix the cause and run: {self._forget(step)}"
             )
         self._quarantine(
             tier,
@@ -621,8 +651,7 @@ class Resumer:
 
     def _arm_loss_watch(self, result: LoadResult, report: ResumeReport) -> None:
         if self._config.loss_watch == "off":
-            self._watched = None  # no verdict: nothing to record
-            return
+            return  # no verdict of its own (the replay's is still recorded)
         steps = self._config.loss_watch_steps
         if not result.manifest.loss:  # nothing to compare with: a non-finite loss still fails
             self._loss_watch.guard(steps, result.path.name)
@@ -645,12 +674,13 @@ class Resumer:
         over would silently throw that run away)."""
         if report.restart_loops:
             loops = ", ".join(str(s) for s, _ in report.restart_loops)
+            newest = max(s for s, _ in report.restart_loops)
             raise CheckpointError(
                 f"no checkpoint under {self.source} could be resumed: step(s) {loops} were "
-                "quarantined as restart loops (their last two resumes failed the loss watch; "
-                "listed below) and no older one loaded. Starting from scratch would silently "
-                "throw that run away: fix the cause, then restore one from quarantine/ and "
-                "remove its resume records, or start a new run elsewhere."
+                "quarantined as restart loops (their last two replays differed from the run "
+                "that stopped; listed below) and no older one loaded. Starting from scratch "
+                "would silently throw that run away: fix the cause, then move step "
+                f"{newest} back from quarantine/ and run: {self._forget(newest)}"
             )
         if report.skipped:
             raise CheckpointError(

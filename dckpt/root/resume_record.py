@@ -1,22 +1,28 @@
 """Resume records: how each resume of a checkpoint went, kept in the root beside it.
 
-A checkpoint can be whole and verified and still not train: a resume from it that gives NaN
-three steps later, restarted by the scheduler, picks the same step again, and the job loops
-(Megatron#5281: 44 identical restarts). So when a resume's loss watch gives its verdict, rank
-0 appends one ``ResumeRecord`` to ``ROOT/.dckpt-resumes/step-N.json`` (an s3:// root: the
-same object in the bucket, dckpt.tiers.object_root): the step, the tier, the manifest's
+A checkpoint can be whole and verified and still not reproduce the run that saved it: a
+resume from it that diverges, restarted by the scheduler, picks the same step again, and the
+job loops (Megatron#5281: 44 identical restarts). So each resume's checks are recorded: when
+its replay (dckpt.load.replay: the steps after the checkpoint compared with the run that
+stopped) and its loss watch give their verdicts, rank 0 appends a ``ResumeRecord`` for each
+to ``ROOT/.dckpt-resumes/step-N.json`` (an s3:// root: the same object in the bucket,
+dckpt.tiers.object_root): which check (``kind``), the step, the tier, the manifest's
 ``save_id`` (a later save of the same step is another checkpoint, with records of its own),
-ok or failed, the verdict's text, the run id, torchrun's attempt (``TORCHELASTIC_RESTART_COUNT``)
-and job (``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR:MASTER_PORT``), this start (host, pid and a
-nonce: each process is one start) and the time. A file keeps the last ``KEEP`` records of its
-step, written atomically (a fresh temp name, fsync, rename, fsync of the directory).
+ok or failed, the verdict's text, the run id, torchrun's attempt
+(``TORCHELASTIC_RESTART_COUNT``) and job (``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR:MASTER_PORT``),
+this start (host, pid and a nonce: each process is one start) and the time. A file keeps the
+last ``KEEP`` records of its step, written atomically (a fresh temp name, fsync, rename,
+fsync of the directory).
 
-``restart_loop`` is the rule a resume applies before it loads a candidate: when the newest
-records of that checkpoint are failures from two different starts, with no pass after them,
-the checkpoint is quarantined with the reason and the resume falls back to the step before.
-A pass breaks the row; failures within one start (a script that resumes twice in one process)
-count once. ``.dckpt-resumes`` is never a step name, so no directory scan mistakes it for a
-checkpoint. No torch.
+``restart_loop`` is the rule a resume applies before it loads a candidate, and it rests on
+proof only: when the newest *replay* records of that checkpoint are differences from two
+different starts, with no replay that matched after them, the checkpoint is quarantined with
+the reason and the resume falls back to the step before. A replay that matched breaks the
+row; differences within one start count once. A loss-watch verdict is a statistical
+judgement: it is recorded and shown (``summary``), and never counts toward a loop, whatever
+it says (a loss that falls faster than its trend is not a bad checkpoint). Records written
+before ``kind`` existed were loss-watch verdicts. ``.dckpt-resumes`` is never a step name,
+so no directory scan mistakes it for a checkpoint. No torch.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from .layout import read_small_file, step_dir_name
 
 __all__ = [
     "KEEP",
+    "LOSS_WATCH",
     "MAX_RECORDS_BYTES",
+    "REPLAY",
     "RESUMES_DIR",
     "DirectoryRecords",
     "ResumeRecord",
@@ -60,6 +68,10 @@ KEEP = 8
 MAX_RECORDS_BYTES = 64 * 1024
 MAX_VERDICT_CHARS = 2000
 SCHEMA = 1
+REPLAY = "replay"
+"""The kind of record the restart-loop rule counts: a replay's verdict (proof)."""
+LOSS_WATCH = "loss watch"
+"""A loss watch's verdict: shown, never counted toward a loop."""
 _NAME_RE = re.compile(r"(step-[0-9]{8,})\.json")
 
 
@@ -83,6 +95,8 @@ class ResumeRecord:
     start: str
     """This start: the host, rank 0's pid and a nonce (each process is one start)."""
     time: float
+    kind: str = LOSS_WATCH
+    """Which check gave the verdict: ``REPLAY`` (proof) or ``LOSS_WATCH`` (a judgement)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,10 +119,13 @@ class ResumeRecord:
                 job=obj["job"],
                 start=obj["start"],
                 time=float(obj["time"]),
+                kind=obj.get("kind", LOSS_WATCH),
             )
         except (KeyError, TypeError, ValueError):
             return None
         strings = (record.tier, record.save_id, record.verdict, record.run_id, record.job)
+        if record.kind not in (REPLAY, LOSS_WATCH):
+            return None
         if (
             type(record.step) is not int
             or type(record.ok) is not bool
@@ -153,12 +170,15 @@ def this_start() -> tuple[int | None, str, str]:
 
 
 def failed_in_a_row(records: Sequence[ResumeRecord]) -> list[ResumeRecord]:
-    """The newest failure of each start since the last pass, oldest first: a start that
-    failed twice (one process, two resumes) counts once. ``records`` in the order they were
+    """The newest replay difference of each start since the last replay that matched, oldest
+    first: a start that failed twice (one process, two resumes) counts once. Loss-watch
+    records are not looked at (a judgement is no proof). ``records`` in the order they were
     written (a file's order: one writer appends), not by their clocks, which are hosts'."""
     row: list[ResumeRecord] = []
     starts: set[str] = set()
     for record in reversed(records):
+        if record.kind != REPLAY:
+            continue
         if record.ok:
             break
         if record.start not in starts:
@@ -179,15 +199,24 @@ def restart_loop(records: Sequence[ResumeRecord]) -> str | None:
         which = "attempts " + ", ".join(str(a) for a in attempts)
     else:
         which = ", ".join(r.label(when=True) for r in last)
-    return f"resumed twice ({which}) and the loss watch failed both times: {last[-1].verdict}"
+    return (
+        f"resumed twice ({which}) and its replay differed from the run that stopped both "
+        f"times: {last[-1].verdict}"
+    )
 
 
 def summary(records: Sequence[ResumeRecord]) -> str:
-    """``ls``'s column: "2 failed" (failed starts since the last pass), "ok", or ""."""
+    """``ls``'s column: "2 replays differed" (starts since the last replay that matched:
+    the only verdict that counts toward a restart loop), "replay ok", or, with no replay
+    record, the loss watch's last word: "ok", "loss watch warned" (a judgement, never a
+    failure of the checkpoint); "" with no record."""
+    replays = [r for r in records if r.kind == REPLAY]
+    if replays:
+        row = failed_in_a_row(records)
+        return f"{len(row)} replays differed" if row else "replay ok"
     if not records:
         return ""
-    row = failed_in_a_row(records)
-    return f"{len(row)} failed" if row else "ok"
+    return "ok" if records[-1].ok else "loss watch warned"
 
 
 # --- the file -------------------------------------------------------------------------------
