@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import torchrun_train
+from lock_kit import renewing
 from s3_kit import FaultProxy, MotoServer, moto_server
 from torch import nn
 
@@ -276,8 +277,8 @@ def test_the_trainer_refuses_a_held_root_in_one_block_and_runs_with_no_lock(
 ) -> None:
     root = tmp_path / "ckpt"
     root.mkdir()
-    (root / LOCK).write_text(json.dumps(_record()))  # another host's job, its lease running
-    held = torchrun_train(root, *TRAIN)
+    with renewing(root / LOCK, _record()):  # another host's job, renewing its lease
+        held = torchrun_train(root, *TRAIN)
     assert held.returncode != 0
     _one_block(held.stderr, "dckpt start: REFUSED (LockError)")
     assert f"{root} is in use by run other-run (pid 4242 on node-17" in held.stderr

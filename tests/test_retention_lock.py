@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import dckpt_cli, torchrun_train
+from lock_kit import renewing
 from torch import nn
 
 import dckpt
@@ -154,16 +155,17 @@ def test_gc_pin_and_unpin_on_the_command_line(tmp_path: Path) -> None:
 def test_a_requeued_job_of_the_same_run_takes_over_a_live_looking_lock_from_another_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The lock of the job before the requeue: another host, lease still running.
+    # The lock of the job before the requeue: another host, still renewing its lease.
     lock = {
         "host": "node-17", "pid": 4242, "started": time.time() - 100, "run_id": "slurm-991",
         "token": "x", "lease_until": time.time() + 1000,
     }  # fmt: skip
-    (tmp_path / ".dckpt-lock").write_text(json.dumps(lock))
-    with pytest.raises(dckpt.CheckpointError, match="slurm-991"):
-        _manager(tmp_path)  # another run: refused while the lease runs
-    monkeypatch.setenv("DCKPT_RUN_ID", "slurm-991")  # the requeue keeps the run id
-    with _manager(tmp_path) as mgr:
+    with renewing(tmp_path / ".dckpt-lock", lock):
+        with pytest.raises(dckpt.CheckpointError, match="slurm-991"):
+            _manager(tmp_path)  # another run: refused while the holder renews
+        monkeypatch.setenv("DCKPT_RUN_ID", "slurm-991")  # the requeue keeps the run id
+        mgr = _manager(tmp_path)  # at once: the same run restarted
+    with mgr:
         assert mgr.run_id == "slurm-991"
     assert "the same run restarted" in caplog.text
 

@@ -437,7 +437,7 @@ def test_a_job_whose_bucket_lock_was_taken_commits_no_more_steps(
     mgr, _ = _one_rank(f"s3://{bucket}/taken", tmp_path / "mirror")
     client = s3.client()
     # the save's error is raised by result() and again by close(), which ends the block
-    with pytest.raises(dckpt_errors.SaveError, match="could not commit: LockError"), mgr:
+    with pytest.raises(dckpt_errors.SaveError, match="did not commit: the run lock"), mgr:
         mgr.save(1).result()
         key = "taken/.dckpt-lock"
         record = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())

@@ -12,12 +12,14 @@ kind. Upkeep (recovery, quarantine, deletes, pins) lives in dckpt.root.upkeep.
 manifest are written into ``step-XXXXXXXX.tmp-<hex>/``:
 
 1. fsync every file in the tmp dir, then the tmp dir itself;
-2. rename tmp -> ``step-XXXXXXXX/`` and fsync the root: this rename is the commit point. If
+2. the run lock is read back (``Fence.check``): a job that lost it commits nothing;
+   rename tmp -> ``step-XXXXXXXX/`` and fsync the root: this rename is the commit point. If
    the final name is taken (the same step saved again), the two are swapped in one atomic
    ``renameat2(RENAME_EXCHANGE)`` instead, so the step is never missing; where the file system
    cannot swap, the old copy is first renamed aside to ``step-XXXXXXXX.replaced-<hex>`` (a
    committed directory is never written into);
-3. after a rollback (a step below the newest), the newer branch moves to ``quarantine/``;
+3. after a rollback (a step below the newest), the newer branch moves to ``quarantine/``:
+   the steps of it this job may move (dckpt.root.fence: found at its start, or its own);
 4. replace ``latest`` atomically, only ever with a committed name (dckpt.root.durable);
 5. delete the replaced copy (after a swap it has the tmp dir's name).
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -37,13 +40,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from ..errors import CheckpointError
 from ..faults import fault_point
 from ..phases import Phase, Trace
 from ..storage.records import FileRecord
 from ..storage.sink import Tee
 from .durable import fsync_dir, fsync_file, publish_latest
+from .fence import Fence
 from .layout import TMP_RE, committed_steps, step_dir_name
-from .manifest import MANIFEST_FILE
+from .manifest import MANIFEST_FILE, read_manifest
 from .retention import RetentionPolicy
 from .upkeep import apply_retention, quarantine
 
@@ -150,6 +155,11 @@ class RenameCommit:
 
     shares_reused = True  # a reused file is a hard link
 
+    def __init__(self, fence: Fence | None = None) -> None:
+        self.fence = fence or Fence()
+        """Rank 0's claim on the root: checked before the rename, consulted before any step
+        is moved aside or deleted."""
+
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return Path(root) / f"{step_dir_name(step)}.tmp-{save_id}"
 
@@ -173,7 +183,7 @@ class RenameCommit:
 
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
         if policy.enabled:
-            apply_retention(root, policy)
+            apply_retention(root, policy, fence=self.fence)
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
         """See the module docstring. ``cancelled`` is read right before the commit point: a
@@ -194,6 +204,7 @@ class RenameCommit:
         fault_point(Phase.RENAME, 0, step)
         if cancelled is not None and cancelled.is_set():
             raise RuntimeError(f"the save of step {step} was cancelled before its commit")
+        self.fence.check()  # a job whose run lock was taken commits nothing more
         replaced: Path | None = None
         if final.is_symlink():  # not a checkpoint (never followed): a planted name, dropped
             final.unlink()
@@ -203,10 +214,11 @@ class RenameCommit:
             os.rename(tmp, final)  # the commit point
         # Committed. What follows only tidies up: a failure here is logged, not raised, so a
         # committed save is never reported as lost; `recover` finishes the job at next start.
+        self.fence.committed(step)
         try:
             fault_point(Phase.FSYNC_PARENT, 0, step)
             fsync_dir(base)
-            _supersede(base, step)
+            _supersede(base, step, self.fence)
             fault_point(Phase.PUBLISH_LATEST, 0, step)
             publish_latest(base)
             if replaced is not None:
@@ -216,12 +228,22 @@ class RenameCommit:
         return final
 
 
-def _supersede(root: Path, step: int) -> None:
+def _supersede(root: Path, step: int, fence: Fence) -> None:
     """After a rollback (a save below the newest step), move the abandoned newer branch to
-    quarantine/, so that resume and retention follow the run as it goes on."""
+    quarantine/, so that resume and retention follow the run as it goes on: the steps this
+    job may move (``Fence.movable``); another job's are left, and said."""
     for newer in [s for s in committed_steps(root) if s > step]:
+        if not fence.movable(newer, functools.partial(_run_of, root, newer)):
+            continue
         quarantine(
             root,
             root / step_dir_name(newer),
             f"superseded: the run was rolled back and saved step {step} after step {newer}",
         )
+
+
+def _run_of(root: Path, step: int) -> str | None:
+    try:
+        return read_manifest(root / step_dir_name(step)).run_id
+    except CheckpointError:
+        return None

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointNotFoundError, LockError
 from ..owned import make_dir
 from .commit import CommitStrategy, RenameCommit
+from .fence import Fence
 from .layout import (
     LOCK_FILE,
     committed_steps,
@@ -89,6 +90,9 @@ class DirectoryRoot:
     def __init__(self, path: str | os.PathLike[str], *, name: str | None = None) -> None:
         self.path = Path(path)
         self._name = name
+        self.fence = Fence()
+        """Rank 0's claim on the root (dckpt.root.fence): the lock's check, once ``locks``
+        made it, and the steps found at ``recover``."""
 
     def __str__(self) -> str:
         return str(self.path)
@@ -118,19 +122,23 @@ class DirectoryRoot:
         make_dir(self.path, parents=True)
 
     def locks(self, run_id: str, lease_s: float) -> list[Lock]:
-        return [RunLock(self.path, run_id, lease_s, name=self._name)]
+        lock = RunLock(self.path, run_id, lease_s, name=self._name)
+        self.fence = Fence(held=lock.check_held, run_id=run_id)
+        return [lock]
 
     def recover(self) -> list[str]:
-        return recover(self.path)
+        actions = recover(self.path)
+        self.fence.start(committed_steps(self.path))  # what this job found: its to move
+        return actions
 
     def commit_strategy(self) -> CommitStrategy:
-        return RenameCommit()
+        return RenameCommit(self.fence)
 
     def source(self) -> CheckpointSource:
         return LocalSource(self.path)
 
     def memory_ledger(self) -> MemoryLedger:
-        return DirectoryLedger(self.path)
+        return DirectoryLedger(self.path, held=self.fence.check)
 
     # --- reading ----------------------------------------------------------------------------
 

@@ -1,10 +1,21 @@
 """The run lock: one training job per checkpoint root.
 
-``ROOT/.dckpt-lock`` (JSON) names the owner: host, pid, process start time, run id, and a lease
-that the owner renews while it lives. A second job on the same root fails fast with a message
-naming the owner. The lock is taken over, with a log line, when the owner is provably gone:
-on the same host, its pid no longer runs (or runs another program); on another host, its lease
-expired. A restart of the same run (same run id) takes the lock over too.
+``ROOT/.dckpt-lock`` (JSON) names the owner: host, pid, process start time, run id, its lease
+(``lease_s``) and a renewal counter (``beat``) that the owner moves every ``lease_s / 3``
+while it lives. A second job on the same root fails fast with a message naming the owner. The
+lock is taken over, with a log line, when the owner is provably gone:
+
+- a restart of the same run (same run id: a requeue) takes it over at once;
+- on the same host: its pid no longer runs, or runs another program;
+- on another host: its renewal counter did not move for a whole lease, watched on *this*
+  host's monotonic clock (``watch``): the new job waits that long, saying so. No wall clock
+  of another host is ever compared with this one's (a host whose clock ran ten minutes ahead
+  took a live job's lock over), so clock skew between hosts changes nothing.
+
+A takeover that is wrong (a holder stalled for a whole lease, or a second launch with the
+same run id) loses nothing: every commit checks the lock right before its commit point
+(``check_held``; dckpt.root.fence), so the job that lost the lock commits nothing more, and a
+job deletes or moves aside only steps it found at its start or wrote itself.
 
 Acquire writes a fresh file with O_EXCL, or, to take over, writes a tmp file and renames it
 over the old one, then reads it back to confirm it won a race with another taker.
@@ -39,7 +50,7 @@ from ..errors import LockError
 from ..owned import create_new, write_atomic
 from .layout import LOCK_FILE, read_small_file
 
-__all__ = ["MAX_RECORD_BYTES", "LockOwner", "RunLock", "stale_reason"]
+__all__ = ["MAX_RECORD_BYTES", "LockOwner", "RunLock", "elsewhere", "stale_reason", "watch"]
 
 log = logging.getLogger("dckpt")
 
@@ -88,6 +99,20 @@ def _pid(value: object) -> int:
     return value
 
 
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{_kind(value)}, not a renewal count (a whole number >= 0)")
+    return value
+
+
+def _lease(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{_kind(value)}, not a lease in seconds")
+    if not 0 < float(value) <= 86400 * 7:
+        raise ValueError(f"{_kind(value)}, not a lease in seconds (up to a week)")
+    return float(value)
+
+
 _FIELDS: dict[str, Callable[[object], object]] = {
     "host": _text,
     "pid": _pid,
@@ -97,6 +122,8 @@ _FIELDS: dict[str, Callable[[object], object]] = {
     "lease_until": _seconds,
 }
 """Each field of a lock record, and its reader (ValueError saying what the value is not)."""
+_OPTIONAL: dict[str, Callable[[object], object]] = {"beat": _count, "lease_s": _lease}
+"""Fields an older dckpt's record lacks (then ``beat`` 0, ``lease_s`` unknown)."""
 
 
 @dataclass(frozen=True)
@@ -109,10 +136,16 @@ class LockOwner:
     run_id: str
     token: str
     lease_until: float
+    """This host's wall clock plus the lease, at the last renewal: for people only (``ls``,
+    messages); staleness never compares it with another host's clock."""
+    beat: int = 0
+    """How many times the owner renewed the lease: what a taker on another host watches."""
+    lease_s: float | None = None
+    """The owner's lease: it renews every third of it (None: an older dckpt's record)."""
 
     @classmethod
-    def me(cls, run_id: str, token: str, lease_s: float) -> LockOwner:
-        """This process, holding the lock for ``lease_s`` from now."""
+    def me(cls, run_id: str, token: str, lease_s: float, beat: int = 0) -> LockOwner:
+        """This process, holding the lock for ``lease_s`` from now, renewed ``beat`` times."""
         pid = os.getpid()
         return cls(
             host=socket.gethostname(),
@@ -121,6 +154,8 @@ class LockOwner:
             run_id=run_id,
             token=token,
             lease_until=time.time() + lease_s,
+            beat=beat,
+            lease_s=lease_s,
         )
 
     @classmethod
@@ -147,8 +182,10 @@ class LockOwner:
         if not isinstance(record, dict):
             raise refuse(f"it is {_kind(record)}, not a JSON object")
         values: dict[str, Any] = {}
-        for name, read in _FIELDS.items():
+        for name, read in [*_FIELDS.items(), *_OPTIONAL.items()]:
             if name not in record:
+                if name in _OPTIONAL:
+                    continue
                 raise refuse(f"it has no field {name!r}")
             try:
                 values[name] = read(record[name])
@@ -162,7 +199,8 @@ class LockOwner:
 
 
 def stale_reason(owner: LockOwner, run_id: str) -> str | None:
-    """Why ``owner``'s lock may be taken over by ``run_id``, or None while it is live."""
+    """Why ``owner``'s lock may be taken over by ``run_id`` at once, or None: it is live, or
+    (``elsewhere``) on another host, where only ``watch`` can tell."""
     if owner.run_id == run_id:
         return "the same run restarted"
     if owner.host == socket.gethostname():
@@ -171,10 +209,50 @@ def stale_reason(owner: LockOwner, run_id: str) -> str | None:
             return f"pid {owner.pid} is no longer running"
         if abs(started - owner.started) > 1.0:
             return f"pid {owner.pid} now belongs to another process"
-        return None
-    if owner.lease_until < time.time():
-        return f"its lease expired {time.time() - owner.lease_until:.0f} s ago"
     return None
+
+
+def elsewhere(owner: LockOwner) -> bool:
+    """Whether ``owner`` runs on another host (its liveness is watched, never assumed)."""
+    return owner.host != socket.gethostname()
+
+
+def watch(
+    read: Callable[[], LockOwner | None], first: LockOwner, lease_s: float, where: str
+) -> str | None:
+    """Watch the lock whose record ``first`` was, on another host: the reason to take it
+    over once its renewal counter stayed still for the owner's whole lease (``lease_s`` if
+    its record does not say) on this host's monotonic clock, or None when the lock went
+    away meanwhile. LockError naming the owner as soon as it moves (a renewal: it lives) or
+    another job takes it. Reads the record every 2 s at most (a small read), so a live
+    owner, which renews every third of its lease, is seen at its next renewal."""
+    lease = first.lease_s or lease_s
+    log.warning(
+        "dckpt: the run lock %s is held by %s on another host; waiting up to %.0f s (its "
+        "lease) to see whether it is renewed before taking it over. A requeued job with the "
+        "same DCKPT_RUN_ID takes its own lock over at once.",
+        where,
+        first.describe(),
+        lease,
+    )
+    start = time.monotonic()
+    while (waited := time.monotonic() - start) < lease:
+        time.sleep(min(max(lease / 30, 0.2), 2.0, lease - waited))
+        now = read()
+        if now is None:
+            return None
+        if now.token != first.token or now.beat != first.beat:
+            who = "it was renewed" if now.token == first.token else "another job took it"
+            raise LockError(
+                f"{where} is in use by {now.describe()}: {who} while this job watched it "
+                f"({time.monotonic() - start:.0f} s). Two jobs writing one checkpoint root "
+                "would corrupt each other's history: stop that job, or point this one at "
+                "another root."
+            )
+    return (
+        f"its renewal count stayed at {first.beat} for {time.monotonic() - start:.0f} s "
+        f"(its lease, on this host's clock)"
+    )
 
 
 def _proc_started(pid: int) -> float | None:
@@ -199,10 +277,18 @@ class RunLock:
         self._token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beat = 0
         self.took_over: str | None = None
+        self.lost: str | None = None
+        """Set once this job found its lock in other hands: it must not commit again."""
 
     def _me(self) -> LockOwner:
-        return LockOwner.me(self.run_id, self._token, self.lease_s)
+        return LockOwner.me(self.run_id, self._token, self.lease_s, self._beat)
+
+    def _owner(self) -> LockOwner | None:
+        """The record now, for ``watch`` (anything that is not a record: as gone)."""
+        found = self._read()
+        return found if isinstance(found, LockOwner) else None
 
     def _read(self) -> LockOwner | str | None:
         """The owner the lock file names; a string saying why the file is nobody's record (a
@@ -242,6 +328,10 @@ class RunLock:
             current = self._read()
             if isinstance(current, LockOwner):
                 reason = stale_reason(current, self.run_id)
+                if reason is None and elsewhere(current):
+                    reason = watch(self._owner, current, self.lease_s, self.name)
+                    if reason is None:  # released while watched: take it afresh
+                        return self.acquire()
                 if reason is None:
                     raise LockError(
                         f"{self.name} is in use by {current.describe()}. Two jobs writing one "
@@ -277,9 +367,36 @@ class RunLock:
         # A daemon on purpose: if the process dies, the lease must stop being renewed.
         while not self._stop.wait(self.lease_s / 3):
             if not self._mine():
-                log.error("dckpt: the run lock %s was taken by someone else", self.path)
+                self._lose()
                 return
-            self._write_over()
+            self._beat += 1
+            try:
+                self._write_over()
+            except OSError as exc:  # the next renewal tries again; a taker sees no beat
+                log.warning("dckpt: could not renew the run lock %s: %s", self.path, exc)
+
+    def _lose(self) -> None:
+        """This job's lock is in other hands: say so once; it commits nothing more."""
+        if self.lost is not None:
+            return
+        try:
+            owner = self._read()
+        except LockError:
+            owner = None
+        who = owner.describe() if isinstance(owner, LockOwner) else "no one (it is gone)"
+        self.lost = f"the run lock {self.path} is held by {who}"
+        log.error("dckpt: %s; this job commits nothing more to %s", self.lost, self.name)
+
+    def check_held(self) -> None:
+        """Raise LockError unless this job still holds the lock, read from the file now:
+        every commit runs it right before its commit point (fencing)."""
+        if self.lost is None and not self._mine():
+            self._lose()
+        if self.lost is not None:
+            raise LockError(
+                f"{self.lost}: another job may own {self.name} now, so this job commits "
+                "nothing more to it. Stop this job; the other one goes on."
+            )
 
     def abandon(self) -> None:
         """Stop renewing the lease but leave the lock in place: for a job that cannot tell

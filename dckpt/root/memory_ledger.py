@@ -31,6 +31,7 @@ import contextlib
 import os
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -132,8 +133,12 @@ class Pruning:
 class DirectoryLedger(Pruning):
     """The ledger of a directory root: ``ROOT/memory/``."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], held: Callable[[], None] | None = None
+    ) -> None:
         self.dir = Path(root) / LEDGER_DIR
+        self.held = held
+        """Raises unless this job still holds the run lock (rank 0, checked before a commit)."""
 
     def __str__(self) -> str:
         return str(self.dir)
@@ -159,6 +164,8 @@ class DirectoryLedger(Pruning):
             fsync_dir(self.dir.parent)
         fsync_file(manifest)
         final = self.dir / record_name(step)
+        if self.held is not None:  # a job that lost its lock must not write into the root
+            self.held()
         os.replace(manifest, final)  # the commit point (a re-save replaces the record)
         fsync_dir(self.dir)
         return str(final)

@@ -28,6 +28,7 @@ from ..faults import fault_point
 from ..owned import create_new, make_dir, write_atomic
 from ..phases import Phase
 from .durable import fsync_dir, publish_latest
+from .fence import Fence
 from .layout import (
     LATEST_FILE,
     PINS_DIR,
@@ -201,6 +202,14 @@ def decide_for(
     return sorted(decisions, key=lambda d: d.step)
 
 
+def _run_of(root: Path, step: int) -> str | None:
+    """The run id ``step``'s manifest records (None: unreadable)."""
+    try:
+        return read_manifest(root / step_dir_name(step)).run_id
+    except (ManifestError, IntegrityError):
+        return None
+
+
 def log_retention(decisions: list[Decision], *, dry_run: bool) -> None:
     """The one line retention logs when it deletes (or would delete) something."""
     victims = [d.step for d in decisions if not d.keep]
@@ -216,10 +225,17 @@ def log_retention(decisions: list[Decision], *, dry_run: bool) -> None:
 
 
 def apply_retention(
-    root: str | os.PathLike[str], policy: RetentionPolicy, *, dry_run: bool = False
+    root: str | os.PathLike[str],
+    policy: RetentionPolicy,
+    *,
+    dry_run: bool = False,
+    fence: Fence | None = None,
 ) -> tuple[list[Decision], list[str]]:
-    """Decide and (unless ``dry_run``) delete; logs one line; returns decisions and deleted."""
+    """Decide and (unless ``dry_run``) delete; logs one line; returns decisions and deleted.
+    ``fence``: a job's (dckpt.root.fence): a step it may not delete is kept."""
     decisions = plan_retention(root, policy)
+    if fence is not None:
+        decisions = fence.spare(decisions, lambda step: _run_of(Path(root), step))
     victims = [d.step for d in decisions if not d.keep]
     deleted = [] if dry_run or not victims else delete_checkpoints(root, victims)
     log_retention(decisions, dry_run=dry_run)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..collective.comm import Comm
-from ..errors import SaveError, describe_os_error
+from ..errors import LockError, SaveError, describe_os_error
 from ..faults import fault_point
 from ..phases import Phase
 from ..root.commit import CommitStrategy, Flag
@@ -75,6 +75,8 @@ class SaveOutcome:
     error: str | None
     total_bytes: int = 0
     files: int = 0
+    fenced: bool = False
+    """The run lock was no longer this job's at the commit point: it commits nothing more."""
 
 
 _LISTED = 3
@@ -104,6 +106,8 @@ class Coordinator:
         self.comm = comm
         self.root = root
         self.strategy = strategy
+        self.fenced: str | None = None
+        """Set on every rank by ``announce`` when rank 0 found the run lock in other hands."""
 
     def agree(self, error: str | None, what: str, step: int | str | None = None) -> None:
         """All ranks learn whether any rank failed ``what``, or (``step``, which names the
@@ -165,6 +169,9 @@ class Coordinator:
             fault_point(Phase.WRITE_MANIFEST, 0, step)
             write_manifest(tmp, sealed)
             final = self.strategy.finalize(self.root, tmp, step, cancelled=cancelled)
+        except LockError as exc:  # fenced: another job holds the root now
+            shutil.rmtree(tmp, ignore_errors=True)
+            return SaveOutcome(path=None, error=f"rank 0 did not commit: {exc}", fenced=True)
         except Exception as exc:  # any failure here must leave nothing committed
             shutil.rmtree(tmp, ignore_errors=True)
             return SaveOutcome(
@@ -178,6 +185,8 @@ class Coordinator:
         """Rank 0's outcome on every rank; raises its error as the same SaveError everywhere."""
         mine = outcome or SaveOutcome(path=None, error="rank 0 did not decide")
         told = self.comm.broadcast(mine)
+        if told.fenced:
+            self.fenced = told.error
         if told.error is not None:
             raise SaveError(
                 f"save of step {step} failed, nothing was committed and older checkpoints are "

@@ -142,6 +142,9 @@ class SavePipeline:
         self.device: int | None = None
         """The CUDA device of the caller (a new thread starts on device 0)."""
         self.group_lost: str | None = None
+        self.fenced: str | None = None
+        """Why this job commits nothing more (another job holds its root's run lock now):
+        set on every rank by the save whose commit found it so."""
         """Set when a collective of a save failed: dckpt's group is unusable from then on."""
         self.last_committed: dict[str, int] = {}
         """The step of each tier's last committed save."""
@@ -272,6 +275,7 @@ class SavePipeline:
             outcome = coordinator.announce(decision.outcome if decision else None, job.step)
         except SaveError:  # decided: nothing of this save is needed here any more
             self._drop_local_copy(tmp)
+            self.fenced = self.fenced or coordinator.fenced
             raise
         self._drop_local_copy(tmp)  # 9
         ticket.decided = True

@@ -20,7 +20,7 @@ from typing import Any
 from ..collective.comm import Comm
 from ..collective.progress import Progress
 from ..config import CheckpointConfig
-from ..errors import SaveError, WorldError
+from ..errors import LockError, SaveError, WorldError
 from .background import SaveThread
 from .handle import SaveHandle, SaveResult, SaveTicket
 from .mode import SaveMode
@@ -267,6 +267,12 @@ class Saver:
             self._thread.raise_if_failed()
 
     def _refuse_if_unusable(self) -> None:
+        fenced = self._pipeline.fenced
+        if fenced is not None:
+            raise LockError(
+                f"this job commits nothing more: {fenced}. Stop it; restart it only once "
+                "the other job is gone (it then resumes from the newest committed checkpoint)."
+            )
         self._note_stuck()
         if self._unusable is not None:
             self._thread.raise_if_failed()  # the detailed error first, naming the late rank

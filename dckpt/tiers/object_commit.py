@@ -32,6 +32,7 @@ with any open multipart upload by ``ObjectRoot.recover`` at the next start.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -43,12 +44,12 @@ from ..errors import IntegrityError, StorageError
 from ..faults import fault_point
 from ..phases import Phase, Trace
 from ..root.commit import Flag, RenameCommit
+from ..root.fence import Fence
 from ..root.layout import STEP_RE, TMP_RE, step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..root.retention import RetentionPolicy
 from ..storage.records import FileRecord
 from ..storage.sink import Sink, Tee
-from .object_lock import ObjectLock
 from .object_root import ObjectRoot
 from .s3_store import UploadStream
 
@@ -100,11 +101,13 @@ class ObjectCommit:
 
     shares_reused = False  # a reused file is copied in the store: an object of its own
 
-    def __init__(self, root: ObjectRoot, *, lock: ObjectLock | None = None) -> None:
+    def __init__(self, root: ObjectRoot, fence: Fence | None = None) -> None:
         self.objects = root
         self._local = RenameCommit()  # names of the mirror's tmp dirs
         self._uploaded: dict[str, int] = {}  # this rank's files sent by the tee: name -> bytes
-        self._lock = lock  # rank 0's run lock in the bucket, checked right before each commit
+        self.fence = fence or Fence()
+        """Rank 0's claim on the root: the bucket's run lock, read right before each commit;
+        which steps it may move aside or delete (dckpt.root.fence)."""
 
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return self._local.tmp_location(root, step, save_id)
@@ -200,13 +203,15 @@ class ObjectCommit:
         if cancelled is not None and cancelled.is_set():
             raise RuntimeError(f"the save of step {step} was cancelled before its commit")
         self._check_objects(step, parse_manifest(raw, str(tmp / MANIFEST_FILE)))
-        if self._lock is not None:  # a job that lost its lock may have lost its objects too
-            self._lock.check_held()
+        self.fence.check()  # a job that lost its lock may have lost its objects too
         self._put_manifest(step, raw)  # the commit point
+        self.fence.committed(step)
         final = Path(root) / name
         try:
             steps = self.objects.committed_steps()
             for newer in [s for s in steps if s > step]:
+                if not self.fence.movable(newer, functools.partial(self.objects.run_of, newer)):
+                    continue  # another job's: left, and said
                 self.objects.quarantine(
                     newer,
                     f"superseded: the run was rolled back and saved step {step} after {newer}",
@@ -255,4 +260,4 @@ class ObjectCommit:
 
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
         if policy.enabled:
-            self.objects.apply_retention(policy)
+            self.objects.apply_retention(policy, fence=self.fence)

@@ -2,7 +2,9 @@
 
 The same owner record and staleness rules as the directory lock (dckpt.root.lock): a second
 job on the root fails fast, naming the owner; a restart of the same run, a dead pid on the same
-host, or an expired lease lets the next job take over, with a log line.
+host, or an owner on another host whose renewal count stayed still for its whole lease on the
+taker's own clock (no host's wall clock compared with another's) lets the next job take over,
+with a log line.
 
 How, with no O_EXCL and no rename: acquire is ``PUT If-None-Match: *`` (exactly one of two
 racing jobs gets it); a takeover and every lease renewal is ``PUT If-Match: <the ETag read>``,
@@ -25,7 +27,7 @@ from dataclasses import asdict
 
 from ..errors import LockError, StorageError
 from ..root.layout import LOCK_FILE
-from ..root.lock import MAX_RECORD_BYTES, LockOwner, stale_reason
+from ..root.lock import MAX_RECORD_BYTES, LockOwner, elsewhere, stale_reason, watch
 from .s3_store import S3Store
 
 __all__ = ["ObjectLock"]
@@ -44,6 +46,7 @@ class ObjectLock:
         self.lease_s = lease_s
         self._token = uuid.uuid4().hex
         self._etag: str | None = None
+        self._beat = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.took_over: str | None = None
@@ -51,7 +54,12 @@ class ObjectLock:
         """Set when a renewal found the lock in other hands: this job must not commit."""
 
     def _record(self) -> bytes:
-        return json.dumps(asdict(LockOwner.me(self.run_id, self._token, self.lease_s))).encode()
+        owner = LockOwner.me(self.run_id, self._token, self.lease_s, self._beat)
+        return json.dumps(asdict(owner)).encode()
+
+    def _owner(self) -> LockOwner | None:
+        found = self._read()
+        return None if found is None else found[0]
 
     def _read(self) -> tuple[LockOwner, str] | None:
         """The owner the lock names and the object's ETag; None if there is no lock; a
@@ -95,6 +103,14 @@ class ObjectLock:
             return etag
         owner, seen = current
         reason = stale_reason(owner, self.run_id)
+        if reason is None and elsewhere(owner):
+            reason = watch(self._owner, owner, self.lease_s, str(self.store.url))
+            if reason is None:  # released while watched: take it afresh
+                return self._take_over()
+            again = self._read()  # the record watched: a takeover needs its ETag now
+            if again is None:
+                return self._take_over()
+            seen = again[1]
         if reason is None:
             raise LockError(
                 f"{self.store.url} is in use by {owner.describe()}. Two jobs writing one "
@@ -122,6 +138,7 @@ class ObjectLock:
     def _renew(self) -> None:
         # A daemon on purpose: if the process dies, the lease must stop being renewed.
         while not self._stop.wait(self.lease_s / 3):
+            self._beat += 1
             try:
                 etag = self.store.put_small(self.key, self._record(), if_match=self._etag)
             except StorageError as exc:
@@ -134,7 +151,7 @@ class ObjectLock:
                     self.lost = (
                         f"the run lock {self.url} was overwritten with a record dckpt cannot read"
                     )
-                    log.error("dckpt: %s; this job will not commit again", self.lost)
+                    log.error("dckpt: %s; this job commits nothing more", self.lost)
                     return
                 except StorageError as exc:
                     log.warning("dckpt: could not read the run lock back (will retry): %s", exc)
@@ -145,7 +162,7 @@ class ObjectLock:
                 self.lost = f"the run lock {self.url} was taken by " + (
                     current[0].describe() if current is not None else "no one (it was deleted)"
                 )
-                log.error("dckpt: %s; this job will not commit again", self.lost)
+                log.error("dckpt: %s; this job commits nothing more", self.lost)
                 return
             self._etag = etag
 
@@ -162,7 +179,10 @@ class ObjectLock:
                     who = current[0].describe() if current is not None else "no one"
                     self.lost = f"the run lock {self.url} is held by {who}"
         if self.lost is not None:
-            raise LockError(f"{self.lost}: another job may own this root now")
+            raise LockError(
+                f"{self.lost}: another job may own {self.store.url} now, so this job commits "
+                "nothing more to it. Stop this job; the other one goes on."
+            )
 
     def abandon(self) -> None:
         """Stop renewing the lease but leave the lock: it runs out by itself."""

@@ -42,6 +42,7 @@ from ..errors import CheckpointError, IntegrityError, ManifestError, StorageErro
 from ..owned import make_dir
 from ..root import upkeep
 from ..root.commit import CommitStrategy
+from ..root.fence import Fence
 from ..root.layout import (
     LATEST_FILE,
     PINS_DIR,
@@ -78,7 +79,7 @@ from ..root.verify import (
 from .s3_store import ListedObject, S3Store, UnsupportedError
 
 if TYPE_CHECKING:
-    from .object_lock import ObjectLock
+    pass
 
 __all__ = ["ObjectRecords", "ObjectRoot"]
 
@@ -96,7 +97,9 @@ class ObjectRoot:
         self.store = store
         self.url = store.url
         self._mirror = mirror
-        self._lock: ObjectLock | None = None  # the bucket's run lock, once ``locks`` made it
+        self.fence = Fence()
+        """Rank 0's claim on the root (dckpt.root.fence): the bucket lock's check, once
+        ``locks`` made it, and the steps found at ``recover``."""
 
     def __str__(self) -> str:
         return str(self.url)
@@ -135,14 +138,15 @@ class ObjectRoot:
         from .object_lock import ObjectLock
 
         mirror = self._local()
-        self._lock = ObjectLock(self.store, run_id, lease_s)
+        lock = ObjectLock(self.store, run_id, lease_s)
+        self.fence = Fence(held=lock.check_held, run_id=run_id)
         return [RunLock(mirror, run_id, lease_s, name=f"{self} (its local mirror {mirror})"),
-                self._lock]  # fmt: skip
+                lock]  # fmt: skip
 
     def commit_strategy(self) -> CommitStrategy:
         from .object_commit import ObjectCommit
 
-        return ObjectCommit(self, lock=self._lock)
+        return ObjectCommit(self, self.fence)
 
     def source(self) -> CheckpointSource:
         from .object_source import ObjectSource
@@ -152,7 +156,7 @@ class ObjectRoot:
     def memory_ledger(self) -> MemoryLedger:
         from .object_ledger import ObjectLedger
 
-        return ObjectLedger(self, None if self._lock is None else self._lock.check_held)
+        return ObjectLedger(self, self.fence.check)
 
     def lock_holder(self) -> str | None:
         from .object_lock import ObjectLock
@@ -476,9 +480,17 @@ class ObjectRoot:
                 self.store.delete(keys)
                 actions.append(f"removed {len(keys)} object(s) of the uncommitted {entry.where}")
         self.publish_latest()  # a crash between the manifest and `latest` left it behind
+        self.fence.start(self.committed_steps())  # what this job found: its to move
         for line in actions:
             log.warning("dckpt recover: %s", line)
         return mirrored + actions
+
+    def run_of(self, step: int) -> str | None:
+        """The run id ``step``'s manifest records (None: unreadable)."""
+        try:
+            return self.read_manifest(step).run_id
+        except CheckpointError:
+            return None
 
     def pin(self, step: int) -> str:
         if step not in self.committed_steps():
@@ -503,10 +515,13 @@ class ObjectRoot:
         return decide_for(manifests, self.pinned_steps(), policy)
 
     def apply_retention(
-        self, policy: RetentionPolicy, *, dry_run: bool = False
+        self, policy: RetentionPolicy, *, dry_run: bool = False, fence: Fence | None = None
     ) -> tuple[list[Decision], list[str]]:
-        """Decide and (unless ``dry_run``) delete, manifest first; logs one line."""
+        """Decide and (unless ``dry_run``) delete, manifest first; logs one line. ``fence``:
+        a job's (dckpt.root.fence): a step it may not delete is kept."""
         decisions = self.plan_retention(policy)
+        if fence is not None:
+            decisions = fence.spare(decisions, self.run_of)
         victims = [d.step for d in decisions if not d.keep]
         deleted = [] if dry_run or not victims else self.delete_steps(victims)
         log_retention(decisions, dry_run=dry_run)

@@ -19,6 +19,8 @@ The memory tier is not a root: its ledger lives in a root of these kinds (a dire
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -243,6 +245,27 @@ def test_the_lock_refuses_a_second_job_and_frees_on_release(
     assert first.lock_holder() is None
     with kind.manager(_net()) as mgr:
         assert mgr.resume().step == 1
+
+
+def test_a_job_whose_lock_was_taken_commits_nothing_more(kind: Kind) -> None:
+    """Fencing: another job's record put in place of this job's lock (a takeover, right or
+    wrong): the next save fails at its commit point, naming the lock, and commits nothing;
+    every later save is refused at once."""
+    net = _net()
+    with kind.manager(net) as mgr:
+        mgr.save(1).result()
+        theirs = {"host": "node-9", "pid": 77, "started": 1.0, "run_id": "job-z",
+                  "token": "theirs", "lease_until": 2.0}  # fmt: skip
+        kind.store(".dckpt-lock", json.dumps(theirs).encode())
+        if kind.s3 is not None:  # the local mirror's lock goes too (it was taken with it)
+            Path(kind.mirror or "", ".dckpt-lock").write_text(json.dumps(theirs))
+        with pytest.raises(dckpt.SaveError, match="commits nothing more"):
+            mgr.save(2).result()
+        with pytest.raises(LockError, match="this job commits nothing more"):
+            mgr.save(3)
+        with contextlib.suppress(dckpt.CheckpointError):
+            mgr.close()
+    assert kind.root().committed_steps() == [1]
 
 
 def test_the_memory_identity_is_made_once_and_stays_with_the_root(kind: Kind) -> None:

@@ -1,0 +1,123 @@
+"""The run lock without clocks, and fencing (issue 41): a second job is refused while the first
+lives whatever the clocks of the two hosts say, and a job that lost its lock (a takeover that
+was wrong) commits nothing more and moves nothing it did not find or write.
+
+- Another host is a process whose ``socket.gethostname`` says so (the lock record names the
+  host; the kernel's is not consulted); its clock is ``time.time`` shifted by an hour either
+  way, in that process only. The old rule compared the record's lease with the taker's wall
+  clock: an hour ahead took a live job's lock over at once.
+- The holder renews its lease (``beat``) every third of it; a taker on another host watches
+  the record on its own monotonic clock and takes over only after a whole lease without a
+  renewal. A lock of a job that is gone is taken over after that lease, whatever the clocks.
+- Fencing on both root kinds is in tests/tiers/test_root_contract.py; here, on a directory:
+  a step another job committed while this one held the root is never moved aside as
+  "superseded" by this job's rollback, nor deleted by its retention.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dckpt
+from dckpt.root.layout import committed_steps, list_checkpoints
+
+_OTHER_HOST = """
+import socket, sys, time
+socket.gethostname = lambda: "node-elsewhere"
+_wall = time.time
+time.time = lambda: _wall() + float(sys.argv[2])  # this host's clock, off by that much
+from dckpt.errors import LockError
+from dckpt.root.lock import RunLock
+lock = RunLock(__import__("pathlib").Path(sys.argv[1]), "other-run", float(sys.argv[3]))
+t0 = time.monotonic()
+try:
+    lock.acquire()
+except LockError as exc:
+    print("refused after %.1f s:" % (time.monotonic() - t0), exc)
+    sys.exit(7)
+print("took after %.1f s:" % (time.monotonic() - t0), lock.took_over)
+lock.release()
+"""
+
+
+def _other_host(root: Path, skew_s: float, lease_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _OTHER_HOST, str(root), str(skew_s), str(lease_s)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0], ids=["an-hour-ahead", "an-hour-behind"])
+def test_a_live_job_keeps_its_lock_whatever_the_other_hosts_clock_says(
+    tmp_path: Path, skew_s: float
+) -> None:
+    from dckpt.root.lock import RunLock
+
+    lock = RunLock(tmp_path, "long-run", lease_s=1.5)  # renews every 0.5 s
+    lock.acquire()
+    try:
+        refused = _other_host(tmp_path, skew_s, 1.5)
+        assert refused.returncode == 7, refused.stdout + refused.stderr
+        assert "in use by run long-run" in refused.stdout and "renewed" in refused.stdout
+        assert json.loads((tmp_path / ".dckpt-lock").read_text())["run_id"] == "long-run"
+        lock.check_held()  # still this job's: it may commit
+        # The job dies (its renewals stop): the other host takes over once a whole lease
+        # passed without one, on its own clock, however far off its wall clock is.
+        lock.abandon()
+        taken = _other_host(tmp_path, skew_s, 1.5)
+        assert taken.returncode == 0, taken.stdout + taken.stderr
+        assert "its renewal count stayed at" in taken.stdout
+        with pytest.raises(dckpt.LockError, match="commits nothing more"):
+            lock.check_held()  # the old owner, fenced
+    finally:
+        lock.release()
+
+
+def _manager(
+    root: Path, run_id: str, **config: object
+) -> tuple[dckpt.CheckpointManager, nn.Module]:
+    torch.manual_seed(0)
+    net = nn.Linear(8, 8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    cfg = dckpt.CheckpointConfig(root=root, **config)  # type: ignore[arg-type]
+    mgr = dckpt.CheckpointManager(cfg, dckpt.TrainState(net, opt), run_id=run_id)
+    return mgr, net
+
+
+def test_a_rollback_never_sets_aside_a_step_another_job_committed_meanwhile(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Job B holds the root and found steps 1-4; job A (a second writer: lock=False, the
+    way two jobs meet after a takeover that was wrong) commits step 5 meanwhile. B goes back
+    to step 2 and saves step 3: the branch it found (4) goes to quarantine/ as superseded,
+    A's 5 stays where it is, said; B saves on (6, 7) and its retention (keep the newest 2)
+    deletes what it found (1-3) but never A's 5."""
+    root = tmp_path / "ckpt"
+    logging.getLogger("dckpt").setLevel(logging.INFO)
+    first, _ = _manager(root, "job-a", lock=False)
+    with first:
+        for step in (1, 2, 3, 4):
+            first.save(step).result()
+    b, net = _manager(root, "job-b", keep_last=2)
+    with b:
+        a, _ = _manager(root, "job-a", lock=False)
+        with a:
+            a.save(5).result()  # another job's step, committed while B holds the root
+        b.load(2)
+        with torch.no_grad():
+            net.weight.add_(1.0)
+        for step in (3, 6, 7):
+            b.save(step).result()
+    steps = {(e.step, e.status) for e in list_checkpoints(root)}
+    assert (4, "quarantined") in steps and (5, "quarantined") not in steps, steps
+    assert committed_steps(root) == [5, 6, 7]  # keep_last=2 deleted 1-3, not A's 5
+    said = [r.getMessage() for r in caplog.records if "another job (run job-a)" in r.getMessage()]
+    assert said and "step 5 was committed by another job" in said[0], said
