@@ -29,6 +29,7 @@ __all__ = [
     "add_note",
     "describe_os_error",
     "unwrap_dcp_error",
+    "with_rank",
 ]
 
 
@@ -130,12 +131,20 @@ def unwrap_dcp_error(exc: BaseException) -> BaseException:
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(exc, CheckpointException):
-        inner_errors = [inner for _rank, (inner, _trace) in sorted(exc.failures.items())]
+        inner_errors = [(rank, inner) for rank, (inner, _trace) in sorted(exc.failures.items())]
         for kind in (CheckpointError, OSError):
-            for inner in inner_errors:
+            for rank, inner in inner_errors:
+                if isinstance(inner, StorageError):
+                    return with_rank(inner, rank)
                 if isinstance(inner, kind):
                     return inner
     return exc
+
+
+def with_rank(exc: StorageError, rank: int) -> StorageError:
+    """``exc`` naming the rank it happened on (every rank raises it: it must say whose)."""
+    text = str(exc)
+    return exc if text.startswith("rank ") else StorageError(f"rank {rank}: {text}")
 
 
 def describe_os_error(exc: BaseException, root: str | os.PathLike[str]) -> str:

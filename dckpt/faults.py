@@ -7,6 +7,9 @@ process of that rank fire the action when it reaches that phase (of that step, i
 - ``raise``: raises ``InjectedFaultError`` (an ordinary error on one rank);
 - ``enospc``: raises ``OSError(ENOSPC)`` (a full disk);
 - ``sleep``: sleeps ``seconds`` (a stuck write);
+- ``sigstop``: the process stops itself (SIGSTOP: every thread frozen, its sockets open, as a
+  host that hangs);
+- ``eio``: raises ``OSError(EIO)`` (a storage that fails a read or a write);
 - ``corrupt``: ``fault_point`` returns True, and the caller falsifies what this rank computed
   there (a broken collective backend at ``warmup``, a rank that read different bytes at
   ``verify``), so the checks that compare ranks are tested against a rank that is wrong.
@@ -19,10 +22,15 @@ Unset, it costs one cached lookup per phase. Phases (dckpt.phases.Phase), in sav
   on this rank); for an s3:// root also ``upload`` (a shard's first part sent);
 - on rank 0, the coordinator: ``write_manifest``, ``fsync_shards`` (manifest written, before
   the files and the tmp dir are fsynced), ``rename`` (before the commit rename),
-  ``fsync_parent`` (renamed, before the root is fsynced), ``publish_latest`` (before
+  ``rename_reply`` (inside the commit rename, right after the storage performed it: an
+  ``eio`` there is a reply lost after the rename landed), ``fsync_parent`` (renamed, before
+  the root is fsynced), ``publish_latest`` (before
   ``latest`` is replaced), ``retention`` (victims renamed to trash, not yet removed);
-- in a resume, on every rank: ``verify`` (this rank's digests of the files it read, before the
-  ranks compare them), ``warmup`` (before this rank joins the warmup collective);
+- in a resume, on every rank: ``list_steps`` (rank 0, before it lists the committed steps),
+  ``read_manifest``, ``read_metadata``, ``read_shard`` (inside the read of a manifest, of
+  ``.metadata``, of each shard file: an ``eio`` there is what the storage's EIO would be),
+  ``verify`` (this rank's digests of the files it read, before the ranks compare them),
+  ``warmup`` (before this rank joins the warmup collective);
 - in a memory save (``save(step, tier="memory")``): on every rank ``memory_copy`` (in
   ``save()``, its state copied into the node's memory, before the file is complete),
   ``memory_hash`` (background, its file hashed, before the ranks gather their reports) and
@@ -63,7 +71,7 @@ OBJECT_PHASES = tuple(p.value for p in Phase if p.side == "object")
 MEMORY_PHASES = tuple(p.value for p in Phase if p.side == "memory")
 """Phases of a memory save: every rank's, but ``memory_commit``, which is rank 0's."""
 PHASES = tuple(p.value for p in Phase)
-ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt")
+ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt", "sigstop", "eio")
 
 
 class InjectedFaultError(RuntimeError):
@@ -98,6 +106,15 @@ def _spec(raw: str | None) -> _Spec | None:
     )
 
 
+def process_rank() -> int:
+    """This process's rank, for a fault point in a layer that knows no rank (torchrun's
+    ``RANK``; 0 outside it)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def fault_point(phase: Phase | str, rank: int, step: int | None = None) -> bool:
     """Fire the configured fault if this is its phase, rank and step; otherwise nothing.
     Returns True only for ``corrupt``: the caller then falsifies its own result."""
@@ -113,8 +130,12 @@ def fault_point(phase: Phase | str, rank: int, step: int | None = None) -> bool:
     where = f"injected fault at phase {phase} on rank {rank}"
     if spec.action == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif spec.action == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif spec.action == "sleep":
         time.sleep(spec.seconds)
+    elif spec.action == "eio":
+        raise OSError(errno.EIO, f"Input/output error ({where})")
     elif spec.action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device ({where})")
     else:

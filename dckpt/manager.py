@@ -30,13 +30,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import secrets
 import socket
 import sys
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -119,6 +118,14 @@ def _node_indices(told: list[tuple[str | None, str]]) -> tuple[int, ...] | str:
     if sorted(set(nodes)) != list(range(len(set(nodes)))):
         return f"node indices {sorted(set(nodes))} are not 0..n-1"
     return nodes
+
+
+def _tidy(what: str, action: Callable[[], object]) -> None:
+    """One part of ``close()``'s letting go: a failure is said, never raised over another."""
+    try:
+        action()
+    except Exception as exc:
+        log.warning("dckpt: closing %s failed (%s); the rest is closed", what, exc)
 
 
 class CheckpointManager:
@@ -478,8 +485,6 @@ class CheckpointManager:
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if metric is not None and not math.isfinite(metric):
-            raise ValueError(f"metric must be a finite number (best-k ranks by it), got {metric}")
         if tier not in ("durable", "memory"):
             raise ValueError(f"tier must be 'durable' or 'memory', got {tier!r}")
         if tier == "memory" and self._memory is None:
@@ -607,21 +612,23 @@ class CheckpointManager:
             self._resumer.finish()
             self._saver.drain()
         finally:
+            # Each part let go on its own: one that fails (a read-only root, a dead link)
+            # is logged, and never hides the save's own error raised below, nor the rest.
             if self._hook is not None:
-                self._hook.remove()
-            self._stop.uninstall()
+                _tidy("the optimizer hook", self._hook.remove)
+            _tidy("the signal handlers", self._stop.uninstall)
             # DCP keeps cached plans in class-level dicts (rank 0's hold every rank's): a
             # closed manager's would stay for the life of the process
-            self._durable.plans.forget()
+            _tidy("DCP's cached plans", self._durable.plans.forget)
             for lock in reversed(self._locks):
                 if self._saver.stuck is not None:
                     lock.abandon()  # the stuck write may still land: keep others out
                 else:
-                    lock.release()
+                    _tidy("the run lock", lock.release)
             if self._memory is not None:
-                self._close_memory()
-            self._io.close()
-            self._ctl.close()
+                _tidy("the memory tier", self._close_memory)
+            _tidy("dckpt's groups", self._io.close)
+            _tidy("dckpt's groups", self._ctl.close)
         self._saver.raise_if_failed()
 
     def _close_memory(self) -> None:

@@ -35,10 +35,15 @@ class Phase(str, Enum):
     WRITE_MANIFEST = "write_manifest"
     FSYNC_SHARDS = "fsync_shards"
     RENAME = "rename"
+    RENAME_REPLY = "rename_reply"
     FSYNC_PARENT = "fsync_parent"
     PUBLISH_LATEST = "publish_latest"
     RETENTION = "retention"
-    # A resume, on every rank.
+    # A resume, on every rank (``list_steps``: rank 0), in order: what it reads, then checks.
+    LIST_STEPS = "list_steps"
+    READ_MANIFEST = "read_manifest"
+    READ_METADATA = "read_metadata"
+    READ_SHARD = "read_shard"
     VERIFY = "verify"
     WARMUP = "warmup"
     # A memory save (``save(step, tier="memory")``): every rank, but ``memory_commit`` (rank 0).
@@ -71,13 +76,24 @@ _SIDE = {
             Phase.WRITE_MANIFEST,
             Phase.FSYNC_SHARDS,
             Phase.RENAME,
+            Phase.RENAME_REPLY,
             Phase.FSYNC_PARENT,
             Phase.PUBLISH_LATEST,
             Phase.RETENTION,
         ),
         "coordinator",
     ),
-    **dict.fromkeys((Phase.VERIFY, Phase.WARMUP), "resume"),
+    **dict.fromkeys(
+        (
+            Phase.LIST_STEPS,
+            Phase.READ_MANIFEST,
+            Phase.READ_METADATA,
+            Phase.READ_SHARD,
+            Phase.VERIFY,
+            Phase.WARMUP,
+        ),
+        "resume",
+    ),
     Phase.UPLOAD: "object",
     **dict.fromkeys(
         (Phase.MEMORY_COPY, Phase.MEMORY_HASH, Phase.MEMORY_COMMIT, Phase.REPLICATE), "memory"
@@ -93,9 +109,14 @@ _WHAT = {
     Phase.WRITE_MANIFEST: "writing the manifest",
     Phase.FSYNC_SHARDS: "syncing the files",
     Phase.RENAME: "the commit",
+    Phase.RENAME_REPLY: "the commit's answer",
     Phase.FSYNC_PARENT: "syncing the root",
     Phase.PUBLISH_LATEST: "updating latest",
     Phase.RETENTION: "retention",
+    Phase.LIST_STEPS: "listing the committed steps",
+    Phase.READ_MANIFEST: "reading a manifest",
+    Phase.READ_METADATA: "reading DCP's metadata",
+    Phase.READ_SHARD: "reading a shard file",
     Phase.VERIFY: "verifying the files",
     Phase.WARMUP: "the warmup collective",
     Phase.MEMORY_COPY: "copying the state into the node's memory",

@@ -11,6 +11,8 @@
 #       blocks until torchrun exits and returns its exit status
 #   DCKPT_NETNS_ID=<id> launch/netns_cluster.sh kill-node A|B
 #       SIGKILL every process of that node (a lost machine); returns once none is left
+#   DCKPT_NETNS_ID=<id> launch/netns_cluster.sh link-down A|B
+#       take that node's link down (its processes live on, cut off: a lost network)
 #   DCKPT_NETNS_ID=<id> launch/netns_cluster.sh down
 #       kill every process of both nodes and delete the namespaces (idempotent)
 #   DCKPT_NETNS_ID=<id> launch/netns_cluster.sh status
@@ -152,6 +154,7 @@ cmd_run_node() {
     fi
     local conf="is_host=$is_host,join_timeout=$JOIN_TIMEOUT"
     conf+=",keep_alive_interval=1,keep_alive_max_attempt=5"
+    conf+=",read_timeout=${DCKPT_RDZV_READ_TIMEOUT:-60}"
     # The hostname does not resolve to the namespace's address: the rendezvous host and every
     # node's address are given explicitly, and gloo is pinned to the veth.
     exec ip netns exec "$ns" env \
@@ -168,6 +171,17 @@ cmd_run_node() {
 cmd_kill_node() {
     (($# == 1)) || die "usage: kill-node A|B"
     kill_ns "$(ns_of "$1")"
+}
+
+cmd_link_down() {
+    (($# == 1)) || die "usage: link-down A|B"
+    local ns dev
+    ns="$(ns_of "$1")"
+    case "$1" in
+        A | a) dev="$DEV_A" ;;
+        *) dev="$DEV_B" ;;
+    esac
+    ip -n "$ns" link set dev "$dev" down
 }
 
 cmd_down() {
@@ -192,15 +206,16 @@ cmd_status() {
     done
 }
 
-(($# >= 1)) || die "usage: $0 up|run-node|kill-node|down|status|check ..."
+(($# >= 1)) || die "usage: $0 up|run-node|kill-node|link-down|down|status|check ..."
 sub="$1"
 shift
 case "$sub" in
     up) cmd_up "$@" ;;
     run-node) cmd_run_node "$@" ;;
     kill-node) cmd_kill_node "$@" ;;
+    link-down) cmd_link_down "$@" ;;
     down) cmd_down "$@" ;;
     status) cmd_status "$@" ;;
     check) cmd_check "$@" ;;
-    *) die "unknown subcommand '$sub' (up, run-node, kill-node, down, status, check)" ;;
+    *) die "unknown subcommand '$sub' (up, run-node, kill-node, link-down, down, status, check)" ;;
 esac

@@ -151,6 +151,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-dir", default=None, help="the memory tier's directory (a tmpfs)")
     p.add_argument("--memory-keep", type=int, default=1, help="memory checkpoints each node keeps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds a training collective waits for every rank; dckpt waits half of it",
+    )
     p.add_argument("--loss-log", default=None, help="rank 0 appends a JSON line per step")
     p.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL after this step")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -241,6 +247,7 @@ NOT_CONFIG = (
     "preempt_deadline",
     "preempt_check_every",
     "allow_config_change",
+    "timeout",
 )
 
 
@@ -260,7 +267,9 @@ def refused(rank: int, exc: dckpt.CheckpointError, *, said: bool = False) -> NoR
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rank, world, device = dckpt.init_distributed(timeout_s=120)
+    # dckpt's waits get half the training group's: a rank that stalls in a save or a resume
+    # is named by dckpt before the loop's own collective gives up on it
+    rank, world, device = dckpt.init_distributed(timeout_s=args.timeout)
     policy = dckpt.PrecisionPolicy(mode=args.precision).for_device(device)
     policy.apply()
 
@@ -303,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = dckpt.CheckpointConfig(
         root=args.ckpt_dir,  # a directory or s3://bucket/prefix
+        timeout_s=args.timeout / 2,
         async_save="auto" if args.async_save is None else args.async_save,
         keep_last=args.keep_last,
         milestone_every=args.milestone_every,

@@ -60,6 +60,7 @@ def _entry(
     backend: str,
 ) -> None:
     os.environ.update(env)
+    os.environ["RANK"] = str(rank)  # as torchrun sets it (the fault hook reads it)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist

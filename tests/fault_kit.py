@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,17 @@ class Trials:
         self, fault: str, case: str, *, survived: bool, lost: int = 0, detail: str = ""
     ) -> None:
         self._sink.append(Trial(fault, case, survived, lost, detail))
+
+    @contextlib.contextmanager
+    def trial(self, fault: str, case: str) -> Iterator[None]:
+        """A trial that is a test's own assertions: survived when the block passes, and
+        recorded either way (the assertion's text as the detail)."""
+        try:
+            yield
+        except AssertionError as exc:
+            self.record(fault, case, survived=False, detail=str(exc)[:500])
+            raise
+        self.record(fault, case, survived=True)
 
     def record_check(
         self,

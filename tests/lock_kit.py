@@ -20,15 +20,18 @@ def renewing(path: Path, record: dict[str, object], lease_s: float = 10.0) -> It
     """``record`` in the lock file at ``path``, renewed twice a second (written whole)."""
     stop = threading.Event()
 
+    def write(beat: int) -> None:
+        tmp = path.with_name(f"{path.name}.renewing")
+        tmp.write_text(json.dumps({**record, "beat": beat, "lease_s": lease_s}))
+        os.replace(tmp, path)
+
     def renew() -> None:
         beat = 0
-        while True:
-            tmp = path.with_name(f"{path.name}.renewing")
-            tmp.write_text(json.dumps({**record, "beat": beat, "lease_s": lease_s}))
-            os.replace(tmp, path)
+        while not stop.wait(0.5):
             beat += 1
-            if stop.wait(0.5):
-                return
+            write(beat)
+
+    write(0)  # in place before the caller goes on (a thread may start late on a busy host)
 
     thread = threading.Thread(target=renew, daemon=True)
     thread.start()

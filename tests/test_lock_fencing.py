@@ -21,6 +21,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,10 +56,16 @@ def _other_host(root: Path, skew_s: float, lease_s: float) -> subprocess.Complet
     )  # fmt: skip
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("skew_s", [3600.0, -3600.0], ids=["an-hour-ahead", "an-hour-behind"])
 def test_a_live_job_keeps_its_lock_whatever_the_other_hosts_clock_says(
-    tmp_path: Path, skew_s: float
+    tmp_path: Path, skew_s: float, fault_trials: Any
 ) -> None:
+    with fault_trials.trial("a skewed clock", f"another host's clock {skew_s:+.0f} s"):
+        _live_lock_against_a_skewed_clock(tmp_path, skew_s)
+
+
+def _live_lock_against_a_skewed_clock(tmp_path: Path, skew_s: float) -> None:
     from dckpt.root.lock import RunLock
 
     lock = RunLock(tmp_path, "long-run", lease_s=1.5)  # renews every 0.5 s

@@ -373,9 +373,15 @@ def test_a_loss_watch_that_fails_every_start_quarantines_nothing(
     assert step8["resumed"] == "loss watch warned"
 
 
+@pytest.mark.faults
 def test_a_loss_falling_faster_than_linearly_resumes_three_starts_in_a_row(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault_trials: Any
 ) -> None:
+    with fault_trials.trial("a loss falling faster than linearly", "three starts in a row"):
+        _superlinear_three_starts(tmp_path, capsys)
+
+
+def _superlinear_three_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 41's case: the loss is ``output.sum()`` under momentum (it falls faster than
     linearly), saved at step 5 (5 losses of history), the job killed twice more before its
     next save. Every start resumes step 5; its replay matches the run that stopped, and the

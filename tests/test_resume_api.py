@@ -291,7 +291,7 @@ def test_global_batch_sampler_is_world_size_independent() -> None:
         next(it)
     assert (s.epoch, s.batches_done) == (1, 0)
     other = dckpt.GlobalBatchSampler(100, 10, seed=1)
-    with pytest.raises(ValueError, match="global_batch_size"):
+    with pytest.raises(dckpt.StateMismatchError, match="global_batch_size"):
         other.load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="not divisible"):
         dckpt.GlobalBatchSampler(100, 10, world_size=3)

@@ -45,6 +45,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import REPO, torchrun_train
@@ -333,3 +334,54 @@ def test_elastic_restart_of_the_lost_node_alone(
 
     cluster.down()
     assert not set(cluster.namespaces) & set(_netns_list().split())
+
+
+@pytest.mark.faults
+def test_a_node_that_loses_its_network_mid_save_ends(
+    cluster: Cluster, tmp_path: Path, fault_trials: Any
+) -> None:
+    """Node B's link goes down while a save is in flight (its tmp dir is there): every
+    process of the job, on both nodes, is gone within dckpt's timeout_s plus 30 s (the
+    trainer's ``--timeout 30``: the training group's collectives wait 30 s, dckpt's 15 s).
+    Node B's worker finds the job's store (on node A) unreachable, says so, and at its exit
+    ends torchrun's agent, which would otherwise wait on its rendezvous without end; no
+    committed step is damaged."""
+    root = tmp_path / "ckpt"
+    args = ["--steps", "400", "--save-every", "3", "--d-model", "64", "--timeout", "30"]
+    args += ["--ckpt-dir", str(root)]
+    node_a = cluster.start("A", "job-1", "a", *args)
+    node_b = cluster.start("B", "job-1", "b", *args)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:  # a save in flight, after a first one committed
+        for p in (node_a, node_b):
+            assert p.poll() is None, "a node exited before the link went down:\n" + cluster.tails()
+        if list(root.glob("step-*.tmp-*")) and len(committed_steps(root)) >= 2:
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("no save in flight after two commits\n" + cluster.tails())
+    proc = cluster._script("link-down", "B")
+    assert proc.returncode == 0, proc.stderr
+    down = time.monotonic()
+    bound = 15.0 + 30.0
+    gone: dict[str, float] = {}
+    while time.monotonic() - down < bound + 60 and len(gone) < 2:
+        for node, ns in zip("AB", cluster.namespaces, strict=True):
+            listed = ["ip", "netns", "pids", ns]
+            pids = subprocess.run(listed, capture_output=True, text=True, check=False)
+            if node not in gone and not pids.stdout.split():
+                gone[node] = time.monotonic() - down
+        time.sleep(0.25)
+    text = cluster.logs["b"].read_text(errors="replace")
+    why = []
+    for node in "AB":
+        if gone.get(node, 1e9) > bound:
+            why.append(f"node {node}'s processes were not all gone within {bound:.0f} s: {gone}")
+    if "this node cannot reach the job's store" not in text:
+        why.append("node B did not say it lost the job's store")
+    for entry in list_checkpoints(root):
+        if entry.status == "committed" and not verify_checkpoint(entry.path).ok:
+            why.append(f"committed {entry.path.name} does not verify")
+    fault_trials.record("a node loses its network", "link down mid-save", survived=not why,
+                        detail="; ".join(why) or f"gone after {gone}")  # fmt: skip
+    assert not why, "\n".join(why) + "\n" + cluster.tails()

@@ -18,8 +18,8 @@ import warnings
 from collections.abc import Sequence
 
 from .. import __version__
-from ..errors import CheckpointError, IntegrityError, ManifestError
-from .common import EXIT_INTEGRITY, EXIT_USAGE, CliError, err, fail
+from ..errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from .common import EXIT_INTEGRITY, EXIT_STORAGE, EXIT_USAGE, CliError, err, fail
 
 __all__ = ["main"]
 
@@ -180,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             code: int = args.func(args)
         except (IntegrityError, ManifestError) as exc:  # a damaged or hostile manifest
             fail(EXIT_INTEGRITY, str(exc))
+        except StorageError as exc:  # the storage failed to serve a file: no word on bytes
+            fail(EXIT_STORAGE, str(exc))
         except CheckpointError as exc:  # a missing bucket, refused credentials, no network
             fail(EXIT_USAGE, str(exc))
     except CliError as exc:

@@ -28,6 +28,7 @@ __all__ = [
     "EXIT_INCOMPATIBLE",
     "EXIT_INTEGRITY",
     "EXIT_OK",
+    "EXIT_STORAGE",
     "EXIT_USAGE",
     "CliError",
     "bar",
@@ -41,7 +42,7 @@ __all__ = [
     "step_dirs",
 ]
 
-EXIT_OK, EXIT_USAGE, EXIT_INTEGRITY, EXIT_INCOMPATIBLE = 0, 2, 3, 4
+EXIT_OK, EXIT_USAGE, EXIT_INTEGRITY, EXIT_INCOMPATIBLE, EXIT_STORAGE = 0, 2, 3, 4, 5
 
 # Piped output (logs, CI, `make demo`) gets a wide table instead of rich's 80 columns.
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)

@@ -15,7 +15,9 @@ Output contract (tests and scripts read it):
   that matched, ``"replay ok"``; with no replay record the loss watch's ``"ok"`` or
   ``"loss watch warned"``; null when never resumed).
 - ``verify --json``: ``{"ok": bool, "checkpoints": [{"step", "path", "ok", "files_checked",
-  "bytes_checked", "problems": [{"path", "error", "expected", "actual"}]}]}``.
+  "bytes_checked", "problems": [{"path", "error", "expected", "actual", "unreadable"}]}]}``
+  (``unreadable``: the storage failed to serve the file: no word on its bytes; exit code 5,
+  where evidence of damage is 3).
 - ``inspect --json``: the manifest, with ``step``, ``world_size``, ``files`` (``path`` relative
   to the step dir, ``bytes``, ``digest``), ``state``, ``precision``, ``config``, ``timings``.
 """
@@ -32,7 +34,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import IntegrityError, ManifestError
+from ..errors import IntegrityError, ManifestError, StorageError
 from ..root.manifest import Manifest
 from ..root.protocol import Entry, Root
 from ..root.resume_record import ResumeRecord, ResumeRecords, summary
@@ -43,6 +45,7 @@ from .common import (
     EXIT_INCOMPATIBLE,
     EXIT_INTEGRITY,
     EXIT_OK,
+    EXIT_STORAGE,
     EXIT_USAGE,
     bar,
     cli_root,
@@ -248,7 +251,13 @@ def _verify_json(result: VerifyResult) -> dict[str, Any]:
         "files_checked": result.files_checked,
         "bytes_checked": result.bytes_checked,
         "problems": [
-            {"path": p.path, "error": p.error, "expected": p.expected, "actual": p.actual}
+            {
+                "path": p.path,
+                "error": p.error,
+                "expected": p.expected,
+                "actual": p.actual,
+                "unreadable": p.unreadable,
+            }
             for p in result.problems
         ],
     }
@@ -261,7 +270,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         fail(EXIT_USAGE, f"no committed checkpoint under {root} (see `dckpt ls {root}`)")
     total = 0
     for step in steps:  # the bar's total; a manifest that cannot be read is the step's problem
-        with contextlib.suppress(ManifestError, IntegrityError):
+        with contextlib.suppress(ManifestError, IntegrityError, StorageError):
             total += root.read_manifest(step).total_bytes
     results: list[VerifyResult] = []
     with bar("verifying", total, args.json) as advance:
@@ -288,15 +297,24 @@ def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
                 out.print(f"UNREADABLE BY THIS TORCH  {label}: {r.incompatible}")
             for p in r.problems:
                 detail = f" (expected {p.expected}, got {p.actual})" if p.expected else ""
-                out.print(f"FAILED  {label}: {p.path}: {p.error}{detail}")
-        if not ok:
+                tag = "UNREAD " if p.unreadable else "FAILED "
+                out.print(f"{tag} {label}: {p.path}: {p.error}{detail}")
+        if any(r.damaged for r in results):
             out.print(
                 "integrity failure: do not load the FAILED checkpoints. A training job's "
                 "resume() quarantines them and falls back to the newest good one; check the "
                 "storage for bit rot."
             )
-    if not ok:
+        elif not ok:
+            out.print(
+                "storage error: the storage did not serve the UNREAD files, so nothing is "
+                "known about their bytes (none was called damaged). Run `dckpt verify` again "
+                "once the storage is healthy."
+            )
+    if any(r.damaged for r in results):
         return EXIT_INTEGRITY
+    if not ok:
+        return EXIT_STORAGE
     return EXIT_INCOMPATIBLE if any(r.incompatible for r in results) else EXIT_OK
 
 

@@ -30,6 +30,7 @@ import copy
 import datetime
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import xxhash
 
 from ..errors import CheckpointError
+from .store import HINT_S, StoreUnreachableError, call, default_store
 
 __all__ = ["Comm", "DivergedError", "Failed"]
 
@@ -67,6 +69,22 @@ def _portable(exc: BaseException) -> BaseException:
     except Exception:
         return CheckpointError(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+def _read(store: Any, key: str) -> str | None:
+    """``key``'s value, or None when it is not set (never waits for it)."""
+    return call(store.get, key).decode() if call(store.check, [key]) else None
+
+
+def _beat(key: str, every_s: float, stop: threading.Event) -> None:
+    """A rank's heartbeat: a counter in the job's store, moved every ``every_s``."""
+    store = default_store()
+    n = 0
+    while not stop.is_set():
+        n += 1
+        with contextlib.suppress(Exception):  # a hint: a store that fails is ignored
+            call(store.set, key, str(n))
+        stop.wait(every_s)
 
 
 LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
@@ -112,6 +130,10 @@ class Comm:
 
     def __init__(self, timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
+        self._op = ""  # what this rank is doing on this group (``begin``, ``mark``)
+        self._phase = 0
+        self._t0 = time.monotonic()
+        self._beating: threading.Event | None = None
         if not self.distributed:
             self.group: dist.ProcessGroup | None = None
             self.rank, self.world_size = 0, 1
@@ -139,6 +161,86 @@ class Comm:
         TCPStore) takes writes from anyone who reaches its port; a key nobody outside the job
         can predict cannot be pre-set to make a meeting fail or a marker lie."""
         self.keys = f"dckpt/{token}"
+
+    @property
+    def op(self) -> str:
+        """The operation ``begin`` last started on this group ("" before any)."""
+        return self._op
+
+    def begin(self, op: str) -> None:
+        """This rank starts ``op`` (a resume, a save) on this group: its phase marks
+        (``mark``) count from here, and a heartbeat thread sets this rank's beat in the job's
+        store every ``beat_s`` until ``end``, so ``late`` can tell a frozen or gone rank (its
+        beat stands still) from one that waits like this one."""
+        self._op, self._phase, self._t0 = op, 0, time.monotonic()
+        self.mark("started")
+        if self.distributed and self._beating is None:
+            stop = threading.Event()
+            self._beating = stop
+            key = f"{self.keys}/beat/{self.rank}"
+            threading.Thread(
+                target=_beat, args=(key, self.beat_s, stop), name="dckpt-beat", daemon=True
+            ).start()
+
+    def end(self) -> None:
+        """``op`` ended on this rank: its heartbeat stops (its marks stay until the next)."""
+        if self._beating is not None:
+            self._beating.set()
+            self._beating = None
+
+    @property
+    def beat_s(self) -> float:
+        """The heartbeat's interval: 0.5 s up to 1000 ranks, longer beyond (at most 5 s), so
+        the store takes about 2000 beats a second whatever the world's size, and a survivor
+        tells a silent rank within about a second of the failure."""
+        return min(5.0, max(0.5, self.world_size / 2000))
+
+    def mark(self, phase: str) -> None:
+        """This rank reached ``phase`` of the operation ``begin`` started: one store key per
+        rank, overwritten (its number, its name, seconds into the operation). A hint only:
+        a store that fails is ignored."""
+        if not self.distributed:
+            return
+        self._phase += 1
+        value = f"{self._phase}|{time.monotonic() - self._t0:.1f}|{phase}"
+        with contextlib.suppress(Exception):
+            call(default_store().set, f"{self.keys}/at/{self._op}/{self.rank}", value)
+
+    def late(self) -> str:
+        """After a wait on this group failed: the ranks that stopped answering, each with
+        what it was doing when last heard of ("" when none is known). A rank is silent when
+        its heartbeat does not move over two of its intervals, watched here (no clock of
+        another host is read); failing that, the ranks behind the furthest phase any rank
+        reached. Reads two keys per rank, on a failure only."""
+        if not self.distributed or not self._op:
+            return ""
+        try:
+            store = default_store()
+            marks = {r: _read(store, f"{self.keys}/at/{self._op}/{r}") for r in self._ranks()}
+            first = {r: _read(store, f"{self.keys}/beat/{r}") for r in self._ranks()}
+            time.sleep(2 * self.beat_s + 0.2)
+            again = {r: _read(store, f"{self.keys}/beat/{r}") for r in self._ranks()}
+        except Exception:
+            return ""
+        silent = [r for r in self._ranks() if r != self.rank and first[r] == again[r]]
+        phases = {r: int(m.split("|", 1)[0]) if m else 0 for r, m in marks.items()}
+        ahead = max(phases.values(), default=0)
+        behind = silent or [r for r in self._ranks() if phases[r] < ahead]
+        words = []
+        for r in behind[:8]:
+            mark = marks[r]
+            what = "silent: its heartbeat stood still" if r in silent else "behind"
+            if mark:
+                _, seconds, phase = mark.split("|", 2)
+                heard = f"last heard of {seconds} s into the {self._op}: {phase}"
+                words.append(f"rank {r} ({what}; {heard})")
+            else:
+                words.append(f"rank {r} ({what}; it never began the {self._op})")
+        more = f" and {len(behind) - 8} more" if len(behind) > 8 else ""
+        return ", ".join(words) + more
+
+    def _ranks(self) -> range:
+        return range(self.world_size)
 
     def connect(self) -> None:
         """Connect the pairs this group's agreements use, now, while every rank is at the same
@@ -300,7 +402,7 @@ class Comm:
         three store calls per peer, at any N."""
         if not self.distributed or not peers:
             return []
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         group = self.group
         assert group is not None
         me = dist.get_global_rank(group, self.rank)
@@ -312,22 +414,25 @@ class Comm:
             self._met[peer] = n
             them = dist.get_global_rank(group, peer)
             key = f"{self.keys}/meet/{group.group_name}/{min(me, them)}-{max(me, them)}/{n}"
-            if store.compare_set(key, "", mine).decode() == mine:
+            if call(store.compare_set, key, "", mine).decode() == mine:
                 first.append((peer, key))  # the peer is not there yet: wait for its mark
-            elif store.compare_set(f"{key}/second", "", mine).decode() == _GONE:
+            elif call(store.compare_set, f"{key}/second", "", mine).decode() == _GONE:
                 missed.append(peer)  # it came first and gave up on this rank
         end = time.monotonic() + timeout_s
         for peer, key in first:
             left = max(end - time.monotonic(), 0.001)
             try:
-                store.wait([f"{key}/second"], datetime.timedelta(seconds=left))
+                wait = datetime.timedelta(seconds=left)
+                call(store.wait, [f"{key}/second"], wait, deadline_s=left + HINT_S)
+            except StoreUnreachableError:
+                raise
             except RuntimeError:  # timed out (DistStoreError, a RuntimeError, where typed)
-                if store.compare_set(f"{key}/second", "", _GONE).decode() == _GONE:
+                if call(store.compare_set, f"{key}/second", "", _GONE).decode() == _GONE:
                     missed.append(peer)  # abandoned: the peer, if it comes, learns so
                     continue
             with contextlib.suppress(RuntimeError, NotImplementedError):
-                store.delete_key(f"{key}/second")  # the second set it and reads it no more
-                store.delete_key(key)
+                call(store.delete_key, f"{key}/second")  # the second set it, reads no more
+                call(store.delete_key, key)
         return sorted(missed)
 
     def barrier(self) -> None:
@@ -335,6 +440,7 @@ class Comm:
             dist.barrier(group=self.group)
 
     def close(self) -> None:
+        self.end()
         if self.distributed and self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
         self.group = None

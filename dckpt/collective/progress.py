@@ -21,11 +21,10 @@ import threading
 import time
 from typing import Any
 
-import torch.distributed as dist
-
 from ..faults import fault_point
 from ..phases import Phase
 from .comm import Comm
+from .store import call, default_store
 
 __all__ = ["MARKED", "Progress", "SaveTrace", "StopFlag"]
 
@@ -44,12 +43,11 @@ class Progress:
         self._world = comm.world_size
         self._rank = comm.rank
         self._comm = comm  # its key prefix (the job's random token) is read at each use
-        self._store: Any = None
-        if comm.distributed:
-            try:
-                self._store = dist.distributed_c10d._get_default_store()
-            except (RuntimeError, ValueError, AttributeError):
-                self._store = None
+        self._store: Any = default_store() if comm.distributed else None
+
+    @property
+    def comm(self) -> Comm:
+        return self._comm
 
     def _key(self, save_id: str, phase: Phase, rank: int) -> str:
         return f"{self._comm.keys}/{save_id}/{phase.value}/{rank}"
@@ -57,10 +55,10 @@ class Progress:
     def mark(self, save_id: str, phase: Phase) -> None:
         if self._store is not None:
             with contextlib.suppress(Exception):  # a marker is a hint, never a failure
-                self._store.set(self._key(save_id, phase, self._rank), "1")
+                call(self._store.set, self._key(save_id, phase, self._rank), "1")
 
     def _has(self, save_id: str, phase: Phase, rank: int) -> bool:
-        return bool(self._store.check([self._key(save_id, phase, rank)]))
+        return bool(call(self._store.check, [self._key(save_id, phase, rank)]))
 
     def lagging(self, save_id: str) -> str:
         """'rank(s) 1 did not complete writing shards', or '' when nobody is known to lag."""
@@ -94,7 +92,7 @@ class Progress:
         if self._store is not None:
             for phase in (*MARKED, DECIDED):
                 with contextlib.suppress(Exception):
-                    self._store.delete_key(self._key(save_id, phase, self._rank))
+                    call(self._store.delete_key, self._key(save_id, phase, self._rank))
 
     def trace(self, save_id: str, step: int) -> SaveTrace:
         return SaveTrace(self, self._rank, save_id, step)
@@ -127,7 +125,7 @@ class StopFlag:
         self._seen = True
         if self._store is not None:
             with contextlib.suppress(Exception):  # then the others learn it at the agreement
-                self._store.set(self._key, "1")
+                call(self._store.set, self._key, "1")
 
     def is_set(self) -> bool:
         if self._seen or self._store is None:
@@ -138,7 +136,7 @@ class StopFlag:
                 return False
             self._asked = now
         with contextlib.suppress(Exception):
-            if self._store.check([self._key]):  # never unset a set() of another thread
+            if call(self._store.check, [self._key]):  # never unset another thread's set()
                 self._seen = True
         return self._seen
 
@@ -157,3 +155,4 @@ class SaveTrace:
 
     def passed(self, phase: Phase) -> None:
         self._progress.mark(self.save_id, phase)
+        self._progress.comm.mark(f"past {phase.what}")  # what it did last, for ``Comm.late``

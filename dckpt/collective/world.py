@@ -11,11 +11,11 @@ store, on every rank that waited for it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from ..errors import WorldError
 from ..faults import fault_point
 from ..phases import Phase
 from ..units import plural
+from .store import call, default_store
 
 __all__ = [
     "WarmupResult",
@@ -87,13 +88,6 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
-
-
 @dataclass(frozen=True)
 class WarmupResult:
     """What one rank's warmup all-reduce returned, against what it must return."""
@@ -114,10 +108,11 @@ def warmup_collective(nonce: str, timeout_s: float) -> WarmupResult:
     one host returns a wrong sum there and a right one elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
     broken = fault_point(Phase.WARMUP, rank)  # True: act as a backend that sums wrong here
-    store = _store()
+    store = default_store()
     key = f"{nonce}/warmup"
     if store is not None:
-        store.set(f"{key}/{rank}", "1")
+        with contextlib.suppress(Exception):  # a hint: names who did not join, if it fails
+            call(store.set, f"{key}/{rank}", "1")
     device = _group_device(0)
     if device.type == "cuda":  # the GPU this rank trains on, as init_distributed set it
         device = torch.device("cuda", torch.cuda.current_device())
@@ -132,7 +127,8 @@ def warmup_collective(nonce: str, timeout_s: float) -> WarmupResult:
     except RuntimeError as exc:
         missing: list[int] = []
         if store is not None:
-            missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+            with contextlib.suppress(Exception):
+                missing = [r for r in range(world) if not call(store.check, [f"{key}/{r}"])]
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank"
         raise WorldError(
             f"warmup all-reduce failed after {time.perf_counter() - t0:.1f} s: {who} did not "

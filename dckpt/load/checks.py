@@ -37,6 +37,7 @@ from ..errors import (
     StateMismatchError,
     StorageError,
     add_note,
+    with_rank,
 )
 from ..faults import fault_point
 from ..phases import Phase
@@ -567,6 +568,8 @@ def _raise_witnessed(
     if failed is None:
         return
     first = failed.error
+    if isinstance(first, StorageError):  # the storage failed one rank: say which
+        raise with_rank(first, failed.rank)
     if comm.world_size > 1 and isinstance(first, IntegrityError):
         witness = 1 if failed.rank == 0 else 0
         seen: str | None = None
@@ -604,6 +607,8 @@ def raise_first(comm: Comm, failure: CheckpointError | None, what: Path | None =
     if failed is None:
         return
     first = failed.error
+    if isinstance(first, StorageError):  # the storage failed one rank: say which
+        raise with_rank(first, failed.rank)
     damage = (IntegrityError, ManifestError)
     if (
         what is not None

@@ -76,9 +76,13 @@ class DurableReader:
         # A source that can bring only what a rank reads (an object store) brings the
         # metadata first: the load plan made from it names the rest (step 4).
         first = frozenset({METADATA_FILE}) if self.source.partial else None
+        mark = self.ctl.mark  # what this rank is doing, for the others to name if it stalls
+        mark(f"fetching step {step}")
         checks.fetch_candidate(self.ctl, self.source, step, None if first else report, first)
+        mark(f"reading step {step}'s manifest, layout and metadata")
         manifest, reader = checks.read_candidate(self.ctl, path, step, report, first)
         checks.agree_on_manifest(self.ctl, manifest, path, report)
+        mark(f"checking step {step}'s config and state")
         self.checks.run(manifest, report, with_config=with_config)
         state_dict = state.state_dict()
         if manifest.world_size != self.world_size:
@@ -106,7 +110,9 @@ class DurableReader:
             state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
         if first is not None:  # this rank's files, as DCP's own plan for its state names them
             reads = self._planned(reader, state_dict, name)  # .metadata: here, verified
+            mark(f"fetching the files of step {step} it reads")
             checks.fetch_candidate(self.ctl, self.source, step, report, reads)
+        mark(f"loading step {step} (reading and hashing its share of the files)")
         try:
             dcp_load(
                 state_dict,
@@ -124,6 +130,7 @@ class DurableReader:
                 manifest.versions, source, exc, format_errors_only=True
             ) or CheckpointError(f"loading {path} failed: {exc}") from None
         elsewhere = None if first is None else functools.partial(self.source.digest_remote, step)
+        mark(f"agreeing on step {step}'s digests")
         files_verified, ranks_checked = checks.verify_rest(
             self.ctl, path, manifest, reader, elsewhere
         )
@@ -147,7 +154,14 @@ class DurableReader:
             ),
         )
         report.hashed_bytes = reader.hashed_bytes
-        state.load_state_dict(state_dict)
+        refused = None
+        try:
+            state.load_state_dict(state_dict)
+        except CheckpointError as exc:  # a sampler or scheduler that does not fit
+            refused = exc
+        failed = self.ctl.first_failure(refused)  # every rank refuses, in the REFUSED block
+        if failed is not None:
+            raise failed.error
         restored = [c for c in state.categories() if c in saved]
         report.check("state", set(restored) == set(state.categories()), ", ".join(restored))
         self._restore_rng(step, manifest, state_dict, same_world, report)

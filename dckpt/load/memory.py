@@ -503,6 +503,7 @@ class MemoryReader:
 
     def load(self, step: int, report: CandidateReport, *, with_config: bool) -> LoadResult:
         t0 = time.perf_counter()
+        self.ctl.mark(f"proving memory step {step}'s files (and moving those a node lacks)")
         fetched = self.source.fetch(step)
         try:
             return self._load(step, report, fetched, t0, with_config)
@@ -524,6 +525,7 @@ class MemoryReader:
         report.origin = (
             f"the memory tier ({where}; {self.source.memory_dir}, {step_dir_name(step)})"
         )
+        self.ctl.mark(f"checking memory step {step}'s config and state, then filling it")
         self.checks.run(manifest, report, with_config=with_config)
         maps = {**fetched.maps, **fetched.held}
         own = layout.file_name(self.rank)
@@ -544,7 +546,12 @@ class MemoryReader:
             assert fill is not None
             filled = fill.apply()  # from here on the live state changes
             saved_rng = filled.pop("rng")[f"rank_{self.rank}"]
-            self.state.load_state_dict(filled)
+            refused: CheckpointError | None = None
+            try:
+                self.state.load_state_dict(filled)
+            except CheckpointError as exc:  # a sampler or scheduler that does not fit
+                refused = exc
+            raise_first(self.ctl, refused)  # every rank refuses, in the REFUSED block
             rng.restore(saved_rng)
         finally:
             del fill

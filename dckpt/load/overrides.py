@@ -22,7 +22,11 @@ its next step). The resume report says so with the lines that apply the new valu
 scaled by new/old, so groups keep their own multiples of it and a schedule its current
 point; another field is set in the groups that hold the saved value); at the first
 optimizer step after the resume (the manager's step pre-hook) each is checked again and
-rank 0 logs whether the script applied it.
+rank 0 logs whether the script applied it, and once more at the second (after the first
+``scheduler.step()``: a schedule whose ``base_lrs`` still held the old value would have put
+it back). A scheduler wrapper (Accelerate's ``AcceleratedScheduler``, anything that keeps
+the real one in ``.scheduler``) is looked through: its ``base_lrs`` are probed, and the
+lines name ``scheduler.scheduler.base_lrs``.
 No torch, no collective: the state's objects are only read.
 """
 
@@ -136,14 +140,18 @@ def _in_groups(change: ConfigChange, name: str, state: TrainState) -> Override |
     if field == "params" or not all(field in g for g in groups):
         return None
     new, old = change.current, change.saved
-    scheds = [s for s in state.schedulers if isinstance(getattr(s, "base_lrs", None), list)]
+    scheds: list[tuple[Any, str]] = [
+        (s, path)
+        for s, path in (_unwrapped(s, "scheduler") for s in state.schedulers)
+        if isinstance(getattr(s, "base_lrs", None), list)
+    ]
     ratio = _ratio(new, old)
     if field == "lr" and ratio is not None:
         scheduled = all("initial_lr" in g for g in groups)
 
         def probe() -> list[Any]:
             mine = [g["initial_lr"] if scheduled else g["lr"] for g in groups]
-            return mine + [v for s in scheds for v in getattr(s, "base_lrs", [])]
+            return mine + [v for s, _ in scheds for v in getattr(s, "base_lrs", [])]
 
         # Scaled, not set: groups keep their own multiples of the LR, and a schedule keeps
         # its current point (setting "lr" would restart a chained schedule at its peak).
@@ -154,8 +162,8 @@ def _in_groups(change: ConfigChange, name: str, state: TrainState) -> Override |
         initial, lr = 'g["initial_lr"]', 'g["lr"]'
         scale = f"{lr} *= r; {initial} = {based(initial)}" if scheduled else f"{lr} = {based(lr)}"
         fix = [f"r = {new!r} / {old!r}", f"for g in optimizer.param_groups: {scale}"]
-        if scheds:
-            fix.append(f"scheduler.base_lrs = [{based('b')} for b in scheduler.base_lrs]")
+        for path in dict.fromkeys(p for _, p in scheds):
+            fix.append(f"{path}.base_lrs = [{based('b')} for b in {path}.base_lrs]")
         return Override(change, "the optimizer's param_groups", tuple(fix), probe)
     holding = f'(g for g in optimizer.param_groups if g["{field}"] == {old!r})'
     if index is not None:
@@ -180,13 +188,26 @@ def _in_groups(change: ConfigChange, name: str, state: TrainState) -> Override |
     )
 
 
+def _unwrapped(obj: Any, name: str) -> tuple[Any, str]:
+    """The object a wrapper holds (Accelerate's ``AcceleratedScheduler`` and the like keep
+    the real scheduler in ``.scheduler``), and how a script reaches it from ``name``."""
+    path = name
+    for _ in range(4):  # wrappers of wrappers, never a cycle
+        inner = getattr(obj, "scheduler", None)
+        if inner is None or hasattr(obj, "base_lrs") or inner is obj:
+            break
+        obj, path = inner, f"{path}.scheduler"
+    return obj, path
+
+
 def _in_schedulers(change: ConfigChange, name: str, state: TrainState) -> Override | None:
-    for i, sched in enumerate(state.schedulers):
+    for i, wrapped in enumerate(state.schedulers):
+        which = "scheduler" if len(state.schedulers) == 1 else f"schedulers[{i}]"
+        sched, which = _unwrapped(wrapped, which)
         attrs = {k.lower(): k for k in vars(sched) if not k.startswith("_")}
         attr = attrs.get(name.lower())
-        if attr is None or attr in ("optimizer", "base_lrs", "last_epoch"):
+        if attr is None or attr in ("optimizer", "base_lrs", "last_epoch", "scheduler"):
             continue
-        which = "scheduler" if len(state.schedulers) == 1 else f"schedulers[{i}]"
         return Override(
             change,
             f"the LR scheduler's {attr}",

@@ -48,8 +48,10 @@ CAUSES = (
     "Likely causes: RNG drawn between save() and the point where the loop re-enters (an eval "
     "or a sample after save(): move it before save()), a different data order (a prefetched "
     "batch, a loader whose position is not in the TrainState), state changed after resume() "
-    "(weights re-initialised or edited), or kernels that are not deterministic "
-    '(replay_check="close" for GPU runs). See the README, "Where save() goes"'
+    "(weights re-initialised or edited), gradients carried across save() (.grad is in no "
+    "checkpoint: a script that accumulates micro-steps across a save, or never zeroes "
+    "them, resumes with zeros where the run that stopped had sums), or kernels that are not "
+    'deterministic (replay_check="close" for GPU runs). See the README, "Where save() goes"'
 )
 
 

@@ -98,6 +98,8 @@ from ..errors import (
     StorageError,
     WorldError,
 )
+from ..faults import fault_point
+from ..phases import Phase
 from ..root.layout import foreign_entries, step_dir_name
 from ..root.resume_record import (
     LOSS_WATCH,
@@ -178,6 +180,7 @@ class Resumer:
     ) -> None:
         self._ctl = ctl
         self._notes = list(notes or [])
+        self._lost_peers: list[WorldError] = []
         """Said in every resume's report (the same on every rank): a tier off this start."""
         self._config = config
         self.root = config.directory
@@ -197,6 +200,7 @@ class Resumer:
         self.replay = replay
         self._state = state
         self._overrides: list[Override] = []
+        self._recheck: list[Override] = []
         self._loaded: tuple[int, ...] = ()
         self._untouched: tuple[int, str] | None = None
         """The step just loaded and its tier's save route ("durable", "memory"), until the
@@ -223,8 +227,22 @@ class Resumer:
 
     def touched(self) -> None:
         """A step of training (the optimizer's step pre-hook): the loaded state is changing.
-        The first after a resume checks the overrides the report named (rank 0 logs)."""
+        The first after a resume checks the overrides the report named (rank 0 logs); the
+        second checks again those it found applied (a schedule's first step after the
+        resume could have put the saved value back)."""
         self._untouched = None
+        recheck, self._recheck = self._recheck, []
+        for o in recheck:
+            if self.rank == 0 and o.still_restored():
+                c = o.change
+                log.warning(
+                    "dckpt: %s is back at %r (%s) after the first scheduler step: the schedule "
+                    "restored the saved value. Apply it where the schedule steps from: %s",
+                    c.key,
+                    c.saved,
+                    o.where,
+                    "; ".join(o.fix),
+                )
         overrides, self._overrides = self._overrides, []
         if self.rank != 0:
             return
@@ -242,6 +260,7 @@ class Resumer:
                 )
             else:
                 log.info("dckpt: %s %r is applied (%s)", c.key, c.current, o.where)
+                self._recheck.append(o)
 
     def latest_step(self) -> int | None:
         """The newest committed step under the root (as rank 0 sees it), or None."""
@@ -254,6 +273,39 @@ class Resumer:
     def load(self, step: int | None = None) -> LoadResult:
         """Steps 2-5 for the newest committed step of the root (or ``step``); no fallback,
         no config check. Raises CheckpointNotFoundError when there is nothing to load."""
+        self._ctl.begin("load")
+        try:
+            return self._load(step)
+        except CheckpointError:
+            raise
+        except RuntimeError as exc:  # a wait on dckpt's group failed: name who is late
+            lost = self._lost(exc)
+            log.error("dckpt load: %s", lost)
+            raise lost from exc
+        finally:
+            self._ctl.end()
+
+    def _lost(self, exc: BaseException) -> WorldError:
+        """A wait of this resume on dckpt's group failed (a gloo timeout after
+        ``timeout_s``, or a peer whose connection closed): the error every surviving rank
+        raises, naming the ranks behind and what each was doing when last heard of."""
+        late = self._ctl.late()
+        who = (
+            f"{late} did not keep up"
+            if late
+            else "no rank is known to be behind (the failure may be this rank's own link)"
+        )
+        error = WorldError(
+            f"the {self._ctl.op or 'resume'} stopped on rank {self.rank}: a wait on dckpt's "
+            f"group failed ({str(exc).splitlines()[0][:200]}). {who}: frozen, on storage "
+            f"slower than timeout_s ({self._config.timeout_s:.0f} s) allows, or gone. The "
+            "state may be partly loaded: restart the job once that rank's host is healthy; "
+            "it resumes from the newest checkpoint that passes every check."
+        )
+        self._lost_peers.append(error)  # each rank's own view: every rank logs it
+        return error
+
+    def _load(self, step: int | None) -> LoadResult:
         chosen: int | str | None = None
         if self.rank == 0:
             steps = self.source.steps()
@@ -294,10 +346,18 @@ class Resumer:
         (so a script can exit without a traceback per rank: dckpt already said why)."""
         skipped: list[tuple[int, str]] = []
         looped: list[tuple[int, str]] = []
+        self._ctl.begin("resume")
         try:
-            return self._resume(fallback, skipped, looped)
+            try:
+                return self._resume(fallback, skipped, looped)
+            except CheckpointError:
+                raise
+            except RuntimeError as exc:  # a wait on dckpt's group failed: name who is late
+                raise self._lost(exc) from exc
+            finally:
+                self._ctl.end()
         except CheckpointError as exc:
-            if self.rank == 0:
+            if self.rank == 0 or exc in self._lost_peers:  # rank 0 may be the one lost
                 lines = [f"dckpt resume: REFUSED ({type(exc).__name__})"]
                 lines += [f"  {line}" for line in str(exc).splitlines()]
                 lines += [f"  restart loop: step {s} quarantined, {why}" for s, why in looped]
@@ -309,6 +369,7 @@ class Resumer:
         self, fallback: bool, skipped: list[tuple[int, str]], looped: list[tuple[int, str]]
     ) -> ResumeReport:
         t0 = time.perf_counter()
+        self._ctl.mark("listing the candidates")
         candidates, loops, cascades = self._candidates()  # 1
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
@@ -325,6 +386,7 @@ class Resumer:
                 looped.append((step, loop))
                 continue
             candidate = CandidateReport(step, self._path(tier, step), tier.source.origin(step))
+            self._ctl.mark(f"step {step} from the {tier.name}")
             try:
                 result = tier.reader.load(step, candidate, with_config=True)  # 2-5
                 chosen = candidate
@@ -352,6 +414,7 @@ class Resumer:
         report.warnings.extend(o.describe() for o in self._overrides)
         t_loaded = time.perf_counter()
         if self._config.warmup and self._ctl.distributed:  # 7
+            self._ctl.mark("the warmup all-reduce")
             nonce = f"{self._ctl.keys}/{result.manifest.save_id}"  # the job's token first
             mine = warmup_collective(nonce, self._config.timeout_s)
             report.check("warmup all-reduce", True, self._agree_on_warmup(mine))
@@ -515,6 +578,7 @@ class Resumer:
         cascades: dict[tuple[int, int], int] = {}
         if self.rank == 0:
             try:
+                fault_point(Phase.LIST_STEPS, 0)
                 listing = sorted(
                     ((step, i) for i, t in enumerate(self.tiers) for step in t.source.steps()),
                     key=lambda c: (-c[0], c[1]),

@@ -208,10 +208,25 @@ class RenameCommit:
         replaced: Path | None = None
         if final.is_symlink():  # not a checkpoint (never followed): a planted name, dropped
             final.unlink()
-        if final.exists():
-            replaced = _replace(base, tmp, final)
-        else:
-            os.rename(tmp, final)  # the commit point
+        mine = (tmp / MANIFEST_FILE).read_bytes()
+        try:
+            if final.exists():
+                replaced = _replace(base, tmp, final)
+            else:
+                os.rename(tmp, final)  # the commit point
+            fault_point(Phase.RENAME_REPLY, 0, step)
+        except Exception as exc:
+            # The storage may have performed the rename and lost its answer (EIO, a network
+            # file system's reply): look before saying anything.
+            if not _landed(final, mine):
+                raise
+            log.warning(
+                "dckpt: the commit rename of step %d failed (%s) but it landed: %s holds this "
+                "save's manifest; the step is committed",
+                step,
+                exc,
+                final,
+            )
         # Committed. What follows only tidies up: a failure here is logged, not raised, so a
         # committed save is never reported as lost; `recover` finishes the job at next start.
         self.fence.committed(step)
@@ -247,3 +262,12 @@ def _run_of(root: Path, step: int) -> str | None:
         return read_manifest(root / step_dir_name(step)).run_id
     except CheckpointError:
         return None
+
+
+def _landed(final: Path, manifest: bytes) -> bool:
+    """Whether ``final`` is the committed step whose manifest is exactly ``manifest`` (a
+    rename whose answer was lost may have been performed)."""
+    try:
+        return (final / MANIFEST_FILE).read_bytes() == manifest
+    except OSError:
+        return False

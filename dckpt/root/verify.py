@@ -41,6 +41,9 @@ class FileProblem:
     error: str
     expected: str = ""
     actual: str = ""
+    unreadable: bool = False
+    """The storage failed to serve the file (EIO, ESTALE, EACCES): no word on its bytes,
+    where every other problem is evidence of damage."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +65,11 @@ class VerifyResult:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def damaged(self) -> bool:
+        """Some problem is evidence of damage (not only files the storage could not serve)."""
+        return any(not p.unreadable for p in self.problems)
+
 
 def _check_file(
     path: Path, record: FileRecord, progress: Callable[[int], None]
@@ -74,7 +82,7 @@ def _check_file(
             path=str(path), error=exc.detail, expected=exc.expected, actual=exc.actual
         )
     except StorageError as exc:
-        return FileProblem(path=str(path), error=f"cannot read: {exc}")
+        return FileProblem(path=str(path), error=str(exc), unreadable=True)
     return None
 
 
@@ -96,8 +104,14 @@ def verify_checkpoint(
         return VerifyResult(
             step_dir=step_dir, step=None, problems=[FileProblem(path=path, error=str(exc))]
         )
+    except StorageError as exc:
+        unread = FileProblem(path=str(step_dir / "manifest.json"), error=str(exc), unreadable=True)
+        return VerifyResult(step_dir=step_dir, step=None, problems=[unread])
     try:
         check_layout(step_dir, manifest)
+    except StorageError as exc:
+        unread = FileProblem(path=str(step_dir), error=str(exc), unreadable=True)
+        return VerifyResult(step_dir=step_dir, step=manifest.step, problems=[unread])
     except IntegrityError as exc:
         return VerifyResult(
             step_dir=step_dir,

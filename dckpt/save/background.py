@@ -10,8 +10,14 @@ Invariants:
   or skips first, and says which);
 - a save's exception is kept and raised, once, by the next ``raise_if_failed`` (the manager
   calls it at the next ``save()``, ``wait()`` or ``close()``); never lost, never raised twice;
-- the thread is started and joined by the manager's public methods, never by a finalizer; it is
-  not a daemon, so an interpreter that exits after ``save()`` still finishes the write;
+- the thread is started and joined by the manager's public methods, never by a finalizer. It
+  is a daemon, so no save can keep a process alive: an interpreter that exits after
+  ``save()`` still finishes the write, because an exit handler joins the save in flight, for
+  at most its deadline (``deadline_s``, the watchdog's), then leaves it with one error line
+  (a write blocked on a dead link or a hung file system must not hold the process forever);
+- a save that fails in the background says so at once, on each rank that saw it fail (the
+  training loop may be stuck in a collective of its own by the time it would call ``save()``
+  again), and is raised again by the next ``save()``, ``wait()`` or ``close()``;
 - a watchdog (a timer per save) gives up on a save that outlives its deadline and is not yet
   decided: the save is cancelled with a ``SaveError`` that says where it was, and the thread is
   ``stuck``, so the next ``save()`` raises at once instead of waiting on a write that may never
@@ -21,9 +27,11 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from ..errors import CheckpointError, SaveError
@@ -34,10 +42,29 @@ __all__ = ["SaveThread"]
 log = logging.getLogger("dckpt")
 
 
+FAILING_GRACE_S = 20.0
+"""How long a join waits past its deadline for a save that already failed and is wording its
+error (a few bounded store calls: dckpt.collective.store)."""
+_LIVE: weakref.WeakSet[SaveThread] = weakref.WeakSet()
+"""Every SaveThread of this process, for the exit handler."""
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At interpreter exit: let each save in flight finish, for at most its deadline, then
+    leave it (its thread is a daemon) with one line saying so."""
+    for saver in list(_LIVE):
+        saver.join_at_exit()
+
+
 class SaveThread:
     """Runs saves one at a time on a worker thread; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        _LIVE.add(self)
+        self._deadline_s: float | None = None
+        self._started = 0.0
         self._thread: threading.Thread | None = None
         self._current: SaveTicket | None = None
         self._failed: BaseException | None = None
@@ -79,8 +106,15 @@ class SaveThread:
             except BaseException as exc:
                 with self._lock:
                     agreed = soft and isinstance(exc, SaveError)
-                    if self.stuck is not ticket and not agreed:  # the watchdog reported it
+                    reported = self.stuck is ticket  # the watchdog said it already
+                    if not reported and not agreed:
                         self._failed = exc
+                if not reported and not agreed:
+                    log.error(
+                        "dckpt: rank %d: %s (raised again by the next save(), wait() or close())",
+                        self.rank,
+                        exc,
+                    )
                 ticket.finish(None, exc)
             else:
                 ticket.finish(result, None)
@@ -89,7 +123,7 @@ class SaveThread:
                     watchdog.cancel()
 
         def give_up() -> None:
-            if ticket.done() or ticket.decided:
+            if ticket.done() or ticket.decided or ticket.failing:
                 return
             seen = where()
             error = SaveError(
@@ -110,7 +144,8 @@ class SaveThread:
             watchdog.daemon = True  # only ever reports; must not keep the process alive
             watchdog.name = f"dckpt-watchdog-{ticket.step}"
         self._current = ticket
-        self._thread = threading.Thread(target=body, name=f"dckpt-save-{ticket.step}")
+        self._deadline_s, self._started = deadline_s, time.monotonic()
+        self._thread = threading.Thread(target=body, name=f"dckpt-save-{ticket.step}", daemon=True)
         self._thread.start()
         if watchdog is not None:
             watchdog.start()
@@ -121,8 +156,14 @@ class SaveThread:
         if thread is None:
             return
         deadline = time.monotonic() + timeout
-        while thread.is_alive() and self.stuck is None and time.monotonic() < deadline:
-            thread.join(min(0.5, max(deadline - time.monotonic(), 0.0)))
+        while thread.is_alive() and self.stuck is None:
+            now = time.monotonic()
+            failing = self._current is not None and self._current.failing
+            # a save that failed is naming who was late, within its own deadlines (store
+            # calls of HINT_S each): it gets that long past the join's deadline to finish
+            if now >= deadline + (FAILING_GRACE_S if failing else 0.0):
+                break
+            thread.join(0.5)
         if self.stuck is not None and thread.is_alive():
             return  # the watchdog gave up on it and latched its error: raise_if_failed tells
         if thread.is_alive():
@@ -132,6 +173,26 @@ class SaveThread:
                 "(storage hung, or a rank stopped answering). Nothing of it is committed."
             )
         self._thread = None
+
+    def join_at_exit(self) -> None:
+        """The interpreter is exiting: wait for the save in flight until its deadline (from
+        its start), then leave it, saying so once."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        limit = self._deadline_s if self._deadline_s is not None else 60.0
+        left = max(limit - (time.monotonic() - self._started), 1.0)
+        if self.stuck is None:
+            thread.join(left)
+        if thread.is_alive():
+            step = self._current.step if self._current is not None else "?"
+            log.error(
+                "dckpt: rank %d: the process exits with the save of step %s still blocked "
+                "(storage hung, or a peer unreachable): it is left unfinished and nothing of "
+                "it is committed; the next start resumes from the newest committed checkpoint",
+                self.rank,
+                step,
+            )
 
     def clear_failed(self) -> None:
         """Forget the latched error (it was delivered another way)."""

@@ -64,6 +64,9 @@ class SaveTicket:
         self.decided = False
         """Set once every rank learned that rank 0 committed the save: what follows only tidies
         up, and the watchdog no longer watches it."""
+        self.failing = False
+        """Set once the save failed and its thread is wording the error (naming who was
+        late, within its own deadlines): not stuck, so the watchdog leaves it to finish."""
         self.stall_s = 0.0
         self.fate = Fate.PENDING
         self._lock = threading.Lock()

@@ -229,11 +229,13 @@ class SavePipeline:
         every rank."""
         route = job.route
         tmp = route.strategy.tmp_location(self.root, job.step, job.save_id)
+        self.io.begin(f"{route.noun} of step {job.step}")  # a heartbeat while it runs
         try:
             result = self._steps(job, ticket, tmp)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+            ticket.failing = True  # it ends on its own now: not for the watchdog
             if not isinstance(exc, SaveError):  # a collective failed: the group is unusable
                 self.group_lost = f"{type(exc).__name__}: {str(exc)[:200]}"
             if self.rank == 0:
@@ -250,6 +252,7 @@ class SavePipeline:
                 f"save of step {job.step} failed (seen from rank {self.rank}), {outcome} ({exc})"
             ) from exc
         finally:
+            self.io.end()
             ticket.staged.set()
             self.clock.save_ended(job.started)
         self.progress.clear(job.save_id)
@@ -463,13 +466,16 @@ class SavePipeline:
                 "failed"
             )
         lag = self.progress.lagging(save_id)
+        silent = self.io.late()  # who stopped answering, by their heartbeats
         reported = self.progress.all_reported(save_id)
         if reported and (lag.startswith("rank 0 did not complete the commit") or not lag):
             # Rank 0 had every report: it may have committed before it stopped answering.
             return (
                 "rank 0 stopped answering while it committed, so this rank cannot tell "
                 "whether the checkpoint was committed; the next resume verifies and finds out"
+                + (f" ({silent})" if silent else "")
             )
+        lag = "; ".join(x for x in (lag, silent) if x)
         return "nothing was committed" + (f": {lag}" if lag else "")
 
     def _manifest(

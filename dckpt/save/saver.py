@@ -14,6 +14,7 @@ later ``save()`` refuses with a request to restart (dckpt's group is unusable).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -57,7 +58,7 @@ class Saver:
         self._config = config
         self._clock = clock
         self._mode = mode
-        self._thread = SaveThread()
+        self._thread = SaveThread(ctl.rank)
         self.rank = ctl.rank
         self._stuck_reason: str | None = None
         # The background save bounds each of its own waits by timeout_s and names a late rank
@@ -119,10 +120,16 @@ class Saver:
             # nor land on a route that cannot block (a memory save): it would spend the trial
             # (every rank passes the same tier, so every rank's route is rank 0's)
             planned = self._mode.deciding and go and not resumed_unchanged and route.can_block
-            mine = (go, self._mode.plan() if planned else None)
+            # rank 0's metric is the one recorded (best-k ranks by it): refused on every rank
+            # together, never by rank 0 alone (the others would wait for it here)
+            bad = metric is not None and not math.isfinite(metric)
+            refused = f"metric must be a finite number (best-k ranks by it), got {metric}"
+            mine = (go, self._mode.plan() if planned else None, refused if bad else None)
         told = self._ctl.broadcast(mine)
         assert told is not None  # rank 0 always sends one
-        go, plan = told
+        go, plan, refused_metric = told
+        if refused_metric is not None:
+            raise ValueError(f"{refused_metric} (rank 0's; the save of step {step} was not made)")
         if plan is not None:  # async_save="auto": rank 0 measured, every rank follows
             self._mode.apply(plan)
             if self.rank == 0 and plan.message:

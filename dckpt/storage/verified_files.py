@@ -17,6 +17,8 @@ import stat
 from collections.abc import Callable
 
 from ..errors import IntegrityError, StorageError
+from ..faults import fault_point, process_rank
+from ..phases import Phase
 from .digest import READ_CHUNK, format_digest, hash_stream, new_hasher, parse_digest
 from .item_digests import ItemDigests
 from .records import FileRecord
@@ -27,8 +29,19 @@ __all__ = [
     "open_verified",
     "read_verified",
     "read_verified_digest",
+    "unreadable",
     "verify_span",
 ]
+
+
+def unreadable(path: str, exc: OSError, doing: str = "read") -> StorageError:
+    """The storage failed to serve ``path`` (EIO, ESTALE, EACCES ...): a StorageError that
+    names the file and what failed, never damage (nothing says the bytes are bad)."""
+    return StorageError(
+        f"cannot {doing} {path}: {os.strerror(exc.errno) if exc.errno else exc}: the storage "
+        "failed to serve it (not damage: nothing was quarantined); retry once the storage is "
+        "healthy"
+    )
 
 
 class VerifiedFile(io.FileIO):
@@ -53,9 +66,13 @@ def _open_checked(path: str, record: FileRecord) -> tuple[VerifiedFile, str]:
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: the layout was tampered with
             raise IntegrityError(path, "a regular file", "a symlink", "wrong file type") from exc
-        raise StorageError(f"cannot open {path}: {exc}; the storage failed, retry") from exc
+        raise unreadable(path, exc, "open") from exc
     f = VerifiedFile(fd, "rb", closefd=True)
-    st = os.fstat(fd)
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        f.close()
+        raise unreadable(path, exc, "stat") from exc
     if not stat.S_ISREG(st.st_mode):
         f.close()
         raise IntegrityError(path, "a regular file", "not a regular file", "wrong file type")
@@ -95,9 +112,10 @@ def verify_span(f: io.FileIO, path: str, digests: ItemDigests, offset: int, leng
         while done < size:
             want = min(len(buf), size - done)
             try:
+                fault_point(Phase.READ_SHARD, process_rank())  # as the storage's EIO would be
                 got = os.preadv(f.fileno(), [memoryview(buf)[:want]], start + done)
             except OSError as exc:
-                raise StorageError(f"cannot read {path}: {exc}; the storage failed, retry") from exc
+                raise unreadable(path, exc) from exc
             if got <= 0:
                 raise IntegrityError(
                     path, f"bytes {start}-{start + size}", f"{start + done} bytes", "size mismatch"
@@ -124,7 +142,11 @@ def open_verified(
     this same descriptor, mostly from the page cache the hashing pass just filled."""
     f, algorithm = _open_checked(path, record)
     try:
-        actual, size = hash_stream(f, algorithm, progress)
+        try:
+            fault_point(Phase.READ_SHARD, process_rank())  # as the storage's EIO would be
+            actual, size = hash_stream(f, algorithm, progress)
+        except OSError as exc:
+            raise unreadable(path, exc) from exc
         if size != record.bytes:  # it changed size since the fstat check
             raise IntegrityError(
                 path, f"{record.bytes} bytes", f"{size} bytes", detail="size mismatch"
@@ -152,7 +174,10 @@ def read_verified_digest(path: str, record: FileRecord) -> tuple[bytes, str]:
         parts: list[bytes] = []
         got = 0
         while got <= record.bytes:  # one read past the end proves there is no more
-            chunk = f.read(READ_CHUNK)
+            try:
+                chunk = f.read(READ_CHUNK)
+            except OSError as exc:
+                raise unreadable(path, exc) from exc
             if not chunk:
                 break
             parts.append(chunk)

@@ -48,6 +48,8 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from ..errors import IntegrityError, ManifestError, StateMismatchError
+from ..faults import fault_point, process_rank
+from ..phases import Phase
 from .item_digests import ItemDigests, items_name, parse_items
 from .records import METADATA_FILE, FileRecord
 from .safe_unpickle import incompatible_torch, load_dcp_metadata
@@ -56,6 +58,7 @@ from .verified_files import (
     open_verified,
     read_verified,
     read_verified_digest,
+    unreadable,
     verify_span,
 )
 
@@ -328,7 +331,13 @@ class VerifyingReader(FileSystemReader):
 
     def _read(self, relative_path: str) -> bytes:
         record = self.listed(relative_path)
-        data, digest = read_verified_digest(os.path.join(str(self.path), relative_path), record)
+        where = os.path.join(str(self.path), relative_path)
+        if relative_path == METADATA_FILE:
+            try:
+                fault_point(Phase.READ_METADATA, process_rank())
+            except OSError as exc:  # what the storage's own error would be here
+                raise unreadable(where, exc) from exc
+        data, digest = read_verified_digest(where, record)
         self.verified[relative_path] = digest
         self.hashed_bytes += record.bytes
         return data
@@ -373,20 +382,24 @@ class VerifyingReader(FileSystemReader):
             digests = self.item_digests(relative_path)
             if digests is not None and _undigested(digests, [self._span(i) for i in ordered]):
                 digests = None  # an item too large to have a digest: the whole file, then
-            if digests is not None:  # another rank's file: the items read, each proven
-                with open_checked(where, record) as f:
+            try:
+                if digests is not None:  # another rank's file: the items read, each proven
+                    with open_checked(where, record) as f:
+                        for item in ordered:
+                            offset, length = self._span(item)
+                            self.hashed_bytes += verify_span(f, where, digests, offset, length)
+                            self.items_checked += 1
+                            self._load_item(f, item, planner)
+                    continue
+                # The whole file is hashed first; only if it matches is any tensor filled
+                # from it.
+                with open_verified(where, record) as f:
+                    self.verified[relative_path] = f.digest
+                    self.hashed_bytes += record.bytes
                     for item in ordered:
-                        offset, length = self._span(item)
-                        self.hashed_bytes += verify_span(f, where, digests, offset, length)
-                        self.items_checked += 1
                         self._load_item(f, item, planner)
-                continue
-            # The whole file is hashed first; only if it matches is any tensor filled from it.
-            with open_verified(where, record) as f:
-                self.verified[relative_path] = f.digest
-                self.hashed_bytes += record.bytes
-                for item in ordered:
-                    self._load_item(f, item, planner)
+            except OSError as exc:  # a read DCP's loading made through the proven descriptor
+                raise unreadable(where, exc) from exc
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

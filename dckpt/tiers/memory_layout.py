@@ -72,6 +72,7 @@ __all__ = [
     "held",
     "held_steps",
     "memory_dir_root",
+    "memory_name",
     "node_dir",
     "own_dir",
     "part_name",
@@ -457,9 +458,11 @@ class Slots:
 
     def retire(self, path: Path, tag: str) -> None:
         """Move ``path`` to the spares (its pages and mapping kept for the next file of its
-        name), or delete it when a spare of that name exists already; then remove its step
-        directory if that was its last file."""
-        name = path.name
+        name: a file in flight, ``.part-``, counts as the file it was to become), or delete
+        it when a spare of that name exists already; then remove its step directory if that
+        was its last file. (A failed save's part kept under its own name was never reused
+        nor freed: one more file per failed save.)"""
+        name = memory_name(path.name)
         if self._spares(name):
             self.drop(path)
         else:
@@ -539,14 +542,19 @@ def _walk_own(top: Path) -> list[tuple[Path, os.stat_result]]:
     return found
 
 
+def memory_name(name: str) -> str:
+    """The memory file a name stands for: a file in flight (``.part-``) or a spare of either
+    (``@tag``) counts as the rank's own ``rank-<r>.mem``; any other name as itself."""
+    base = name.split("@", 1)[0]
+    m = PART_RE.fullmatch(base)
+    return file_name(int(m.group(1))) if m is not None else base
+
+
 def _is_memory_file(name: str, names: set[str] | None) -> bool:
     """A file of dckpt's in a node directory: a memory file (one of ``names``, or any when
     None), in flight, or a spare of one."""
-    base = name.split("@", 1)[0]
-    m = PART_RE.fullmatch(name)
-    if m is not None:
-        base = file_name(int(m.group(1)))
-    elif not FILE_RE.fullmatch(base):
+    base = memory_name(name)
+    if not FILE_RE.fullmatch(base):
         return False
     return names is None or base in names
 
@@ -575,7 +583,8 @@ def clean_abandoned(node: Path) -> None:
     died (``.part-`` names) are abandoned (no save runs yet)."""
     me = os.geteuid()
     for path, st in _walk_own(node):
-        if PART_RE.fullmatch(path.name) and stat.S_ISREG(st.st_mode) and st.st_uid == me:
+        in_flight = PART_RE.fullmatch(path.name.split("@", 1)[0]) is not None
+        if in_flight and stat.S_ISREG(st.st_mode) and st.st_uid == me:
             with contextlib.suppress(OSError):
                 path.unlink()
 

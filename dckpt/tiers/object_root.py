@@ -292,8 +292,10 @@ class ObjectRoot:
         name = step_dir_name(step)
         try:
             manifest, problems = self.check_objects(step, progress)
-        except (ManifestError, IntegrityError) as exc:
-            problem = FileProblem(path=MANIFEST_FILE, error=str(exc))  # `where` names the step
+        except (ManifestError, IntegrityError, StorageError) as exc:
+            problem = FileProblem(  # `where` names the step
+                path=MANIFEST_FILE, error=str(exc), unreadable=isinstance(exc, StorageError)
+            )
             return VerifyResult(step_dir=Path(name), step=step, problems=[problem],
                                 where=self.url_of(name))  # fmt: skip
         incompatible = None
@@ -358,6 +360,9 @@ class ObjectRoot:
                 actual = self.store.check(key, record.bytes, record.digest, progress)
             except IntegrityError as exc:
                 problems.append(FileProblem(path=record.path, error=exc.detail or str(exc)))
+                continue
+            except StorageError as exc:  # the store did not serve it: no word on its bytes
+                problems.append(FileProblem(path=record.path, error=str(exc), unreadable=True))
                 continue
             if actual != record.digest:
                 problems.append(

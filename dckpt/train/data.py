@@ -9,6 +9,12 @@ with the very same remaining samples (as long as M divides the global batch size
 Use it as ``DataLoader(dataset, batch_sampler=sampler)``. ``batches_done`` advances when a
 batch is handed out; with ``num_workers > 0`` the DataLoader prefetches, so save the position
 from the training loop's own counter with ``set_position`` (the example trainer does).
+
+``len()`` is a whole epoch (``batches_per_epoch``), whatever the position, as a script that
+counts epochs or schedule steps from ``len(loader)`` expects; an iteration started in the
+middle of an epoch (after a resume) yields the ``remaining`` batches of it. (``len()`` that
+was the remainder made a script that derived its starting epoch from it stop early, with
+no word.)
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import Sampler
+
+from ..errors import StateMismatchError
 
 __all__ = ["GlobalBatchSampler"]
 
@@ -59,6 +67,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.dataset_len // self.global_batch_size  # the last partial batch is dropped
 
     def __len__(self) -> int:
+        return self.batches_per_epoch  # a whole epoch: see the module docstring
+
+    @property
+    def remaining(self) -> int:
+        """The batches the next iteration yields: what is left of the current epoch."""
         return self.batches_per_epoch - self.batches_done
 
     def _order(self) -> torch.Tensor:
@@ -96,9 +109,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "dataset_len", "global_batch_size", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(
+                hint = (
+                    " (a global batch is samples per step over all ranks: with another world "
+                    "size keep it, and give each rank its share)"
+                    if key == "global_batch_size"
+                    else ""
+                )
+                raise StateMismatchError(
                     f"data sampler {key} was {state[key]!r} when saved and is "
-                    f"{getattr(self, key)!r} now: the remaining data would differ. Use the "
-                    "saved value, or start a new run."
+                    f"{getattr(self, key)!r} now: the remaining data would differ{hint}. Use "
+                    "the saved value, or start a new run."
                 )
         self.set_position(int(state["epoch"]), int(state["batches_done"]))

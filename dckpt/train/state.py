@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..errors import CheckpointError, StateMismatchError
 from .per_rank import PerRank
 
 __all__ = ["Stateful", "TrainState"]
@@ -135,6 +136,13 @@ class TrainState:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore every category from ``state_dict`` (DCP filled it: the model's tensors,
+        loaded in place, hold the checkpoint's values already). The data position goes first.
+        Any object's refusal (a sampler with another seed or global batch, a scheduler built
+        differently) is a ``StateMismatchError`` naming the category (a plain ``ValueError``
+        escaped the resume's refusal as a bare traceback)."""
+        if self.data is not None:
+            _restore("data", self.data, state_dict["data"])
         if self.optimizer is None:
             set_model_state_dict(self.model, state_dict["model"], options=self._options)
         else:
@@ -146,18 +154,16 @@ class TrainState:
                 options=self._options,
             )
         for i, sched in enumerate(self.schedulers):
-            sched.load_state_dict(state_dict["scheduler"][str(i)])
+            _restore(f"scheduler {i}", sched, state_dict["scheduler"][str(i)])
         if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict["scaler"])
-        if self.data is not None:
-            self.data.load_state_dict(state_dict["data"])
+            _restore("scaler", self.scaler, state_dict["scaler"])
         progress = state_dict["progress"]
         self.step = int(progress["step"])
         self.epoch = int(progress.get("epoch", 0))
         self.samples_seen = int(progress.get("samples_seen", 0))
         for name, obj in self.extra.items():
             if name in state_dict.get("extra", {}):  # absent: a PerRank started fresh
-                obj.load_state_dict(state_dict["extra"][name])
+                _restore(f"extra {name!r}", obj, state_dict["extra"][name])
 
     def param_keys(self, state_dict: dict[str, Any]) -> tuple[frozenset[str], frozenset[str]]:
         """The keys DCP gives (``model.<name>``) to the entries of ``state_dict`` (as
@@ -193,3 +199,17 @@ def _ptr(t: torch.Tensor) -> int | None:
         return local.data_ptr() or None
     except RuntimeError:
         return None
+
+
+def _restore(what: str, obj: Stateful, saved: Any) -> None:
+    """``obj.load_state_dict(saved)``; its refusal as a StateMismatchError naming ``what``."""
+    try:
+        obj.load_state_dict(saved)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise StateMismatchError(
+            f"restoring the {what} from the checkpoint failed: {type(exc).__name__}: {exc}. "
+            "The object being restored does not fit the saved state (it was built "
+            "differently); the checkpoint is not damaged."
+        ) from exc

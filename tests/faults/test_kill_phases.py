@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 FAULT = "SIGKILL at a save phase"
 CASES = [(p, 0) for p in RANK_PHASES] + [(p, 1) for p in RANK_PHASES]
 CASES += [(p, 0) for p in COORDINATOR_PHASES]
-AFTER_RENAME = {"fsync_parent", "publish_latest", "retention"}
+AFTER_RENAME = {"rename_reply", "fsync_parent", "publish_latest", "retention"}
 CONFIG = {"keep_last": 2, "timeout_s": 10.0}
 
 
@@ -69,7 +69,10 @@ def test_sigkill_at_every_phase_on_rank_0_and_rank_1(
                 why.append(f"rank {other} should have succeeded: {results[other]!r}")
         elif not (isinstance(results[other], str) and _names(results[other], rank)):
             why.append(f"rank {other}'s error does not name rank {rank}: {results[other]!r}")
-        if phase in ("fsync_parent", "publish_latest") and "cannot tell" not in results[other]:
+        if (
+            phase in ("rename_reply", "fsync_parent", "publish_latest")
+            and "cannot tell" not in results[other]
+        ):
             why.append(f"rank {other} claims to know the outcome: {results[other]!r}")
         if elapsed > 60:
             why.append(f"the world took {elapsed:.0f} s to end: a survivor hung")

@@ -27,7 +27,7 @@ from dckpt.faults import COORDINATOR_PHASES, RANK_PHASES
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 
 FAULT = "rank raises mid-save"
-AFTER_COMMIT = {"fsync_parent", "publish_latest", "retention"}
+AFTER_COMMIT = {"rename_reply", "fsync_parent", "publish_latest", "retention"}
 CASES = [(p, r, "raise") for r in (0, 1) for p in RANK_PHASES]
 CASES += [(p, 0, "raise") for p in COORDINATOR_PHASES]
 CASES += [("write_shards", 1, "enospc"), ("write_manifest", 0, "enospc")]
