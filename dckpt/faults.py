@@ -7,6 +7,8 @@ process of that rank fire the action when it reaches that phase (of that step, i
 - ``raise``: raises ``InjectedFaultError`` (an ordinary error on one rank);
 - ``enospc``: raises ``OSError(ENOSPC)`` (a full disk);
 - ``sleep``: sleeps ``seconds`` (a stuck write);
+- ``wait``: waits until the file ``path`` exists (at most ``seconds``): a test holds the phase
+  while it changes the world, then lets it go, with no race against the machine's speed;
 - ``sigstop``: the process stops itself (SIGSTOP: every thread frozen, its sockets open, as a
   host that hangs);
 - ``eio``: raises ``OSError(EIO)`` (a storage that fails a read or a write);
@@ -71,7 +73,7 @@ OBJECT_PHASES = tuple(p.value for p in Phase if p.side == "object")
 MEMORY_PHASES = tuple(p.value for p in Phase if p.side == "memory")
 """Phases of a memory save: every rank's, but ``memory_commit``, which is rank 0's."""
 PHASES = tuple(p.value for p in Phase)
-ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt", "sigstop", "eio")
+ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt", "sigstop", "eio", "wait")
 
 
 class InjectedFaultError(RuntimeError):
@@ -85,6 +87,7 @@ class _Spec:
     action: str
     step: int | None
     seconds: float
+    path: str
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,12 +100,15 @@ def _spec(raw: str | None) -> _Spec | None:
         raise ValueError(
             f"DCKPT_FAULT={raw!r}: phase must be one of {PHASES}, action one of {ACTIONS}"
         )
+    if action == "wait" and not fields.get("path"):
+        raise ValueError(f"DCKPT_FAULT={raw!r}: action=wait needs path=<file to wait for>")
     return _Spec(
         phase=phase,
         rank=int(fields["rank"]) if "rank" in fields else None,
         action=action,
         step=int(fields["step"]) if "step" in fields else None,
         seconds=float(fields.get("seconds", "3600")),
+        path=fields.get("path", ""),
     )
 
 
@@ -134,6 +140,10 @@ def fault_point(phase: Phase | str, rank: int, step: int | None = None) -> bool:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif spec.action == "sleep":
         time.sleep(spec.seconds)
+    elif spec.action == "wait":
+        deadline = time.monotonic() + spec.seconds
+        while not os.path.exists(spec.path) and time.monotonic() < deadline:
+            time.sleep(0.01)
     elif spec.action == "eio":
         raise OSError(errno.EIO, f"Input/output error ({where})")
     elif spec.action == "enospc":

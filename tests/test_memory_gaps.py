@@ -276,28 +276,35 @@ def test_a_replica_the_partner_cannot_hold_leaves_its_previous_replica_restorabl
 
 
 def _lost_then_save(rank: int, world: int, base: str) -> dict[str, Any]:
-    """Memory step 2's replicas stall on rank 1 (its save thread sleeps past timeout_s at the
-    first chunk), so dckpt's group is lost under it; ``save(3)`` comes at once, while that
-    save is still in flight on both ranks."""
+    """Memory step 2's replicas stall on rank 1 (its save thread waits at the first chunk,
+    past timeout_s, until rank 0 has its answer), so dckpt's group is lost under it;
+    ``save(3)`` comes at once, while that save is still in flight on both ranks."""
     os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     config = dckpt.CheckpointConfig(
-        root=Path(base) / "root", memory=True, memory_dir=Path(base) / "mem", timeout_s=3.0
+        root=Path(base) / "root", memory=True, memory_dir=Path(base) / "mem", timeout_s=5.0
     )
+    answered = Path(base) / "rank-0-answered"
     out: dict[str, Any] = {}
     mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
     try:
         mgr.save(1).result()
-        os.environ["DCKPT_FAULT"] = "phase=replicate,rank=1,action=sleep,seconds=9,step=2"
+        os.environ["DCKPT_FAULT"] = (
+            f"phase=replicate,rank=1,action=wait,path={answered},seconds=300,step=2"
+        )
         mgr.save(2, tier="memory")  # returns at once: the copy in save() is the snapshot
         try:
             mgr.save(3)
             out["next"] = "saved"
         except dckpt.CheckpointError as exc:
             out["next"] = f"{type(exc).__name__}: {exc}"
+        if rank == 0:
+            answered.touch()
     finally:
+        if rank == 0:
+            answered.touch()
         os.environ.pop("DCKPT_FAULT", None)
         with contextlib.suppress(Exception):
             mgr.close()
@@ -310,7 +317,7 @@ def test_a_save_after_a_memory_save_lost_the_group_refuses_instead_of_using_it(
     """Whether the group is usable is checked once the save in flight has ended, not before
     (the issue: the next save ran its collectives on the broken group and gloo aborted the
     process, or the final durable save was lost). Both ranks refuse, in words, and live."""
-    got = run_world(_lost_then_save, 2, str(tmp_path), expect_failure=True, timeout=120)
+    got = run_world(_lost_then_save, 2, str(tmp_path), expect_failure=True, timeout=300)
     for rank, result in enumerate(got):
         assert isinstance(result, dict), f"rank {rank} did not return: {result}"
         assert result["next"].startswith("WorldError:"), result

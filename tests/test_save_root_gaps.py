@@ -73,11 +73,12 @@ class _Cursor:
 def test_a_dict_changed_in_place_after_an_async_save_returned_is_saved_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The background save waits 1 s before it makes its tmp dir, so the change below surely
-    # lands before a byte of the checkpoint is written.
-    monkeypatch.setenv("DCKPT_FAULT", "phase=make_tmp,action=sleep,seconds=1,step=1")
+    # The background save waits before it makes its tmp dir until the change below is made,
+    # so it surely lands before a byte of the checkpoint is written.
+    go = tmp_path / "go"
+    monkeypatch.setenv("DCKPT_FAULT", f"phase=make_tmp,action=wait,path={go},seconds=300,step=1")
     cursor = _Cursor()
-    config = dckpt.CheckpointConfig(root=tmp_path, async_save=True)
+    config = dckpt.CheckpointConfig(root=tmp_path / "ckpt", async_save=True)
     with dckpt.CheckpointManager(config, _state(cursor=cursor)) as mgr:
         handle = mgr.save(1)
         assert not handle.done(), "the save was not held: the change would prove nothing"
@@ -85,6 +86,7 @@ def test_a_dict_changed_in_place_after_an_async_save_returned_is_saved_as_it_was
         cursor.state["tags"]["a"].append("y")
         cursor.state["ids"].add(12)
         cursor.state["position"] = 8
+        go.touch()
         handle.result()
         mgr.load(step=1)
     assert cursor.state == {"position": 7, "seen": [1, 2, 3], "tags": {"a": ["x"]}, "ids": {10, 11}}
@@ -97,14 +99,16 @@ def test_a_committed_save_still_in_retention_past_save_timeout_is_left_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = dckpt.CheckpointConfig(
-        root=tmp_path, async_save=True, keep_last=2, timeout_s=1.5, save_timeout_s=1.5
+        root=tmp_path, async_save=True, keep_last=2, timeout_s=5.0, save_timeout_s=5.0
     )
     with dckpt.CheckpointManager(config, _state()) as mgr:
         mgr.save(1).result()
         mgr.save(2).result()
         # Save 3 is the first with a retention victim (step 1): after its commit, retention
-        # sleeps past save_timeout_s, with the save decided but not yet ended.
-        monkeypatch.setenv("DCKPT_FAULT", "phase=retention,action=sleep,seconds=3.5")
+        # sleeps past save_timeout_s, with the save decided but not yet ended (it starts
+        # after the commit, so however slow the save was, it ends past the deadline).
+        sleep = config.watchdog_s + 2
+        monkeypatch.setenv("DCKPT_FAULT", f"phase=retention,action=sleep,seconds={sleep}")
         started = time.monotonic()
         handle = mgr.save(3)
         result = handle.result()
@@ -153,7 +157,7 @@ import socket, sys
 socket.gethostname = lambda: "node-elsewhere"
 from dckpt.errors import LockError
 from dckpt.root.lock import RunLock
-lock = RunLock(__import__("pathlib").Path(sys.argv[1]), "other-run", 1.5)
+lock = RunLock(__import__("pathlib").Path(sys.argv[1]), "other-run", 6.0)
 try:
     lock.acquire()
 except LockError as exc:
@@ -169,7 +173,7 @@ def _other_host_job(root: Path) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-c", _OTHER_HOST, str(root)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         check=False,
     )
 
@@ -177,13 +181,16 @@ def _other_host_job(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_run_lock_lease_is_renewed_so_another_host_stays_refused(tmp_path: Path) -> None:
     from dckpt.root.lock import RunLock
 
-    # CheckpointConfig asks for a lease of at least 10 s; RunLock itself takes a short one.
-    lock = RunLock(tmp_path, "long-run", lease_s=1.5)
+    # CheckpointConfig asks for a lease of at least 10 s; RunLock itself takes a shorter one
+    # (renewed every 2 s: a renewal late by seconds on a loaded machine still keeps it).
+    lock = RunLock(tmp_path, "long-run", lease_s=6.0)
     lock.acquire()
     path = tmp_path / ".dckpt-lock"
     try:
         first = json.loads(path.read_text())
-        time.sleep(2.0)  # longer than one lease
+        deadline = time.monotonic() + 120  # until a renewal was written (a hang's bound)
+        while json.loads(path.read_text()) == first and time.monotonic() < deadline:
+            time.sleep(0.05)
         renewed = json.loads(path.read_text())
         assert renewed["token"] == first["token"]  # still this job's record
         assert renewed["lease_until"] > first["lease_until"]
@@ -195,8 +202,7 @@ def test_the_run_lock_lease_is_renewed_so_another_host_stays_refused(tmp_path: P
         # The refusal came from the lease: once renewal stops and it runs out, the same job
         # from the other host is let in.
         lock.abandon()
-        time.sleep(1.6)
-        taken = _other_host_job(tmp_path)
+        taken = _other_host_job(tmp_path)  # watches a whole lease in which nothing renews
         assert taken.returncode == 0, taken.stdout + taken.stderr
         assert "its renewal count stayed at" in taken.stdout
     finally:
@@ -282,9 +288,11 @@ def _skip_while_rank0_tidies(rank: int, world: int, root: str) -> dict[str, Any]
 
             save(1).result()
             save(2).result()
-            # Save 3 deletes step 1; rank 0's retention then sleeps 2 s, after the commit was
-            # announced: rank 1's part of save 3 ends while rank 0's goes on.
-            os.environ["DCKPT_FAULT"] = "phase=retention,action=sleep,seconds=2"
+            # Save 3 deletes step 1; rank 0's retention then waits, after the commit was
+            # announced, until rank 0 saw save 4 decided: rank 1's part of save 3 ends while
+            # rank 0's goes on, however fast or slow the machine is.
+            gate = Path(root).parent / "tidied"
+            os.environ["DCKPT_FAULT"] = f"phase=retention,action=wait,path={gate},seconds=300"
             third = save(3)
             if rank == 0:
                 while not (Path(root) / step_dir_name(3)).is_dir():  # committed
@@ -294,6 +302,8 @@ def _skip_while_rank0_tidies(rank: int, world: int, root: str) -> dict[str, Any]
             dist.barrier()
             # Now rank 0 is busy and rank 1 is idle: both must skip save 4.
             save(4)
+            if rank == 0:
+                gate.touch()
             mgr.wait()
             os.environ.pop("DCKPT_FAULT")
             save(5).result()
@@ -304,16 +314,17 @@ def _skip_while_rank0_tidies(rank: int, world: int, root: str) -> dict[str, Any]
 
 @pytest.mark.multiproc
 def test_skip_is_decided_by_all_ranks_when_only_one_rank_is_busy(tmp_path: Path) -> None:
-    results = run_world(_skip_while_rank0_tidies, 2, str(tmp_path), timeout=90)
+    root = tmp_path / "ckpt"
+    results = run_world(_skip_while_rank0_tidies, 2, str(root), timeout=300)
     assert [r["error"] for r in results] == [None, None], results
     assert results[0]["skipped"] == results[1]["skipped"] == [4], results
     assert results[0]["taken"] == results[1]["taken"] == [1, 2, 3, 5], results
-    assert committed_steps(tmp_path) == [3, 5]
+    assert committed_steps(root) == [3, 5]
     for step in (3, 5):
-        step_dir = tmp_path / step_dir_name(step)
+        step_dir = root / step_dir_name(step)
         assert {f.rank for f in read_manifest(step_dir).files} == {0, 1}
         assert verify_checkpoint(step_dir).ok
-    assert not list(tmp_path.glob("*.tmp-*"))
+    assert not list(root.glob("*.tmp-*"))
 
 
 class _Counts:

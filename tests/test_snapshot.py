@@ -9,6 +9,8 @@ returned), the checkpoint must hold them too, or the save must fail loudly: neve
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +60,16 @@ def _save_then_change(
     _step(model, opt, seed=1)
     config = dckpt.CheckpointConfig(root=Path(root), overlap_staging=overlap, timeout_s=60)
     outcome: dict[str, Any] = {"error": None}
+    gate = Path(root).parent / f"{Path(root).name}-copy-{rank}"
+    if overlap:  # the background copies wait until the change below was made (see the test)
+        os.environ["DCKPT_FAULT"] = f"phase=stage,action=wait,path={gate},seconds=300,step=1"
     with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
         before = _flat(model, opt)
         handle = mgr.save(1)
+        if how == "step":  # the optimizer's pre-hook holds this step until the copies are
+            threading.Timer(1.0, gate.touch).start()  # taken: they may not wait for it
         _change(model, opt, how)
+        gate.touch()
         changed = _flat(model, opt)
         assert any(not torch.equal(before[k], changed[k]) for k in before), "nothing changed"
         try:
@@ -98,17 +106,17 @@ def test_by_default_a_checkpoint_holds_the_state_of_save_time(
             assert r["wrong"] == [], f"{how}: changes made after save() reached the checkpoint"
 
 
-# With overlap, the copies are taken in the background; the fault makes them wait a second, so
-# the change below always lands before them. An optimizer step is held back by the pre-hook;
-# an in-place edit through the parameter or its local shard is caught by version counters.
+# With overlap, the copies are taken in the background; the fault makes them wait until the
+# change was made, so it always lands before them, however slow the machine. An optimizer step
+# is held back by the pre-hook (its copies wait a second instead: the step waits for them); an
+# in-place edit through the parameter or its local shard is caught by version counters.
 # (A write through .data bypasses every version counter: the documented limit of overlap.)
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_with_overlap_a_checkpoint_is_the_save_time_state_or_the_save_fails(
     tmp_path: Path, parallel: str
 ) -> None:
-    fault = {"DCKPT_FAULT": "phase=stage,action=sleep,seconds=1,step=1"}
     hows = ["step", "inplace", "local"]
-    results = run_world(_each_change, 2, str(tmp_path), parallel, hows, True, env=fault)
+    results = run_world(_each_change, 2, str(tmp_path), parallel, hows, True, timeout=300)
     from dckpt.root.layout import committed_steps
 
     for per_rank in results:

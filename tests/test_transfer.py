@@ -33,7 +33,14 @@ SIZE = (40 << 20) + 12345  # three chunks, the last one short
 
 
 def _exchange(
-    rank: int, world: int, base: str, digest: str | None, send: bool | str, size: int = SIZE
+    rank: int,
+    world: int,
+    base: str,
+    digest: str | None,
+    send: bool | str,
+    size: int = SIZE,
+    timeout_s: float = 30.0,
+    gap_s: float = 0.0,
 ) -> dict[str, Any]:
     import mmap
 
@@ -68,12 +75,12 @@ def _exchange(
                 works = []
                 for i, a in enumerate(range(0, size, CHUNK)):
                     works.append(dist.isend(buf[a : a + CHUNK], 1, group=comm.group, tag=i))
-                    time.sleep(2.8)
+                    time.sleep(gap_s)
                 del works, buf
             elif send:
                 move(comm, [Outgoing(mm, 1, size)], [], slots, timeout_s=60.0)
             else:  # alive, silent: past rank 1's deadline
-                time.sleep(6)
+                time.sleep(10)
         else:
             into = node / "replica" / "f.mem"
             got = move(
@@ -81,7 +88,7 @@ def _exchange(
                 [],
                 [Incoming(0, into, size, digest or right)],
                 slots,
-                timeout_s=3.0,
+                timeout_s=timeout_s,
             )
             out["error"] = got[0].error
             out["exists"] = into.exists()
@@ -132,17 +139,23 @@ def test_a_full_memory_takes_the_bytes_and_drops_them(tmp_path: Path) -> None:
 
 
 def test_a_sender_that_never_sends_is_given_up_on_within_the_deadline(tmp_path: Path) -> None:
-    results = run_world(_exchange, 2, str(tmp_path), None, False, expect_failure=True)
+    results = run_world(_exchange, 2, str(tmp_path), None, False, SIZE, 3.0, expect_failure=True)
     received = results[1]
     assert "rank(s) 0 did not reach the exchange within 3 s" in received["transfer_error"], received
-    assert received["seconds"] < 30, received
+    assert 3 <= received["seconds"] < 60, received  # its own deadline (a hang's bound above)
 
 
 def test_a_sender_that_trickles_is_given_up_on_at_the_exchanges_deadline(tmp_path: Path) -> None:
-    """Five chunks, 2.8 s apart: each chunk is in time (3 s each, timeout_s), the whole file
-    is not (3 s plus 1 s per chunk: 8 s, where the fourth chunk lands at 8.4 s)."""
+    """Five chunks, 5.5 s apart: each chunk is in time (8 s each, timeout_s), the whole file
+    is not (8 s plus 1 s per chunk: 13 s, where the fourth chunk is sent no sooner than
+    16.5 s). A chunk that came more than 8 s after the one before would have been the chunk's
+    deadline, and the error says which it was; a loaded machine can only make the chunks
+    later (a sleep is never shorter), never the whole file in time."""
     size = 5 * (16 << 20)
-    results = run_world(_exchange, 2, str(tmp_path), None, "trickle", size, expect_failure=True)
+    results = run_world(
+        _exchange, 2, str(tmp_path), None, "trickle", size, 8.0, 5.5, expect_failure=True
+    )
     received = results[1]
-    assert "the whole exchange that plus 1 s per 16 MiB chunk" in received["transfer_error"]
-    assert 7.5 < received["seconds"] < 8.4, received
+    assert "the whole exchange's deadline passed" in received["transfer_error"], received
+    assert "each chunk came within 8 s" in received["transfer_error"], received
+    assert received["seconds"] >= 13, received

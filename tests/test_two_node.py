@@ -60,7 +60,7 @@ STEPS, SAVE_EVERY = 60, 5
 KILL_AFTER = 15  # kill node B once a checkpoint at or past this step is committed
 TRAIN_ARGS = ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--d-model", "32"]
 START_TIMEOUT = 120.0  # torch imports on a loaded 2-core machine are slow
-LOST_PEER_TIMEOUT = 30.0  # node A must notice node B is gone within this (seen: ~1 s)
+LOST_PEER_TIMEOUT = 150.0  # node A notices node B is gone (seen: ~1 s alone; not a hang)
 RUN_TIMEOUT = 180.0
 
 
@@ -363,7 +363,10 @@ def test_a_node_that_loses_its_network_mid_save_ends(
     proc = cluster._script("link-down", "B")
     assert proc.returncode == 0, proc.stderr
     down = time.monotonic()
-    bound = 15.0 + 30.0
+    # Seen: 31 s and 36 s (the 30 s process-group timeout ends it); before the fix node B's
+    # agent was still alive after 400 s. The bound tells the two apart with room for a
+    # loaded machine.
+    bound = 120.0
     gone: dict[str, float] = {}
     while time.monotonic() - down < bound + 60 and len(gone) < 2:
         for node, ns in zip("AB", cluster.namespaces, strict=True):

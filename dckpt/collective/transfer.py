@@ -273,14 +273,20 @@ class _Deadline:
     end: float
 
     def wait(self, work: Any, what: str) -> None:
-        left = min(self.timeout_s, self.end - time.monotonic())
+        to_end = self.end - time.monotonic()
+        left = min(self.timeout_s, to_end)
         try:
             work.wait(datetime.timedelta(seconds=max(left, 0.001)))
         except RuntimeError as exc:
-            raise TransferError(
-                f"waiting for {what} failed (each chunk has {self.timeout_s:.0f} s, timeout_s; "
-                f"the whole exchange that plus 1 s per 16 MiB chunk): {str(exc)[:300]}"
-            ) from exc
+            # which of the two deadlines this wait had: a peer that went silent, or one that
+            # sends, too slowly for the whole exchange
+            which = (
+                "the whole exchange's deadline passed (timeout_s plus 1 s per 16 MiB chunk; "
+                f"each chunk came within {self.timeout_s:.0f} s)"
+                if to_end < self.timeout_s
+                else f"nothing came within {self.timeout_s:.0f} s (timeout_s, for each chunk)"
+            )
+            raise TransferError(f"waiting for {what} failed: {which}: {str(exc)[:300]}") from exc
 
 
 def _post(op: Any, chunk: torch.Tensor, peer: int, comm: Comm, tag: int, i: int) -> Any:

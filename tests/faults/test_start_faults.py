@@ -146,16 +146,15 @@ def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
         deadline = time.monotonic() + 120
         while not (root.exists() and committed_steps(root)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        t0 = time.monotonic()
-        second = torchrun_train(root, *args, timeout=120)
-        took = time.monotonic() - t0
+        # The first job never ends by itself: a refusal that comes while it still runs did
+        # not wait for the lock to be free (no bound on how fast this machine refuses; the
+        # timeout only ends a hang).
+        second = torchrun_train(root, *args, timeout=300)
         out = second.stdout + second.stderr
         if second.returncode == 0:
             why.append("the second job ran")
         if "lock" not in out.lower() or "pid" not in out:
             why.append(f"the second job's error does not name the owner: {out[-600:]}")
-        if took > 60:
-            why.append(f"the second job took {took:.0f} s to be refused")
         if first.poll() is not None:
             why.append("the first job did not survive the second one's attempt")
         else:

@@ -1,4 +1,6 @@
-"""A stuck write (fault 6): rank 1's shard write hangs (``action=sleep``) during a save.
+"""A stuck write (fault 6): rank 1's shard write hangs during a save (``action=wait``: until
+the test lets it go, after everything below was seen, so no step of it races the machine's
+speed).
 
 Expected: rank 0 gives up after ``timeout_s`` with an error naming rank 1; on rank 1 itself
 the watchdog fires after ``save_timeout_s`` and names the stuck rank and phase, the next
@@ -20,7 +22,7 @@ from fault_kit import Trials, build, capture, check, manager, resume_world, trai
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiproc]
 
-TIMEOUT_S, WATCHDOG_S, HANG_S = 4.0, 6.0, 10.0
+TIMEOUT_S, WATCHDOG_S = 10.0, 15.0
 
 
 def stuck_world(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -31,7 +33,10 @@ def stuck_world(rank: int, world: int, root: str) -> dict[str, Any]:
     train_step(model, opt, sched, 1, rank)
     mgr.save(1)
     mgr.wait()
-    os.environ["DCKPT_FAULT"] = f"phase=write_shards,rank=1,action=sleep,seconds={HANG_S},step=2"
+    release = Path(root).parent / "release"  # the stuck write waits for it (300 s at most)
+    os.environ["DCKPT_FAULT"] = (
+        f"phase=write_shards,rank=1,action=wait,path={release},seconds=300,step=2"
+    )
     train_step(model, opt, sched, 2, rank)
     t0 = time.monotonic()
     mgr.save(2)
@@ -46,7 +51,11 @@ def stuck_world(rank: int, world: int, root: str) -> dict[str, Any]:
         mgr.close()
         return out
     # No training step here: rank 0 has given up and left, so DDP's all-reduce would fail.
-    time.sleep(WATCHDOG_S + 2 - (time.monotonic() - t0))
+    # Until the watchdog has named the stuck write (bounded only to end a hang):
+    deadline = time.monotonic() + 300
+    while mgr._saver.stuck is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["watchdog_s"] = time.monotonic() - t0
     t1 = time.monotonic()
     for key, step in (("next_save", 3), ("after", 4)):
         try:
@@ -56,6 +65,7 @@ def stuck_world(rank: int, world: int, root: str) -> dict[str, Any]:
             out[key] = f"{type(exc).__name__}: {exc}"
         if key == "next_save":
             out["next_save_s"] = time.monotonic() - t1
+    release.touch()  # the write is still held here: neither save waited for it
     mgr.close()
     return out
 
@@ -64,16 +74,20 @@ def test_a_stuck_write_is_named_by_the_watchdog_and_the_next_save_raises(
     tmp_path: Path, fault_trials: Trials
 ) -> None:
     root = tmp_path / "root"
-    out = run_world(stuck_world, 2, str(root), timeout=120)
+    out = run_world(stuck_world, 2, str(root), timeout=600)
     why: list[str] = []
     r0, r1 = out
     if "rank(s) 1 did not complete writing shards" not in r0["wait"]:
         why.append(f"rank 0 does not name rank 1: {r0['wait']!r}")
-    if r0["wait_s"] > TIMEOUT_S * 3 + 5:
+    # The write is held until rank 1 saw the rest: the bounds below end a hang, they do not
+    # time the machine (rank 0's wait is timeout_s and the watchdog save_timeout_s, alone).
+    if not TIMEOUT_S <= r0["wait_s"] < TIMEOUT_S * 3 + 60:
         why.append(f"rank 0 waited {r0['wait_s']:.1f} s (timeout_s={TIMEOUT_S})")
+    if not WATCHDOG_S <= r1["watchdog_s"] < WATCHDOG_S * 3 + 60:
+        why.append(f"rank 1's watchdog fired after {r1['watchdog_s']:.1f} s ({WATCHDOG_S} s)")
     if not ("is stuck" in r1["next_save"] and "rank(s) 1" in r1["next_save"]):
         why.append(f"rank 1's next save did not report the stuck write: {r1['next_save']!r}")
-    if r1["next_save_s"] > 1.0:
+    if r1["next_save_s"] > 30:
         why.append(f"rank 1's next save took {r1['next_save_s']:.1f} s to raise")
     if not r1["after"].startswith("WorldError"):
         why.append(f"rank 1's save after that was not refused: {r1['after']!r}")
@@ -105,24 +119,30 @@ def test_a_save_declared_stuck_never_lands_later(
 
     model = torch.nn.Linear(8, 8)
     state = dckpt.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    config = dckpt.CheckpointConfig(root=tmp_path, timeout_s=1.0, save_timeout_s=2.0)
-    monkeypatch.setenv("DCKPT_FAULT", "phase=fsync_shards,action=sleep,seconds=4,step=2")
+    root = tmp_path / "root"
+    config = dckpt.CheckpointConfig(root=root, timeout_s=2.0, save_timeout_s=5.0)
+    wake = tmp_path / "wake"  # held until the watchdog has spoken, whatever the machine's speed
+    monkeypatch.setenv(
+        "DCKPT_FAULT", f"phase=fsync_shards,action=wait,path={wake},seconds=300,step=2"
+    )
     mgr = dckpt.CheckpointManager(config, state)
     mgr.save(1).result()
     handle = mgr.save(2)
     with pytest.raises(dckpt.SaveError, match="is stuck"):
-        handle.result(timeout=10)  # the watchdog fails the handle after 2 s
+        handle.result(timeout=300)  # the watchdog fails the handle after 5 s
     thread = mgr._saver._thread._thread
     assert thread is not None
-    thread.join(10)  # the stuck write wakes up and reaches the commit point
-    why = [] if committed_steps(tmp_path) == [1] else [f"committed {committed_steps(tmp_path)}"]
-    if list(tmp_path.glob("*.tmp-*")):
+    wake.touch()
+    thread.join(300)  # the stuck write wakes up and reaches the commit point
+    assert not thread.is_alive()
+    why = [] if committed_steps(root) == [1] else [f"committed {committed_steps(root)}"]
+    if list(root.glob("*.tmp-*")):
         why.append("the abandoned save's tmp dir was left behind")
     with pytest.raises(dckpt.SaveError, match="is stuck"):
         mgr.close()  # the latched error is raised once more by close(), as documented
-    if not (tmp_path / ".dckpt-lock").exists():
+    if not (root / ".dckpt-lock").exists():
         why.append("close() released the lock while a write of its own was stuck")
-    outcome = check(tmp_path, capture(tmp_path))
+    outcome = check(root, capture(root))
     fault_trials.record_check(
         "stuck write (watchdog)", "rank 0 stuck before its commit rename", outcome,
         detail="; ".join(why),
