@@ -467,6 +467,85 @@ MUTANTS = (
         "            pass",
         (f"{IN}::test_a_file_system_that_refuses_o_direct_after_creating_the_file_still_gets_it",),
     ),
+    # Issue 45: eight bugs a blind reviewer wrote that no test caught, each the other variant
+    # of a rule that was tested one way only (and one bug the sweep over dtypes found).
+    Mutant(
+        "replay: the newest committed step's journal is pruned while a save is in flight",
+        "dckpt/load/replay.py",
+        "self._writer.prune(committed)",
+        "self._writer.prune(step)",
+        (
+            "tests/test_replay.py::test_the_newest_committed_step_s_journal_outlives_the_save_in_flight",
+        ),
+    ),
+    Mutant(
+        "memory: a memory step resumed from becomes the durable anchor of later memory saves",
+        "dckpt/tiers/memory_commit.py",
+        '        if manifest.mesh.get("tier") == "memory":\n'
+        '            after = manifest.mesh.get("after")\n'
+        "            self.anchor = after if isinstance(after, int) else None\n"
+        "        else:\n"
+        "            self.anchor = manifest.step",
+        "        self.anchor = manifest.step",
+        (f"{ML}::test_a_run_resumed_from_a_memory_step_saves_memory_steps_a_resume_can_use",),
+    ),
+    Mutant(
+        "plan cache: a plain tensor cast to another dtype keeps the cached plan",
+        "dckpt/save/plan_cache.py",
+        '            "tensor",\n            tuple(value.shape),\n            str(value.dtype),',
+        '            "tensor",\n            tuple(value.shape),',
+        (f"{PC}::test_the_plan_is_reused_only_while_no_rank_changed_its_layout",),
+    ),
+    Mutant(
+        "value checks: NaN and Inf in bf16 and fp16 are not looked for",
+        "dckpt/save/value_checks.py",
+        "_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)",
+        "_FLOATS = (torch.float32, torch.float64)",
+        (
+            "tests/test_value_checks.py::test_a_nan_weight_fails_its_save_and_latest_keeps_the_finite_step",
+        ),
+    ),
+    Mutant(
+        "value checks: a float8 NaN is counted on the float8 tensor (torch cannot: unchecked)",
+        "dckpt/save/value_checks.py",
+        "counted = floats if t.dtype in _FLOAT8 else t",
+        "counted = t",
+        (
+            "tests/test_value_checks.py::test_every_floating_dtype_has_its_nan_and_inf_found_and_a_finite_tensor_passes",
+        ),
+    ),
+    Mutant(
+        "preemption: the final save's deadline leaves out the time since the first signal",
+        "dckpt/preemption.py",
+        "since = max(0.0, time.time() - self._first_signal) if self._first_signal else 0.0",
+        "since = 0.0",
+        (f"{PR}::test_the_ranks_agree_on_the_step_and_a_missed_deadline_raises",),
+    ),
+    Mutant(
+        "s3: a check that only hashes takes one flipped read as the object's digest",
+        "dckpt/tiers/s3_store.py",
+        "return got if got == want else self.digest(key, size, algorithm, progress)",
+        "return got",
+        (
+            "tests/test_s3_wire.py::test_a_flipped_read_is_read_again_and_only_a_flip_on_every_read_is_damage",
+        ),
+    ),
+    Mutant(
+        "s3: the commit checks that each object exists, not its size",
+        "dckpt/tiers/object_commit.py",
+        "            if size != record.bytes:\n                raise IntegrityError(",
+        "            if size is None:\n                raise IntegrityError(",
+        (f"{S3}::test_the_commit_refuses_when_an_uploaded_object_is_gone_or_cut_short",),
+    ),
+    Mutant(
+        "data: the sampler's epoch is not restored",
+        "dckpt/train/data.py",
+        'self.set_position(int(state["epoch"]), int(state["batches_done"]))',
+        'self.set_position(0, int(state["batches_done"]))',
+        (
+            "tests/test_resume_api.py::test_a_restored_sampler_goes_on_with_the_epoch_and_the_batch_it_stopped_at",
+        ),
+    ),
 )
 
 
@@ -478,6 +557,23 @@ def _from_file(path: Path) -> tuple[Mutant, ...]:
         Mutant(r["name"], r["path"], r["old"], r["new"], mutant_draw.MODULE_TESTS[r["path"]])
         for r in rows
     )
+
+
+def _stamp() -> dict[str, str]:
+    """Which code a score is of (the commit, ``+`` when the checkout had changes) and when it
+    was made: the test run's summary shows the newest score beside the fault table."""
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    return {
+        "commit": (head or "unknown") + ("+" if dirty else ""),
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def _copy_repo(dst: Path) -> None:
@@ -631,7 +727,8 @@ def _score(
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"modules": per_module, "rows": rows}, indent=1) + "\n")
+        report = {"kind": "drawn", **_stamp(), "modules": per_module, "rows": rows}
+        out.write_text(json.dumps(report, indent=1) + "\n")
         out.with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
     return 0
 
@@ -697,7 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{killed} of {len(rows)} mutants killed")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        report = {"kind": "probes", **_stamp(), "rows": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if killed == len(rows) else 1
 
 

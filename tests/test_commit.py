@@ -516,3 +516,31 @@ def test_a_cancelled_save_never_lands_new_or_replacing(tmp_path: Path, resave: b
     assert committed_steps(tmp_path) == ([4] if resave else [])
     if resave:
         assert (tmp_path / "step-00000004" / "__0_0.distcp").read_bytes() == b"committed"
+
+
+@pytest.mark.parametrize("resave", [False, True], ids=["new step", "re-save"])
+def test_a_commit_rename_that_failed_and_did_not_happen_is_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resave: bool
+) -> None:
+    # An answered error is looked at (a lost reply may hide a rename that happened), and only
+    # the very manifest of this save under the final name says it landed: a re-save's final
+    # name holds the committed copy's manifest, which must not pass for this save's.
+    import errno
+
+    import dckpt.root.commit
+
+    if resave:
+        commit(tmp_path, 4, b"committed")
+
+    def refused(*args: object) -> bool:
+        raise OSError(errno.EIO, "Input/output error (the rename did not happen)")
+
+    monkeypatch.setattr(dckpt.root.commit, "exchange", refused)
+    monkeypatch.setattr(dckpt.root.commit.os, "rename", refused)
+    tmp = stage(tmp_path, 4, b"new")
+    with pytest.raises(OSError, match="did not happen"):
+        RenameCommit().finalize(tmp_path, tmp, 4)
+    monkeypatch.undo()
+    assert committed_steps(tmp_path) == ([4] if resave else [])
+    if resave:
+        assert (tmp_path / "step-00000004" / "__0_0.distcp").read_bytes() == b"committed"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -42,25 +43,58 @@ def _bump(net: torch.nn.Module) -> None:
             p.add_(1.0)
 
 
+def _branch_then_crash(rank: int, world: int, root: str, memory: str) -> None:
+    mgr, net = _manager(Path(root), Path(memory))
+    mgr.save(2).result()
+    _bump(net)
+    mgr.save(5, tier="memory").result()  # follows durable 2
+    mgr.load(2)  # the run goes back to step 2 ...
+    _bump(net)
+    mgr.save(4).result()  # ... and on from there: durable 4, below memory 5
+    os._exit(0)  # a crash: no close(), so memory step 5's bytes stay in the node's memory
+
+
 def test_a_memory_step_of_a_branch_the_run_left_is_not_resumed(tmp_path: Path) -> None:
+    from dist_harness import run_world
+
     root, memory = tmp_path / "ckpt", tmp_path / "mem"
-    mgr, net = _manager(root, memory)
-    with mgr:
-        mgr.save(2).result()
-        _bump(net)
-        mgr.save(5, tier="memory").result()  # follows durable 2
-        mgr.load(2)  # the run goes back to step 2 ...
-        _bump(net)
-        mgr.save(4).result()  # ... and on from there: durable 4, below memory 5
-        want = {k: v.clone() for k, v in net.state_dict().items()}
+    [crashed] = run_world(_branch_then_crash, 1, str(root), str(memory), expect_failure=True)
+    assert "produced no result (exit code 0)" in crashed
     assert json.loads((root / "memory" / "step-00000005.json").read_text())["mesh"]["after"] == 2
+    assert any(memory.rglob("*.mem")), "the crash should have left memory step 5's file"
     mgr, net = _manager(root, memory)
+    want = {k: v + 1.0 for k, v in net.state_dict().items()}  # step 4: step 2, bumped once
     with mgr:
         report = mgr.resume()
     assert report.step == 4, report.format()
     assert all(torch.equal(want[k], v) for k, v in net.state_dict().items())
     note = next(w for w in report.warnings if w.startswith("memory tier: step 5 not used"))
     assert "it follows durable step 2, but the newest durable step at or before it is 4" in note
+
+
+def test_a_run_resumed_from_a_memory_step_saves_memory_steps_a_resume_can_use(
+    tmp_path: Path,
+) -> None:
+    # Resumed from memory step 5 (which follows durable 2), the run's next memory save follows
+    # durable 2 as well: 5 is no durable anchor, and a record naming it would be refused.
+    root, memory = tmp_path / "ckpt", tmp_path / "mem"
+    mgr, net = _manager(root, memory)
+    with mgr:
+        mgr.save(2).result()
+        _bump(net)
+        mgr.save(5, tier="memory").result()
+    mgr, net = _manager(root, memory)
+    with mgr:
+        assert mgr.resume().step == 5
+        _bump(net)
+        mgr.save(7, tier="memory").result()
+        want = {k: v.clone() for k, v in net.state_dict().items()}
+    assert json.loads((root / "memory" / "step-00000007.json").read_text())["mesh"]["after"] == 2
+    mgr, net = _manager(root, memory)
+    with mgr:
+        report = mgr.resume()
+    assert report.step == 7 and not report.warnings, report.format()
+    assert all(torch.equal(want[k], v) for k, v in net.state_dict().items())
 
 
 def test_a_memory_save_below_the_newest_removes_the_branch_above_it(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """DCP's save plan is reused only while every rank's layout is unchanged (dckpt.save.plan_cache).
 
-Two gloo ranks save a state holding a sharded DTensor six times in one manager. An unchanged
-layout reuses the plan (the manifest's ``plan_cached`` timing says so); a dtype change, a new
-key, a changed sharding, and a new key on one rank alone each re-plan on every rank, and the
+Two gloo ranks save a state holding a sharded DTensor ten times in one manager. An unchanged
+layout reuses the plan (the manifest's ``plan_cached`` timing says so); a dtype change (of the
+DTensor, then of plain tensors: a model cast to float64, a tensor to bf16), a new key, a
+changed sharding, and a new key on one rank alone each re-plan on every rank, and the
 committed ``.metadata`` records the new layout (the dtype above all: DCP's own plan comparison
 ignores it, so a cache keyed as DCP keys it would commit the old one). Every step verifies and
 the re-sharded step loads back bit for bit.
@@ -58,7 +59,7 @@ def _saves(rank: int, world: int, root: str) -> dict[str, Any]:
     holder = Holder()
     model = torch.nn.Linear(2, 2)
     state = dckpt.TrainState(model, extra={"h": holder})
-    config = dckpt.CheckpointConfig(root=Path(root), async_save=False, timeout_s=60, keep_last=10)
+    config = dckpt.CheckpointConfig(root=Path(root), async_save=False, timeout_s=60, keep_last=12)
     out: dict[str, Any] = {"meta": {}}
     with dckpt.CheckpointManager(config, state) as mgr:
         mgr.save(1)  # the first save plans
@@ -74,14 +75,21 @@ def _saves(rank: int, world: int, root: str) -> dict[str, Any]:
             holder.sd["only_on_1"] = torch.ones(2)
         mgr.save(7)  # one rank's new key re-plans on both
         mgr.save(8)
+        holder.sd["v"] = holder.sd["v"].to(torch.bfloat16)  # plain tensors cast: a model's ...
+        model.to(torch.float64)  # ... parameters, or a buffer
+        mgr.save(9)
+        mgr.save(10)
         key = mgr._durable.plans.key
         out["held_open"] = _held(key)
     out["held_closed"] = _held(key)  # DCP's class-level caches let go at close
-    for step in range(1, 9):
+    for step in range(1, 11):
         md = FileSystemReader(str(Path(root) / step_dir_name(step))).read_metadata()
         w = md.state_dict_metadata["extra.h.w"]
+        v = md.state_dict_metadata.get("extra.h.v")
         out["meta"][step] = {
             "dtype": str(w.properties.dtype),  # type: ignore[union-attr]
+            "v": str(v.properties.dtype) if v is not None else None,  # type: ignore[union-attr]
+            "weight": str(md.state_dict_metadata["model.weight"].properties.dtype),  # type: ignore[union-attr]
             "offsets": sorted(tuple(c.offsets) for c in w.chunks),  # type: ignore[union-attr]
             "keys": sorted(k for k in md.state_dict_metadata if k.startswith("extra.h.")),
         }
@@ -101,16 +109,20 @@ def _saves(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_the_plan_is_reused_only_while_no_rank_changed_its_layout(tmp_path: Path) -> None:
     results = run_world(_saves, 2, str(tmp_path), timeout=180)
     cached = {
-        s: read_manifest(tmp_path / step_dir_name(s)).timings["plan_cached"] for s in range(1, 9)
+        s: read_manifest(tmp_path / step_dir_name(s)).timings["plan_cached"] for s in range(1, 11)
     }
-    assert cached == {1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: 1.0, 7: 0.0, 8: 1.0}, cached
+    want = {1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0, 5: 0.0, 6: 1.0, 7: 0.0, 8: 1.0, 9: 0.0, 10: 1.0}
+    assert cached == want, cached
     assert all(read_manifest(tmp_path / step_dir_name(s)).timings["plan_s"] > 0 for s in cached)
     meta = results[0]["meta"]
-    assert [meta[s]["dtype"] for s in range(1, 9)] == ["torch.float32"] * 2 + ["torch.float64"] * 6
+    assert [meta[s]["dtype"] for s in range(1, 11)] == ["torch.float32"] * 2 + ["torch.float64"] * 8
+    # plain tensors, as DTensors: the metadata holds the dtype they were saved in
+    assert [meta[s]["v"] for s in (8, 9, 10)] == ["torch.float32"] + ["torch.bfloat16"] * 2
+    assert [meta[s]["weight"] for s in (8, 9, 10)] == ["torch.float32"] + ["torch.float64"] * 2
     assert meta[2]["offsets"] == [(0, 0), (2, 0)] and meta[5]["offsets"] == [(0, 0), (0, 3)]
     assert meta[3]["keys"] == ["extra.h.w"] and meta[4]["keys"] == ["extra.h.v", "extra.h.w"]
     assert "extra.h.only_on_1" in meta[7]["keys"] and "extra.h.only_on_1" in meta[8]["keys"]
-    for s in range(1, 9):
+    for s in range(1, 11):
         assert verify_checkpoint(tmp_path / step_dir_name(s)).ok
     assert all(r["w_back"] and r["v_back"] for r in results), results
     assert all(r["held_open"] for r in results) and not any(r["held_closed"] for r in results)

@@ -110,6 +110,64 @@ def test_journal_is_capped_and_pruned_below_the_newest_committed_step(tmp_path: 
     writer.close()
 
 
+def test_the_newest_committed_step_s_journal_outlives_the_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Step 3 is committed and step 6's save is still in flight: a crash now resumes from 3, so
+    # 3's journal must still be there to compare with (step 1's may go).
+    import shutil
+    import threading
+
+    from dckpt.collective import progress
+    from dckpt.phases import Phase
+
+    held, go = threading.Event(), threading.Event()
+    real = progress.fault_point
+
+    def hold_step_6(phase: Phase | str, rank: int, step: int | None = None) -> bool:
+        if phase == Phase.MAKE_TMP and step == 6:
+            held.set()
+            assert go.wait(300), "the test never let step 6's save go on"
+        return real(phase, rank, step)
+
+    monkeypatch.setattr(progress, "fault_point", hold_step_6)
+    root, crashed = tmp_path / "ckpt", tmp_path / "crashed"
+
+    def manager() -> dckpt.CheckpointManager:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        state = dckpt.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return dckpt.CheckpointManager(dckpt.CheckpointConfig(root=root, lock=False), state)
+
+    losses = {2: 0.5, 3: 0.25, 4: 0.125, 5: 0.0625}
+    with manager() as mgr:
+        mgr.save(1).result()
+        for step in (2, 3):
+            mgr.observe(losses[step])
+        mgr.save(3).result()
+        for step in (4, 5):
+            mgr.observe(losses[step])
+        in_flight = mgr.save(6)
+        try:
+            assert held.wait(300) and not in_flight.done()
+            assert read_journal(root, 1) is None  # below the newest committed step: pruned
+            journal = read_journal(root, 3)
+            assert journal is not None and [s for s, _ in journal.entries] == [4, 5]
+            shutil.copytree(root, crashed)  # what a crash right now leaves
+        finally:
+            go.set()  # a failed check must not leave close() waiting on the held save
+        in_flight.result()
+    root = crashed
+    with manager() as mgr:
+        report = mgr.resume()
+        assert report.step == 3, report.format()
+        assert "steps 4..5 of the run that stopped to compare (exact)" in report.format()
+        with caplog.at_level(logging.INFO, logger="dckpt"):
+            for step in (4, 5):
+                mgr.observe(losses[step])
+    assert "[ok  ] replay: steps 4..5 identical to the run that stopped" in caplog.text
+
+
 def _journal_of(root: Path, losses: list[float]) -> None:
     """The run after ``save(4)``: its losses as steps 5, 6, ..."""
     run = Replay(rank=0, root=root, mode="exact", rtol=0.0, run_id="r")

@@ -4,6 +4,7 @@ collective, the loss watch, config comparison, the data sampler and the RNG."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -129,20 +130,25 @@ def test_fallback_false_raises_and_quarantines_nothing(tmp_path: Path) -> None:
 
 def _warmup_hang(rank: int, world: int, root: str) -> str:
     model, opt, _s, _d = _fsdp_setup(rank, world)
-    config = dckpt.CheckpointConfig(root=Path(root), timeout_s=4)
+    config = dckpt.CheckpointConfig(root=Path(root), timeout_s=8)
     mgr = dckpt.CheckpointManager(config, dckpt.TrainState(model, opt))
     try:
         mgr.resume()
     except dckpt.WorldError as exc:
         return str(exc)
+    finally:
+        if rank == 0:  # rank 1 waits at the warmup until rank 0 has its answer
+            (Path(root).parent / "answered").touch()
     return "no error"
 
 
 @pytest.mark.multiproc
 def test_a_rank_that_hangs_in_the_warmup_collective_is_named(tmp_path: Path) -> None:
-    run_world(_save_two, 2, str(tmp_path))
-    fault = {"DCKPT_FAULT": "phase=warmup,rank=1,action=sleep,seconds=12"}
-    results = run_world(_warmup_hang, 2, str(tmp_path), env=fault, timeout=120)
+    root = tmp_path / "ckpt"
+    run_world(_save_two, 2, str(root))
+    gate = tmp_path / "answered"
+    fault = {"DCKPT_FAULT": f"phase=warmup,rank=1,action=wait,path={gate},seconds=300"}
+    results = run_world(_warmup_hang, 2, str(root), env=fault, timeout=300)
     assert "rank(s) 1 did not join" in results[0], results[0]
 
 
@@ -265,6 +271,56 @@ def test_config_comparison_and_diff() -> None:
         check_config(saved, now, allowed, "step-1")
     now["model"]["width"] = 64  # type: ignore[index]
     assert [c.key for c in check_config(saved, now, allowed, "step-1")] == ["new", "save_every"]
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 3])
+def test_a_restored_sampler_goes_on_with_the_epoch_and_the_batch_it_stopped_at(epoch: int) -> None:
+    # Each epoch has its own order: a restore that kept the batch but not the epoch would
+    # replay epoch 0's order after any later epoch (and look right in epoch 0).
+    per_epoch = 5
+    stop = epoch * per_epoch + 2  # two batches into `epoch`
+    original = dckpt.GlobalBatchSampler(60, 12, rank=1, world_size=2, seed=7)
+    it = iter(original)
+    taken = 0
+    while taken < stop:
+        try:
+            next(it)
+            taken += 1
+        except StopIteration:
+            it = iter(original)
+    assert (original.epoch, original.batches_done) == (epoch, 2)
+    saved = original.state_dict()
+    want = list(it) + list(iter(original))  # the rest of `epoch`, then the next one whole
+    restored = dckpt.GlobalBatchSampler(60, 12, rank=1, world_size=2, seed=7)
+    restored.load_state_dict(saved)
+    assert (restored.epoch, restored.batches_done) == (epoch, 2)
+    assert len(restored) == per_epoch and restored.remaining == per_epoch - 2
+    got = list(iter(restored)) + list(iter(restored))
+    assert got == want
+    if epoch:
+        fresh = dckpt.GlobalBatchSampler(60, 12, rank=1, world_size=2, seed=7)
+        assert list(iter(fresh))[2:] != want[: per_epoch - 2]  # epoch 0's order differs
+
+
+@pytest.mark.parametrize(
+    ("changed", "said"),
+    [
+        ({"seed": 8}, "seed was 7 when saved and is 8 now"),
+        ({"dataset_len": 72}, "dataset_len was 60 when saved and is 72 now"),
+        ({"shuffle": False}, "shuffle was True when saved and is False now"),
+        ({"global_batch_size": 6}, "global_batch_size was 12 when saved and is 6 now"),
+    ],
+)
+def test_a_sampler_whose_data_order_would_differ_refuses_its_state(
+    changed: dict[str, Any], said: str
+) -> None:
+    saved = dckpt.GlobalBatchSampler(60, 12, seed=7)
+    next(iter(saved))
+    args: dict[str, Any] = {"dataset_len": 60, "global_batch_size": 12, "seed": 7, **changed}
+    other = dckpt.GlobalBatchSampler(**args)
+    with pytest.raises(dckpt.StateMismatchError, match=re.escape(said)):
+        other.load_state_dict(saved.state_dict())
+    assert (other.epoch, other.batches_done) == (0, 0)  # nothing taken from the refused state
 
 
 def test_global_batch_sampler_is_world_size_independent() -> None:

@@ -320,9 +320,29 @@ def test_throttling_and_dropped_connections_are_retried_and_a_failing_store_fail
         loaded = run_world(_resume, 2, root, str(tmp_path / "load2"), env=env)
         assert [r[0] for r in loaded] == [1, 1]
         assert not [k for k in s3.keys(bucket, "p/step-00000002/")]  # removed at the start
+
+        # The manifest's PUT applied, every answer lost (503 on the way back): the step IS
+        # committed, and the save says so instead of failing (it reads the manifest back).
+        lost: list[str] = []
+
+        def applied_then_lost(method: str, path: str, status: int, body: bytes) -> Any:
+            if method == "PUT" and "step-00000003/manifest.json" in path and status == 200:
+                lost.append(path)
+                return 503, b"<Error><Code>SlowDown</Code><Message>reduce</Message></Error>"
+            return body
+
+        proxy.mangle = applied_then_lost
+        run_world(_save_steps, 2, root, str(tmp_path / "s3"), [3], env=env)
+        proxy.mangle = None
+        assert lost, "the manifest PUT was never answered wrongly: nothing was tested"
+        assert "p/step-00000003/manifest.json" in s3.keys(bucket, "p/")
+        loaded = run_world(_resume, 2, root, str(tmp_path / "load3"), env=env)
+        assert [r[0] for r in loaded] == [3, 3], loaded
         fault_trials.record("s3: 503 SlowDown and dropped connections", "retried", survived=True)
         fault_trials.record("s3: 503 SlowDown and dropped connections", "manifest PUT refused",
                             survived=True)  # fmt: skip
+        fault_trials.record("s3: 503 SlowDown and dropped connections",
+                            "manifest PUT applied, answer lost", survived=True)  # fmt: skip
     finally:
         proxy.close()
 
@@ -392,13 +412,10 @@ def test_damage_found_only_in_the_mirror_is_not_blamed_on_the_bucket(
     assert source.digest_remote(3, "__0_0.distcp").startswith("xxh3_128:")
 
 
-def _save_while_an_object_vanishes(rank: int, world: int, root: str, mirror: str) -> str:
-    return _save_expecting_failure(rank, world, root, mirror, 1)
-
-
 @pytest.mark.faults
-def test_the_commit_refuses_when_an_uploaded_object_is_gone(
-    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, fault_trials: Any
+@pytest.mark.parametrize("change", ["deleted", "truncated"])
+def test_the_commit_refuses_when_an_uploaded_object_is_gone_or_cut_short(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, fault_trials: Any, change: str
 ) -> None:
     import threading
     import time
@@ -406,25 +423,39 @@ def test_the_commit_refuses_when_an_uploaded_object_is_gone(
     bucket = s3.bucket()
     root = f"s3://{bucket}/gone"
     key = "gone/step-00000001/__1_0.distcp"
+    go = tmp_path / "go"
+    sizes: dict[str, int] = {}
 
-    def delete_when_uploaded() -> None:  # while rank 0 sleeps right before the commit point
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "gone/step-00000001/.metadata" not in s3.keys(
-            bucket, "gone/"
-        ):
-            time.sleep(0.05)
-        s3.client().delete_object(Bucket=bucket, Key=key)
+    def change_when_uploaded() -> None:  # while rank 0 waits right before the commit point
+        deadline = time.monotonic() + 300  # a hang's bound only: the save waits for `go`
+        try:
+            while time.monotonic() < deadline and "gone/step-00000001/.metadata" not in s3.keys(
+                bucket, "gone/"
+            ):
+                time.sleep(0.05)
+            client = s3.client()
+            if change == "deleted":
+                client.delete_object(Bucket=bucket, Key=key)
+            else:  # a shorter object under the same key: it exists, at the wrong size
+                body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+                client.put_object(Bucket=bucket, Key=key, Body=body[:-1])
+                sizes["uploaded"], sizes["now"] = len(body), len(body) - 1
+        finally:
+            go.touch()
 
-    thread = threading.Thread(target=delete_when_uploaded, daemon=True)
+    thread = threading.Thread(target=change_when_uploaded, daemon=True)
     thread.start()
-    env = {**s3_env, "DCKPT_FAULT": "phase=rename,rank=0,action=sleep,seconds=3"}
-    errors = run_world(_save_while_an_object_vanishes, 2, root, str(tmp_path), env=env)
-    thread.join(timeout=5)
+    env = {**s3_env, "DCKPT_FAULT": f"phase=rename,rank=0,action=wait,path={go},seconds=300"}
+    errors = run_world(_save_expecting_failure, 2, root, str(tmp_path), 1, env=env, timeout=360)
+    thread.join(timeout=60)
+    found = "got no object" if change == "deleted" else f"got {sizes['now']} bytes"
     for error in errors:
-        assert "an uploaded object is gone or changed before the commit" in error
-        assert f"s3://{bucket}/{key}" in error
+        assert "an uploaded object is gone or changed before the commit" in error, error
+        assert f"s3://{bucket}/{key}" in error and found in error, error
     assert "gone/step-00000001/manifest.json" not in s3.keys(bucket)
-    fault_trials.record("s3: an uploaded object deleted before the commit", "rank 0", survived=True)
+    fault_trials.record(
+        f"s3: an uploaded object {change} before the commit", "rank 0", survived=True
+    )
 
 
 def test_a_lock_taken_away_is_noticed_before_the_next_commit(

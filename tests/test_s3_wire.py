@@ -5,9 +5,10 @@
   its ``//`` (what ``pathlib.Path("s3://...")`` makes of it) is refused, never turned into a
   local directory;
 - one bit flipped in one answer is read again, not called damage: for a ranged download (no
-  checksum covers it, the digest finds it) and for a whole-object GET (botocore's own
-  checksum finds it); the same flip on every read is damage, named; reads damaged each
-  differently, or failing botocore's checksum every time, are the way's fault (StorageError);
+  checksum covers it, the digest finds it; a download and a check that only hashes alike)
+  and for a whole-object GET (botocore's own checksum finds it); the same flip on every read
+  is damage, named; reads damaged each differently, or failing botocore's checksum every
+  time, are the way's fault (StorageError);
 - a body longer than the range asked for is refused after one span of reading; a listing
   that repeats its continuation token stops at the second page;
 - a 2-rank resume whose shard is flipped in its first GET (one GET per shard, and 5 MiB
@@ -129,6 +130,11 @@ def test_a_flipped_read_is_read_again_and_only_a_flip_on_every_read_is_damage(
     proxy.mangle = _flip_first(lambda m, p, b: m == "GET" and "run/shard" in p and len(b) == PART)
     assert store.download_verified("run/shard", dest, size, want) == 2
     assert len(proxy.mangle.flipped) == 1 and dest.read_bytes() == src.read_bytes()
+    # The same for a check that only hashes (`dckpt verify`, the bucket's look before a
+    # quarantine, an object no rank read): the second reading is the answer.
+    proxy.mangle = _flip_first(lambda m, p, b: m == "GET" and "run/shard" in p and len(b) == PART)
+    assert store.check("run/shard", size, want) == want
+    assert len(proxy.mangle.flipped) == 1
     # Flipped on every read: the object is damaged, said so, and nothing is left behind.
     proxy.mangle = _flip_first(lambda m, p, b: m == "GET" and len(b) == PART, times=10**6)
     with pytest.raises(

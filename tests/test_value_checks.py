@@ -95,13 +95,20 @@ def test_replicas_that_differ_fail_the_save_on_every_rank_and_commit_nothing(
     assert sorted(holders.values()) == [[0], [1]]
 
 
-def test_a_nan_weight_fails_its_save_and_latest_keeps_the_finite_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_nan_weight_fails_its_save_and_latest_keeps_the_finite_step(
+    tmp_path: Path, dtype: torch.dtype, asynchronous: bool
+) -> None:
+    # bf16 is the default precision, fp16 the scaler's: a model kept in either is checked as
+    # an fp32 one is; a synchronous save (a preemption's final one) checks the live tensors,
+    # an asynchronous one its staged copies
     import dckpt
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = dckpt.CheckpointConfig(root=tmp_path, keep_last=2)
+    config = dckpt.CheckpointConfig(root=tmp_path, keep_last=2, async_save=asynchronous)
     with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
         mgr.save(1).result()
         with torch.no_grad():
@@ -109,8 +116,10 @@ def test_a_nan_weight_fails_its_save_and_latest_keeps_the_finite_step(tmp_path: 
             model[0].bias[0] = float("-inf")
         with pytest.raises(dckpt.SaveError) as raised:
             mgr.save(2).result()
-        with pytest.raises(dckpt.SaveError):
-            mgr.wait()  # latched for the next call, raised once
+        if asynchronous:
+            with pytest.raises(dckpt.SaveError):
+                mgr.wait()  # a background failure is latched for the next call, raised once
+        mgr.wait()  # then nothing more (a synchronous save raised it in save() itself)
     said = str(raised.value)
     assert "model.1.weight on rank 0: 1 NaN, 0 Inf of 64 values" in said
     assert "model.0.bias on rank 0: 0 NaN, 1 Inf of 16 values" in said
@@ -172,17 +181,19 @@ def test_non_tensor_values_are_saved_as_they_were_at_save_time(
     import dckpt
 
     # The background is held before it writes a byte, until the loop has changed the values.
-    monkeypatch.setenv("DCKPT_FAULT", "phase=make_tmp,action=sleep,seconds=1,step=1")
+    go = tmp_path / "go"
+    monkeypatch.setenv("DCKPT_FAULT", f"phase=make_tmp,action=wait,path={go},seconds=300,step=1")
     model = nn.Linear(4, 2)
     counter = _Counter()
     state = dckpt.TrainState(model, extra={"counter": counter})
-    config = dckpt.CheckpointConfig(root=tmp_path, async_save=True)
+    config = dckpt.CheckpointConfig(root=tmp_path / "ckpt", async_save=True)
     with dckpt.CheckpointManager(config, state) as mgr:
         handle = mgr.save(1)
         assert not handle.done()
         counter.state["seen"].append(4)
         counter.state["meta"]["epoch"] = 2
         counter.state["count"] = 4
+        go.touch()
         handle.result()
         counter.state = {"seen": [9], "meta": {"epoch": 9}, "count": 9}  # a load fills these keys
         mgr.load()
@@ -294,6 +305,41 @@ def test_equal_non_tensor_values_give_one_digest_whatever_their_pickle() -> None
         for seed in ("1", "2", "3")
     }
     assert len(seen) == 1
+
+
+_FLOAT_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+@pytest.mark.parametrize("dtype", _FLOAT_DTYPES, ids=str)
+def test_every_floating_dtype_has_its_nan_and_inf_found_and_a_finite_tensor_passes(
+    dtype: torch.dtype,
+) -> None:
+    from dckpt.save.value_checks import Inspection
+
+    values = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+    if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        values = {"nan": float("nan")}  # no infinity in these: an Inf becomes their NaN
+    checks = Inspection(replicas=False, finite=True)
+    for what, bad in values.items():
+        t = torch.linspace(-2, 2, 16).to(dtype)
+        t[5] = bad
+        checks.host(what, t, replica=None, finite=True)
+    checks.host("finite", torch.linspace(-2, 2, 16).to(dtype), replica=None, finite=True)
+    checks.host("integers", torch.arange(16), replica=None, finite=True)  # no NaN to have
+    found = checks.findings()
+    assert set(found.nonfinite) == set(values) and found.unchecked == (), found
+    assert found.nonfinite["nan"] == "1 NaN, 0 Inf of 16 values", found
 
 
 def test_float8_complex_and_misaligned_views_are_checked() -> None:

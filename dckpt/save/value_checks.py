@@ -261,8 +261,11 @@ class Inspection:
         if floats is not None:
             lo, hi = _range(floats).tolist()
             if not _finite((lo, hi)):
-                nan = int(torch.isnan(t).sum())
-                inf = int(torch.isinf(t).sum())
+                # counted on the widened copy for float8 (torch has no isinf for most float8
+                # kinds: counting on ``t`` raised, and the NaN went unrefused as "unchecked")
+                counted = floats if t.dtype in _FLOAT8 else t
+                nan = int(torch.isnan(counted).sum())
+                inf = int(torch.isinf(counted).sum())
                 self._nonfinite[name] = f"{nan} NaN, {inf} Inf of {t.numel()} values"
 
     def _device(self, name: str, t: torch.Tensor, *, replica: str | None, finite: bool) -> None:

@@ -10,6 +10,8 @@ prefix on moto's S3 server. A new kind of root is added to ``KINDS`` and must pa
 - a damaged byte is named by ``verify``; a resume quarantines its step only once the store
   itself proves the damage (a damaged local copy of an object store's step is fetched again,
   never quarantined) and falls back to the step before;
+- a rollback (a save below the newest step) sets the branch it left aside, so a resume
+  follows the run as it goes on;
 - retention never deletes the newest or a pinned step;
 - the run lock refuses a second job while the first holds it, and frees on release.
 
@@ -205,6 +207,27 @@ def test_a_damaged_local_copy_is_not_proof_and_quarantines_nothing(kind: Kind) -
         assert mgr.resume().step == 1
     assert all(torch.equal(weights[1][k], v) for k, v in net.state_dict().items())
     assert not [e for e in kind.root().entries() if e.status == "quarantined"]
+
+
+def test_a_rollback_sets_the_abandoned_newer_steps_aside(kind: Kind) -> None:
+    # The run goes back to step 1 and saves step 2 again, below its step 3: 3 is of the
+    # branch it left, and a resume must not pick it (it goes to quarantine, superseded).
+    _saved(kind, [1, 2, 3])
+    net = _net()
+    with kind.manager(net) as mgr:
+        mgr.load(1)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(-1.0)
+        mgr.save(2).result()
+        want = {k: v.clone() for k, v in net.state_dict().items()}
+    root = kind.root()
+    assert root.committed_steps() == [1, 2]
+    assert [e.step for e in root.entries() if e.status == "quarantined"] == [3]
+    net = _net()
+    with kind.manager(net) as mgr:
+        assert mgr.resume().step == 2
+    assert all(torch.equal(want[k], v) for k, v in net.state_dict().items())
 
 
 def test_retention_never_deletes_the_newest_or_a_pinned_step(kind: Kind) -> None:
