@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -172,6 +173,10 @@ _SKIPPED: list[tuple[str, str]] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == _TRIAL_PROPERTY:
+                _TRIALS.append(SimpleNamespace(**value))
     if report.skipped:
         longrepr = report.longrepr
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
@@ -207,20 +212,59 @@ def _report_skips(tr: Any) -> None:
 
 # --- the fault-injection suite's table (make faults) ------------------------------------------
 
-_FAULT_TRIALS = pytest.StashKey[list[Any]]()
+_TRIALS: list[Any] = []
+"""Every trial reported in this process (the controller's, under pytest-xdist)."""
+
+
+_TRIAL_PROPERTY = "dckpt_fault_trial"
 
 
 @pytest.fixture
-def fault_trials(request: pytest.FixtureRequest) -> Any:
-    """Record each trial of a fault for the table printed at the end of the run."""
+def fault_trials(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Record each trial of a fault for the table printed at the end of the run. The trials
+    travel on the test's report (its user properties), so the table is whole when pytest-xdist
+    runs the test in a worker process."""
     from fault_kit import Trials
 
-    return Trials(request.config.stash.setdefault(_FAULT_TRIALS, []))
+    sink: list[Any] = []
+    yield Trials(sink)
+    for trial in sink:
+        request.node.user_properties.append((_TRIAL_PROPERTY, dict(trial.__dict__)))
+
+
+def _report_mutants(tr: Any) -> None:
+    """The newest mutation scores (``make mutants``, ``make probes``: they take their own
+    budget, so they are not part of this run), shown beside the fault table with the commit
+    each was made on."""
+    tr.section("dckpt mutation score")
+    found = False
+    for name, what in (("mutants.json", "make mutants (drawn)"), ("mutation.json", "make probes")):
+        path = REPO / "build" / name
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        rows = report.get("rows", []) if isinstance(report, dict) else report
+        run = [r for r in rows if r.get("verdict") in ("killed", "SURVIVED")]
+        killed = sum(r["verdict"] == "killed" for r in run)
+        if not run:
+            continue
+        found = True
+        meta = report if isinstance(report, dict) else {}
+        tr.write_line(
+            f"{what}: {killed} of {len(run)} killed ({killed / len(run):.0%}), "
+            f"{meta.get('finished', 'date unknown')} on {meta.get('commit', 'an unknown commit')} "
+            f"({path.relative_to(REPO)})"
+        )
+    if not found:
+        tr.write_line(
+            "no score in build/: `make mutants` (MUTANTS_BUDGET_MIN=40) and `make probes` write one"
+        )
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     _report_skips(terminalreporter)
-    trials = config.stash.get(_FAULT_TRIALS, [])
+    trials = _TRIALS
     if not trials:
         return
     rows: dict[str, list[int]] = {}
@@ -240,6 +284,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for t in trials:
         if not t.survived or t.lost:
             tr.write_line(f"FAILED TRIAL {t.fault} / {t.case}: {t.detail}")
+    _report_mutants(tr)
     out = os.environ.get("DCKPT_FAULTS_JSON")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
