@@ -16,6 +16,7 @@ process of that rank fire the action when it reaches that phase (of that step, i
   there (a broken collective backend at ``warmup``, a rank that read different bytes at
   ``verify``), so the checks that compare ranks are tested against a rank that is wrong.
 
+Several specs separated by ``;`` each fire at their own point (a test that holds a run twice).
 Unset, it costs one cached lookup per phase. Phases (dckpt.phases.Phase), in save order:
 
 - on every rank: ``prepare`` (state dict taken, in ``save()``), ``make_tmp`` (background, before
@@ -91,10 +92,14 @@ class _Spec:
 
 
 @functools.lru_cache(maxsize=1)
-def _spec(raw: str | None) -> _Spec | None:
-    if not raw:
-        return None
-    fields = dict(part.split("=", 1) for part in raw.split(",") if "=" in part)
+def _specs(raw: str | None) -> tuple[_Spec, ...]:
+    """The faults of ``DCKPT_FAULT``: one spec, or several separated by ``;`` (a test that
+    holds a run at two points)."""
+    return tuple(_spec(part, raw) for part in (raw or "").split(";") if part.strip())
+
+
+def _spec(part: str, raw: str | None) -> _Spec:
+    fields = dict(p.split("=", 1) for p in part.strip().split(",") if "=" in p)
     phase, action = fields.get("phase", ""), fields.get("action", "raise")
     if phase not in PHASES or action not in ACTIONS:
         raise ValueError(
@@ -124,13 +129,18 @@ def process_rank() -> int:
 def fault_point(phase: Phase | str, rank: int, step: int | None = None) -> bool:
     """Fire the configured fault if this is its phase, rank and step; otherwise nothing.
     Returns True only for ``corrupt``: the caller then falsifies its own result."""
-    spec = _spec(os.environ.get("DCKPT_FAULT"))
-    if spec is None or spec.phase != (phase.value if isinstance(phase, Phase) else phase):
-        return False
-    if (spec.rank is not None and spec.rank != rank) or (
-        spec.step is not None and spec.step != step
-    ):
-        return False
+    name = phase.value if isinstance(phase, Phase) else phase
+    for spec in _specs(os.environ.get("DCKPT_FAULT")):
+        if (
+            spec.phase == name
+            and (spec.rank is None or spec.rank == rank)
+            and (spec.step is None or spec.step == step)
+        ):
+            return _fire(spec, phase, rank)
+    return False
+
+
+def _fire(spec: _Spec, phase: Phase | str, rank: int) -> bool:
     if spec.action == "corrupt":
         return True
     where = f"injected fault at phase {phase} on rank {rank}"

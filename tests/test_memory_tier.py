@@ -597,7 +597,18 @@ def size_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SizeRuns]:
         steps = str(BOUND_SAVES + 1)
         args = ["--steps", steps, "--memory-every", "1", "--save-every", "1000"]
         bound_args = [*args, "--memory-dir", str(bound)]
-        bound_job = Job(tmp / "ckpt-bound", bound_args, tmp / "bound-out", nodes=(0,))
+        # The job holds at the copy of step 2 and of step 51 until the test has measured the
+        # memory it holds then (a machine too busy to poll in time would otherwise see the
+        # run end first).
+        gates = (tmp / "measured-one", tmp / "measured-fifty")
+        holds = ";".join(
+            f"phase=memory_copy,rank=0,step={s},action=wait,path={g},seconds=600"
+            for s, g in zip((2, 51), gates, strict=True)
+        )
+        bound_job = Job(
+            tmp / "ckpt-bound", bound_args, tmp / "bound-out", nodes=(0,),
+            env={"DCKPT_FAULT": holds},
+        )  # fmt: skip
         # The stale-memory case: a run killed after two memory saves, then the same command
         # on a deleted root.
         stale_memory = tmp / "stale-mem"
@@ -613,23 +624,21 @@ def size_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SizeRuns]:
             stale_job.start()
             node = bound / "node-0"
             first = own_dir(node) / step_dir_name(1) / "rank-00000.mem"
-            reserved = node / "spare" / "rank-00000.mem@reserved"
             size = 0
 
             def first_save_done() -> bool:
-                # Its spare reserved in full; or the second save began (saves run one after
-                # another, so the first one, reserve included, finished).
+                # Held at step 2's copy: step 2's file was claimed (the spare save 1
+                # reserved, so save 1 finished, reserve included) beside step 1's file.
                 nonlocal size
                 try:
                     size = first.stat().st_size
-                    if reserved.stat().st_blocks * 512 >= size:
-                        return True
+                    return size > 0 and any((own_dir(node) / step_dir_name(2)).iterdir())
                 except OSError:
-                    pass
-                return size > 0 and 2 in _held(own_dir(node), "rank-00000.mem")
+                    return False
 
             _wait_until(first_save_done, bound_job.procs, "the first memory save", bound_job.text)
             after_one = used()
+            gates[0].touch()
             assert stale_job.wait() == [-9], stale_job.text()  # killed itself at step 3
             # save(2) waited for save(1); save(2)'s own commit may not have landed
             assert _recorded(stale_job.root) in ([1], [1, 2]), stale_job.text()
@@ -637,7 +646,8 @@ def size_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SizeRuns]:
             again.start()  # beside the bound job's saves
             fiftieth = bound_job.root / "memory" / f"{step_dir_name(50)}.json"
             _wait_until(fiftieth.exists, bound_job.procs, "the 50th memory save", bound_job.text)
-            after_fifty = used()  # ten memory saves follow, then one to the root
+            after_fifty = used()  # held at the next memory save's copy, as after_one was
+            gates[1].touch()
             yield SizeRuns(
                 full_job, full, bound_job, bound, again, stale_memory, used, size, after_one,
                 after_fifty,
