@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -87,6 +88,36 @@ def dir_bytes(path: Path) -> tuple[int, int]:
     """Total size and number of the files under ``path`` (or of ``path``, a file)."""
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     return sum(p.stat().st_size for p in files), len(files)
+
+
+class PeakRss:
+    """The largest resident set size of this process while the block runs, above its size
+    before (``extra_mib``), sampled every 5 ms by a thread."""
+
+    def __init__(self) -> None:
+        self.extra_mib = 0.0
+        self._stop = threading.Event()
+        self._before = self._peak = 0
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self._peak = max(self._peak, self._rss())
+
+    def __enter__(self) -> PeakRss:
+        self._before = self._peak = self._rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._rss())
+        self.extra_mib = (self._peak - self._before) / (1 << 20)
 
 
 def evict(path: Path) -> None:

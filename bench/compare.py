@@ -61,12 +61,16 @@ Figures, each the slowest rank's, median over the rounds:
   the host may still cache them): ``torch_load`` = ``torch.load(weights_only=True)`` of the
   ``torch_save`` file on every rank, copied into the live model and optimizer tensors;
   ``dcp_load`` = ``dcp.load`` + ``set_state_dict`` of the ``dckpt_async`` checkpoint (same
-  files); ``dckpt_load_verified`` = ``manager.load()`` of it (every file hashed and checked).
+  files); ``dckpt_load_verified`` = ``manager.load()`` of it (every file hashed and checked);
+  ``disk_read`` = the same files read by each rank (its own shard files), front to back in
+  8 MiB reads, into one buffer: the disk's raw sequential read of what the loads read. Each
+  load's peak RSS above the RSS before it is sampled (rank 0, every 5 ms).
 
 How to read it. Seconds across runs on a shared machine mean little; the ratios inside one run
 are the result, and the targets are ratios: dckpt_async stall <= 0.1 x dcp_save and <= 0.3 x
 dcp_async_process stall; dckpt_async throughput >= 0.8 x disk; digests (dcp_save_hashing vs
-dcp_save) <= +5 %; dckpt_load_verified <= 1.25 x dcp_load. Each is printed PASS/FAIL per world
+dcp_save) <= +5 %; dckpt_load_verified <= 1.0 x dcp_load, its throughput >= 0.8 x disk_read's,
+its peak RSS <= dcp_load's + 64 MiB. Each is printed PASS/FAIL per world
 size and size from the ratio of the medians, with two more estimates beside it: *paired*, the
 median of the per-round ratios (drift over the run cancels), and *best*, the ratio of the
 minima (interference from the rest of the machine only adds time, so a minimum is the closest
@@ -127,7 +131,7 @@ METHODS = (
 DIGEST = "dcp_save_hashing"
 BASELINE = "no_save"
 SAVES = (*METHODS, DIGEST)
-LOADS = ("torch_load", "dcp_load", "dckpt_load_verified")
+LOADS = ("torch_load", "dcp_load", "dckpt_load_verified", "disk_read")
 FIELDS = ("stall_s", "call_s", "wait_s", "compute_s", "step_s", "staged_s", "commit_s")
 TORCH_FILE = "state.pt"
 MATMUL = 384  # the compute loop multiplies MATMUL x MATMUL fp32 matrices
@@ -137,7 +141,9 @@ STALL_VS_DCP_SAVE = 0.1
 STALL_VS_PROCESS = 0.3
 DISK_FRACTION = 0.8
 DIGEST_PCT = 5.0
-LOAD_VS_DCP = 1.25
+LOAD_VS_DCP = 1.0
+LOAD_VS_DISK = 0.8
+LOAD_RSS_OVER_DCP_MIB = 64.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -425,12 +431,25 @@ class Methods:
     def dckpt_load(self, _path: Path) -> None:
         self.mgr_async.load()
 
+    def disk_read(self, path: Path) -> None:
+        """Each rank reads its own shard files whole, sequentially: the disk's own rate for
+        what a load reads."""
+        buf = bytearray(8 << 20)
+        for f in sorted(path.glob(f"__{self.ranks.rank}_*.distcp")):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                while os.readv(fd, [buf]) > 0:
+                    pass
+            finally:
+                os.close(fd)
+
     def loader(self, name: str) -> Callable[[Path], None]:
         """The load method called ``name`` in the results."""
         return {
             "torch_load": self.load_torch_file,
             "dcp_load": self.dcp_load,
             "dckpt_load_verified": self.dckpt_load,
+            "disk_read": self.disk_read,
         }[name]
 
 
@@ -503,9 +522,11 @@ def _run_size(
 
     def cold_load(name: str, path: Path) -> None:
         ranks.on_rank0(partial(h.evict, path))
-        seconds = ranks.timed(partial(methods.loader(name), path))
+        with h.PeakRss() as rss:
+            seconds = ranks.timed(partial(methods.loader(name), path))
         record(name, seconds)
-        ranks.say(f"  {name:<20} load {seconds:7.3f} s (cold)")
+        out.seconds.setdefault(f"{name}:rss_mib", []).append(rss.extra_mib)
+        ranks.say(f"  {name:<20} load {seconds:7.3f} s (cold), peak RSS +{rss.extra_mib:.0f} MiB")
 
     units = ["disk_1proc", "disk_nproc", "cpu_hash", BASELINE, *SAVES]
     if ranks.world_size == 1:
@@ -533,8 +554,9 @@ def _run_size(
                 if unit == "torch_save":
                     cold_load("torch_load", path)
                 elif unit == "dckpt_async":
-                    loads = list(LOADS[1:]) if rnd % 2 == 0 else list(reversed(LOADS[1:]))
-                    for name in loads:
+                    pair = ["dcp_load", "dckpt_load_verified"]
+                    loads = pair if rnd % 2 == 0 else pair[::-1]
+                    for name in [*loads, "disk_read"]:
                         cold_load(name, path)
             ranks.cleanup(path)
     methods.close()
@@ -572,6 +594,12 @@ def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
         h.median([x / y for x, y in zip(a, b, strict=True)]),
         min(a) / min(b),
     )
+
+
+def _difference(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """a - b: of the medians, the median of the paired differences, of the minima."""
+    paired = [x - y for x, y in zip(a, b, strict=True)]
+    return h.median(a) - h.median(b), h.median(paired), min(a) - min(b)
 
 
 def _series(out: SizeOutput, method: str, key: str) -> list[float]:
@@ -628,6 +656,20 @@ def _targets(out: SizeOutput, where: dict[str, Any], disk_bw: float) -> list[dic
             _ratio(out.seconds["dckpt_load_verified"], out.seconds["dcp_load"]),
             "<=",
             LOAD_VS_DCP,
+        ),
+        (
+            "dckpt_load_verified throughput / disk_read's (cold)",
+            _ratio(out.seconds["disk_read"], out.seconds["dckpt_load_verified"]),
+            ">=",
+            LOAD_VS_DISK,
+        ),
+        (
+            "dckpt_load_verified peak RSS - dcp_load's (MiB, rank 0)",
+            _difference(
+                out.seconds["dckpt_load_verified:rss_mib"], out.seconds["dcp_load:rss_mib"]
+            ),
+            "<=",
+            LOAD_RSS_OVER_DCP_MIB,
         ),
     ]
     targets = []
@@ -714,6 +756,7 @@ def summarize(outs: list[SizeOutput], cfg: Config, run: h.Run, name: str) -> dic
                     "checkpoint_bytes": nbytes,
                     "throughput_gbps": round(nbytes / load_med[n] / h.GB, 4),
                     "vs_dcp_load": round(load_med[n] / load_med["dcp_load"], 4),
+                    "peak_rss_extra_mib": round(h.median(out.seconds[f"{n}:rss_mib"]), 1),
                     "cache": h.COLD_CACHE,
                 }
             )
@@ -786,13 +829,14 @@ def render(doc: dict[str, Any]) -> str:
         f"Loads ({h.COLD_CACHE}; torch_load reads the torch_save file, dcp_load and "
         "dckpt_load_verified the dckpt_async checkpoint):",
         "",
-        "| ws | GB | method | load s | GB/s | vs dcp_load |",
-        "|---:|---:|---|---:|---:|---:|",
+        "| ws | GB | method | load s | GB/s | vs dcp_load | peak RSS + MiB (rank 0) |",
+        "|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in doc["loads"]:
         lines.append(
             f"| {r['world_size']} | {r['size_gb']:g} | {r['method']} | {r['load_s']:.3f} "
-            f"| {r['throughput_gbps']:.3f} | {r['vs_dcp_load']:.2f} |"
+            f"| {r['throughput_gbps']:.3f} | {r['vs_dcp_load']:.2f} "
+            f"| {r.get('peak_rss_extra_mib', float('nan')):.0f} |"
         )
     lines += [
         "",

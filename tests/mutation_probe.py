@@ -43,6 +43,7 @@ PC = "tests/test_plan_cache.py"
 PR = "tests/test_preemption.py"
 RS = "tests/test_resume_share.py"
 IN = "tests/test_incremental.py"
+OP = "tests/test_one_pass.py"
 
 
 @dataclass(frozen=True)
@@ -545,6 +546,37 @@ MUTANTS = (
         (
             "tests/test_resume_api.py::test_a_restored_sampler_goes_on_with_the_epoch_and_the_batch_it_stopped_at",
         ),
+    ),
+    # Issue 43: a verified file read once, its tensors filled before the digest is known.
+    Mutant(
+        "one pass: a value is applied before its file is proven",
+        "dckpt/storage/one_pass.py",
+        "            return lambda: planner.load_bytes(item, io.BytesIO(data))",
+        "            planner.load_bytes(item, io.BytesIO(data))\n            return lambda: None",
+        (f"{OP}::test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value",),
+    ),
+    Mutant(
+        "one pass: the file's digest is not compared",
+        "dckpt/storage/one_pass.py",
+        "        if actual != self.record.digest:\n            raise IntegrityError(",
+        "        if False:\n            raise IntegrityError(",
+        (f"{OP}::test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value",),
+    ),
+    Mutant(
+        "one pass: bytes read straight into a tensor are not hashed",
+        "dckpt/storage/one_pass.py",
+        "                self.hasher.update(view)",
+        "                if into is None:\n                    self.hasher.update(view)",
+        (f"{OP}::test_each_dtype_is_read_once_into_its_tensor_bit_for_bit",),
+    ),
+    Mutant(
+        "one pass: an item that failed to deserialize is reported before the digest's verdict",
+        "dckpt/storage/one_pass.py",
+        "                except Exception as exc:  # judged once the digest is known\n"
+        "                    broken = exc",
+        "                except Exception as exc:  # judged once the digest is known\n"
+        "                    raise",
+        (f"{OP}::test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value",),
     ),
 )
 

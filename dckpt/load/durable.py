@@ -172,6 +172,11 @@ class DurableReader:
             files_verified=files_verified,
             seconds=time.perf_counter() - t0,
             manifest=manifest,
+            times={
+                "read": reader.times.read_wait_s,
+                "hash": reader.times.hash_s,
+                "fill": reader.times.fill_s,
+            },
         )
 
     def _planned(

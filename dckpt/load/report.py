@@ -28,6 +28,9 @@ class LoadResult:
     files_verified: int
     seconds: float
     manifest: Manifest
+    times: dict[str, float] = field(default_factory=dict)
+    """Where this rank's reading went (``read`` waiting on the storage, ``hash``, ``fill``
+    deserializing and copying), when the reader measured it."""
 
 
 @dataclass(frozen=True)

@@ -328,13 +328,14 @@ class Resumer:
         if self.rank == 0:
             log.info(
                 "dckpt: loaded step %d | %s | %d of %d files verified (%s), ranks agree | "
-                "%.3f s | %s/s | %s",
+                "%.3f s%s | %s/s | %s",
                 result.step,
                 human_bytes(result.bytes),
                 result.files_verified,
                 len(result.manifest.files),
                 result.manifest.digest_algorithm,
                 result.seconds,
+                "".join(f", {k} {v:.3f} s" for k, v in result.times.items()),
                 human_bytes(result.bytes / max(result.seconds, 1e-9)),
                 result.path,
             )
@@ -420,6 +421,7 @@ class Resumer:
             report.check("warmup all-reduce", True, self._agree_on_warmup(mine))
         report.timings = {
             "load_and_verify": t_loaded - t0,
+            **result.times,  # of it, rank 0's reading: the rest is checks and agreements
             "warmup": time.perf_counter() - t_loaded,
             "total": time.perf_counter() - t0,
         }

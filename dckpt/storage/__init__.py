@@ -1,7 +1,9 @@
 """Storage layer: hashing DCP writer, verifying DCP reader, digests. Knows nothing of policy.
 
 Modules: ``digest`` (hashers, no torch), ``records`` (FileRecord), ``hashing_writer``,
-``verifying_reader`` and ``safe_unpickle`` (DCP glue). Names below are imported on first use,
+``verifying_reader`` with ``one_pass`` (a verified file read once into the state),
+``verified_files``, ``item_digests``, ``safe_unpickle`` (DCP glue), ``direct_file``,
+``stable_file``, ``memory_file``, ``sink``. Names below are imported on first use,
 so importing this package (as the CLI does) does not import torch.
 """
 
