@@ -61,6 +61,10 @@ class CheckpointConfig:
             the watchdog declares it stuck (a hung write, a dead rank): it logs which rank and
             phase, and the next ``save()`` raises. None: ``4 * timeout_s + 30``.
         io_threads: writer threads per rank (DCP's ``thread_count``); one file per thread.
+        read_threads: reads in flight per file at a load (8 MiB each): a disk's bandwidth
+            needs a deep queue. A load's memory beyond the state it fills is these buffers,
+            64 MiB of small items held until their file is proven, and a large item that
+            cannot be read straight into its tensor (a resharded load, a GPU tensor).
         direct_io: write shard files with ``O_DIRECT`` where the file system allows it
             (buffered where it refuses it): no page-cache copy, a fraction of the CPU a
             buffered write takes from the training steps. The price: a load right after a
@@ -165,6 +169,7 @@ class CheckpointConfig:
     timeout_s: float = 600.0
     save_timeout_s: float | None = None
     io_threads: int = 1
+    read_threads: int = 4
     direct_io: bool = True
     incremental: bool = True
     incremental_copies: int = 2
@@ -310,3 +315,5 @@ class CheckpointConfig:
             )
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")
+        if not 1 <= self.read_threads <= 64:
+            raise ValueError(f"read_threads must be in [1, 64], got {self.read_threads}")

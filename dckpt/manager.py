@@ -240,7 +240,13 @@ class CheckpointManager:
             ResumeTier(
                 "root",
                 source,
-                DurableReader(ctl=self._ctl, source=source, state=state, checks=checks),
+                DurableReader(
+                    ctl=self._ctl,
+                    source=source,
+                    state=state,
+                    checks=checks,
+                    read_threads=config.read_threads,
+                ),
             )
         ]
         self._memory: tuple[MemoryRoute, MemorySource] | None = None

@@ -188,13 +188,20 @@ def test_a_tensor_it_cannot_fill_in_place_is_read_the_ordinary_way(tmp_path: Pat
     assert reader.times.bytes_read == sum(f.bytes for f in data)
 
 
-def test_a_model_resumes_through_the_manager_bit_for_bit(tmp_path: Path) -> None:
+def test_read_threads_is_a_setting_with_bounds(tmp_path: Path) -> None:
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="read_threads"):
+            dckpt.CheckpointConfig(root=tmp_path, read_threads=bad)
+
+
+@pytest.mark.parametrize("read_threads", [1, 4])
+def test_a_model_resumes_through_the_manager_bit_for_bit(tmp_path: Path, read_threads: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512), nn.LayerNorm(512), nn.Linear(512, 8))
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(3, 512)).sum().backward()
     opt.step()
-    cfg = dckpt.CheckpointConfig(root=tmp_path / "ckpt", lock=False)
+    cfg = dckpt.CheckpointConfig(root=tmp_path / "ckpt", lock=False, read_threads=read_threads)
     with dckpt.CheckpointManager(cfg, dckpt.TrainState(model, opt)) as mgr:
         mgr.save(1).result()
     want = {k: v.clone() for k, v in model.state_dict().items()}

@@ -53,7 +53,7 @@ from ..root.manifest import (
 from ..root.source import CheckpointSource, Fetched
 from ..storage.safe_unpickle import public_version, torch_release
 from ..storage.verified_files import open_verified
-from ..storage.verifying_reader import VerifyingReader
+from ..storage.verifying_reader import READ_THREADS, VerifyingReader
 from ..train.precision import PrecisionPolicy, check_scaler
 from ..train.state import TrainState
 from ..units import plural
@@ -200,6 +200,7 @@ def read_candidate(
     step: int,
     report: CandidateReport,
     files: frozenset[str] | None = None,
+    read_threads: int = READ_THREADS,
 ) -> tuple[Manifest, VerifyingReader]:
     """The manifest (schema, safe paths, self-digest), the layout (regular files of the
     recorded sizes) and the verified ``.metadata``, on every rank; any rank's failure is
@@ -244,7 +245,10 @@ def read_candidate(
             if files is None
             else None
         )
-        reader = VerifyingReader(path, manifest.file_map(), versions=manifest.versions, owned=owned)
+        reader = VerifyingReader(
+            path, manifest.file_map(), versions=manifest.versions, owned=owned,
+            read_threads=read_threads,
+        )  # fmt: skip
         reader.load_metadata()
         if manifest.step != step:
             raise ManifestError(

@@ -40,7 +40,7 @@ from ..root.manifest import Manifest
 from ..root.source import CheckpointSource
 from ..storage.records import METADATA_FILE
 from ..storage.safe_unpickle import incompatible_torch
-from ..storage.verifying_reader import SafeLoadPlanner, VerifyingReader
+from ..storage.verifying_reader import READ_THREADS, SafeLoadPlanner, VerifyingReader
 from ..train import rng
 from ..train.state import TrainState
 from ..units import human_bytes, plural
@@ -60,11 +60,14 @@ class DurableReader:
         source: CheckpointSource,
         state: TrainState,
         checks: checks.CandidateChecks,
+        read_threads: int = READ_THREADS,
     ) -> None:
         self.ctl = ctl
         self.source = source
         self.state = state
         self.checks = checks
+        self.read_threads = read_threads
+        """Reads in flight per file (``CheckpointConfig.read_threads``)."""
         self.rank, self.world_size = ctl.rank, ctl.world_size
 
     def survey(self) -> list[str]:
@@ -80,7 +83,9 @@ class DurableReader:
         mark(f"fetching step {step}")
         checks.fetch_candidate(self.ctl, self.source, step, None if first else report, first)
         mark(f"reading step {step}'s manifest, layout and metadata")
-        manifest, reader = checks.read_candidate(self.ctl, path, step, report, first)
+        manifest, reader = checks.read_candidate(
+            self.ctl, path, step, report, first, read_threads=self.read_threads
+        )
         checks.agree_on_manifest(self.ctl, manifest, path, report)
         mark(f"checking step {step}'s config and state")
         self.checks.run(manifest, report, with_config=with_config)
