@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
@@ -452,9 +452,16 @@ class StagingSavePlanner(DefaultSavePlanner):
         # (``slim_return``), and the one DCP's plan cache keeps must stay whole.
         return plans, dataclasses.replace(metadata)
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        # DCP's current signature: with ``*args`` DCP warned on every rank and passed the
+        # coordinator flag positionally, where the base class takes ``storage_meta``.
         self._planning_from = time.perf_counter()
-        super().set_up_planner(*args, **kwargs)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
