@@ -543,7 +543,9 @@ class CheckpointManager:
 
         No fallback and no config check: that is ``resume()``. Raises CheckpointNotFoundError
         when there is nothing to load, ManifestError or IntegrityError when the checkpoint must
-        not be trusted (nothing is loaded silently).
+        not be trusted (nothing is loaded silently). A file is read once, its large tensors
+        filled as its bytes arrive: a load that fails part way may leave some of them holding
+        the refused file's bytes (the error says so): load a checkpoint again before training.
         """
         self._check_open()
         self.wait()

@@ -570,6 +570,20 @@ MUTANTS = (
         (f"{OP}::test_each_dtype_is_read_once_into_its_tensor_bit_for_bit",),
     ),
     Mutant(
+        "one pass: small tensors are filled before their file is proven",
+        "dckpt/storage/one_pass.py",
+        "            if self._held_bytes + length <= HELD_BUDGET:  # deserialized once proven",
+        "            if False:",
+        (f"{OP}::test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value",),
+    ),
+    Mutant(
+        "one pass: an error after a tensor was filled does not say the state holds its bytes",
+        "dckpt/storage/one_pass.py",
+        '        return f"{what} ({PARTLY_FILLED[:-1]})" if self.filled else what',
+        "        return what",
+        (f"{OP}::test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value",),
+    ),
+    Mutant(
         "one pass: an item that failed to deserialize is reported before the digest's verdict",
         "dckpt/storage/one_pass.py",
         "                except Exception as exc:  # judged once the digest is known\n"

@@ -6,6 +6,8 @@ state bit for bit."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import dckpt
-from dckpt.errors import IntegrityError, unwrap_dcp_error
+from dckpt.errors import IntegrityError, StorageError, unwrap_dcp_error
 from dckpt.root.manifest import read_manifest
 from dckpt.storage import one_pass
 from dckpt.storage.verifying_reader import SafeLoadPlanner, VerifyingReader
@@ -134,10 +136,24 @@ def _flip(path: Path, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x10]))
 
 
-@pytest.mark.parametrize("where", ["big tensor", "small tensor", "value", "archive header", "end"])
+def _record_at(path: Path, offset: int, length: int, record: str) -> int:
+    """Where ``record`` of the torch.save archive at ``offset`` starts in the file."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        archive = torch._C.PyTorchFileReader(io.BytesIO(f.read(length)))
+    return offset + int(archive.get_record_offset(record))
+
+
+FLIPS = ["big tensor", "small tensor", "value", "archive header", "end"]
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["small items held", "budget spent"])
+@pytest.mark.parametrize("where", FLIPS)
 def test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value(
-    tmp_path: Path, where: str
+    tmp_path: Path, where: str, held: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if not held:  # past the budget a small item is filled as it comes, bounded first
+        monkeypatch.setattr(one_pass, "HELD_BUDGET", 0)
     saved = _state(torch.float32, 5)
     step_dir = _save(tmp_path / "ckpt", saved, 1)
     good = _save(tmp_path / "good", _state(torch.float32, 9), 1)
@@ -148,29 +164,61 @@ def test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value(
         for idx, info in meta.storage_data.items()
     }
     name, offset, length = {
-        "big tensor": spans["extra.holder.big"],
         "small tensor": spans["extra.holder.small"],
         "value": spans["extra.holder.steps.count"],
     }.get(where, spans["extra.holder.big"])
-    at = {
-        "big tensor": offset + length // 2,
-        "archive header": offset + 3,  # the zip header placing the tensor is read unproven
-        "end": (step_dir / name).stat().st_size - 1,
-    }.get(where, offset + length - 30)
-    _flip(step_dir / name, at)
+    path = step_dir / name
+    if where == "small tensor":  # inside its stored bytes
+        at = _record_at(path, offset, length, "data/0") + 7
+    elif where == "value":  # inside its pickle
+        at = _record_at(path, offset, length, "data.pkl") + 5
+    else:
+        at = {
+            "big tensor": offset + length // 2,
+            "archive header": offset + 3,  # the zip header placing the tensor, read unproven
+            "end": path.stat().st_size - 1,
+        }[where]
+    _flip(path, at)
     into = _targets(torch.float32)
     with pytest.raises(IntegrityError) as failed:
         _load(step_dir, into)
     assert name in str(failed.value)
-    # a value of the failed file was never applied
-    assert into["extra"]["holder"]["steps"] == {"count": -1, "name": "unset"}
+    holder = into["extra"]["holder"]
+    # a value of the failed file was never applied, nor a held small tensor
+    assert holder["steps"] == {"count": -1, "name": "unset"}
+    if held:
+        assert not holder["small"].any(), "a small tensor was filled from an unproven file"
+    if where != "archive header":  # the big tensor went straight in: the error says so
+        assert "hold some of this file's bytes" in str(failed.value), str(failed.value)
     # the state, partly overwritten by the failed file's bytes, is whole again after the
     # next checkpoint loads (what a resume's fallback does)
     _load(good, into)
     want = _state(torch.float32, 9)
     for key in ("big", "small"):
-        assert torch.equal(into["extra"]["holder"][key], want[key]), key
-    assert into["extra"]["holder"]["steps"] == want["steps"]
+        assert torch.equal(holder[key], want[key]), key
+    assert holder["steps"] == want["steps"]
+
+
+def test_a_read_the_storage_fails_part_way_is_a_storage_error_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step_dir = _save(tmp_path / "ckpt", _state(torch.float32, 6), 1)
+    real, calls = os.preadv, [0]
+
+    def failing(fd: int, buffers: list[Any], offset: int, *rest: Any) -> int:
+        calls[0] += 1
+        if offset > 1 << 20:  # in the middle of the big tensor, on a reader thread
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *rest)
+
+    monkeypatch.setattr(one_pass.os, "preadv", failing)
+    into = _targets(torch.float32)
+    with pytest.raises(StorageError) as failed:
+        _load(step_dir, into)
+    text = str(failed.value)
+    assert "__0_0.distcp" in text and "Input/output error" in text, text
+    assert "hold some of this file's bytes" in text, text
+    assert into["extra"]["holder"]["steps"] == {"count": -1, "name": "unset"}
 
 
 def test_a_tensor_it_cannot_fill_in_place_is_read_the_ordinary_way(tmp_path: Path) -> None:

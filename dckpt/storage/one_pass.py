@@ -13,9 +13,11 @@ memory of the tensor it restores (CPU, contiguous, the same dtype and shape: wha
 the same layout meets), while the calling thread hashes each finished chunk in order.
 
 Invariants:
-- every byte of the file is hashed exactly once, in order, and exactly the bytes that were
-  used: a tensor is hashed from its own memory after the read filled it, a small item from the
-  buffer it is deserialized from; one read past the recorded size must find nothing;
+- every byte of the file is hashed exactly once, in order: a tensor's bytes from its own
+  memory after the read filled it, a small item's from the buffer it is deserialized from;
+  one read past the recorded size must find nothing. What places an item (its archive's
+  directory and pickle) and a large item read the ordinary way are read again through the
+  same descriptor: committed files are never written, so those are the bytes hashed;
 - the load is complete only when the file's digest matched: ``read`` raises IntegrityError
   (naming the file and both digests) otherwise. Tensors are filled *before* that verdict, so
   on a mismatch the state the caller passed holds bytes of the failed file: the load fails
@@ -30,9 +32,13 @@ Invariants:
   the target's size, or the item is read the ordinary way;
 - no thread writes into a tensor after ``read`` returns or raises: every read submitted is
   waited for;
-- peak memory beyond the state: ``depth`` chunk buffers, one small item (< ``DIRECT_MIN``),
-  and a large item that cannot go straight into its tensor (a resharded load, a GPU tensor):
-  that one is read the way DCP reads it, through a view of the same descriptor.
+- peak memory beyond the state: ``threads`` chunk buffers, the small items held until the
+  verdict (``HELD_BUDGET``), the file's non-tensor values (held too: they are applied only
+  once proven; an optimizer's step counts, RNG and sampler states), and a large item that
+  cannot go straight into its tensor (a resharded load, a GPU tensor): that one is read the
+  way DCP reads it, through a view of the same descriptor;
+- an error after a tensor was filled (``filled``) says that the state holds some of the
+  file's bytes (``PARTLY_FILLED``).
 """
 
 from __future__ import annotations
@@ -56,12 +62,17 @@ from ..errors import IntegrityError
 from .digest import READ_CHUNK, format_digest, new_hasher, parse_digest
 from .records import FileRecord
 
-__all__ = ["DIRECT_MIN", "HELD_BUDGET", "LoadTimes", "OnePassFile"]
+__all__ = ["DIRECT_MIN", "HELD_BUDGET", "PARTLY_FILLED", "LoadTimes", "OnePassFile"]
 
 DIRECT_MIN = 1 << 20
 """Items smaller than this are read into memory and deserialized from there; larger tensor
 items are read into their tensor when it can take the bytes as stored."""
 
+
+PARTLY_FILLED = (
+    "Tensors of the state this load filled hold some of this file's bytes: load a checkpoint "
+    "into it again before training (resume() does, falling back to an older one)."
+)
 
 HELD_BUDGET = 64 << 20
 """Bytes of small items per file kept in memory and deserialized once the file is proven;
@@ -137,7 +148,7 @@ class OnePassFile:
         *,
         threads: int,
         span: Callable[[ReadItem], tuple[int, int]],
-        load_item: Callable[[io.FileIO, ReadItem, LoadPlanner], None],
+        load_item: Callable[[io.FileIO, ReadItem, LoadPlanner], torch.Tensor | None],
     ) -> None:
         self.f, self.fd, self.where, self.record = f, f.fileno(), where, record
         self.pool, self.threads = pool, threads
@@ -149,6 +160,9 @@ class OnePassFile:
         self.times = LoadTimes()
         self._buffers: list[bytearray] = []
         self._held_bytes = 0
+        self.filled = False
+        """Whether a tensor of the state was written before the verdict (a failed read then
+        leaves some of this file's bytes in it: the errors say so)."""
 
     # --- the walk ----------------------------------------------------------------------------
 
@@ -176,15 +190,19 @@ class OnePassFile:
             self._through(self.record.bytes)
             if os.pread(self.fd, 1, self.record.bytes):  # it grew after the size check
                 raise IntegrityError(
-                    self.where, f"{self.record.bytes} bytes", "more bytes", detail="size mismatch"
-                )
+                    self.where, f"{self.record.bytes} bytes", "more bytes",
+                    self._detail("size mismatch"),
+                )  # fmt: skip
         except _ShortReadError as short:
             raise IntegrityError(
-                self.where, f"{self.record.bytes} bytes", f"{short.at} bytes", "size mismatch"
-            ) from None
+                self.where, f"{self.record.bytes} bytes", f"{short.at} bytes",
+                self._detail("size mismatch"),
+            ) from None  # fmt: skip
         actual = format_digest(self.algorithm, self.hasher)
         if actual != self.record.digest:
-            raise IntegrityError(self.where, self.record.digest, actual)
+            raise IntegrityError(
+                self.where, self.record.digest, actual, self._detail("digest mismatch")
+            )
         if broken is not None:
             raise broken
         t0 = time.perf_counter()
@@ -192,6 +210,9 @@ class OnePassFile:
             commit()
         self.times.fill_s += time.perf_counter() - t0
         return actual
+
+    def _detail(self, what: str) -> str:
+        return f"{what} ({PARTLY_FILLED[:-1]})" if self.filled else what
 
     def _item(
         self, item: ReadItem, offset: int, length: int, planner: LoadPlanner
@@ -204,27 +225,40 @@ class OnePassFile:
             data = self._into_memory(offset, length)
             if self._held_bytes + length <= HELD_BUDGET:  # deserialized once proven
                 self._held_bytes += length
-                return lambda: self._fill(_MemoryFile(data, offset), item, planner, commit=True)
+
+                def fill_proven() -> None:
+                    self._fill(_MemoryFile(data, offset), item, planner, commit=True)
+
+                return fill_proven
             view = _create_file_view(_MemoryFile(data, offset), offset, length)
             _bounded(view, offset, length, self.where)
-            self._fill(_MemoryFile(data, offset), item, planner, commit=False)
+            target = self._fill(_MemoryFile(data, offset), item, planner, commit=False)
         else:
             placed = self._place(item, offset, length, planner)
             if placed is not None:
                 self._through(placed.record_start)
+                self.filled = True
                 self._stream(placed.record_start, placed.record_end, placed.into)
                 self.times.direct_bytes += placed.record_end - placed.record_start
                 self._through(offset + length)
                 return lambda: planner.commit_tensor(item, placed.target)
             self._through(offset + length)  # read the way DCP reads it, once hashed
-            self._fill(self.f, item, planner, commit=False)
-        target = planner.resolve_tensor(item).detach()
+            target = self._fill(self.f, item, planner, commit=False)
+        assert target is not None  # a tensor item
         return lambda: planner.commit_tensor(item, target)
 
-    def _fill(self, f: Any, item: ReadItem, planner: LoadPlanner, *, commit: bool) -> None:
+    def _fill(
+        self, f: Any, item: ReadItem, planner: LoadPlanner, *, commit: bool
+    ) -> torch.Tensor | None:
+        """Deserialize ``item`` into the state; the tensor it filled (committed only when
+        ``commit``: its file is proven)."""
         t0 = time.perf_counter()
-        self.load_item(cast(io.FileIO, f), item, planner if commit else _held(planner))
-        self.times.fill_s += time.perf_counter() - t0
+        if not commit:
+            self.filled = True
+        try:
+            return self.load_item(cast(io.FileIO, f), item, planner if commit else _held(planner))
+        finally:
+            self.times.fill_s += time.perf_counter() - t0
 
     def _place(
         self, item: ReadItem, offset: int, length: int, planner: LoadPlanner
@@ -235,13 +269,20 @@ class OnePassFile:
         (its allocation bounded by its span, ``_bounded``)."""
         view = _create_file_view(self.f, offset, length)
         meta = _bounded(view, offset, length, self.where)
-        target = planner.resolve_tensor(item).detach()
-        if (
-            target.device.type != "cpu"
-            or not target.is_contiguous()
-            or target.numel() == 0
-            or meta.dtype != target.dtype
-        ):
+        try:
+            target = planner.resolve_tensor(item).detach()
+            if (
+                target.device.type != "cpu"
+                or target.layout != torch.strided
+                or not target.is_contiguous()
+                or target.is_conj()
+                or target.is_neg()
+                or target.numel() == 0
+                or meta.dtype != target.dtype
+            ):
+                return None
+            into = memoryview(cast(Any, target.reshape(-1).view(torch.uint8).numpy()))
+        except Exception:  # a target whose memory cannot take bytes: the ordinary way
             return None
         storage = meta.untyped_storage()
         start = getattr(storage, "_checkpoint_offset", None)
@@ -258,7 +299,6 @@ class OnePassFile:
             or not self._little_endian(view)
         ):
             return None
-        into = memoryview(cast(Any, target.reshape(-1).view(torch.uint8).numpy()))
         return _Placed(offset + start, offset + start + nbytes, target, into)
 
     @staticmethod

@@ -50,11 +50,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from ..errors import IntegrityError, ManifestError, StateMismatchError
+from ..errors import IntegrityError, ManifestError, StateMismatchError, StorageError
 from ..faults import fault_point, process_rank
 from ..phases import Phase
 from .item_digests import ItemDigests, items_name, parse_items
-from .one_pass import LoadTimes, OnePassFile
+from .one_pass import PARTLY_FILLED, LoadTimes, OnePassFile
 from .records import METADATA_FILE, FileRecord
 from .safe_unpickle import incompatible_torch, load_dcp_metadata
 from .verified_files import (
@@ -433,6 +433,11 @@ class VerifyingReader(FileSystemReader):
                 )  # fmt: skip
                 try:
                     return once.read(ordered, planner)
+                except OSError as exc:  # a read failed part way: say what the state holds
+                    failed = unreadable(where, exc)
+                    if once.filled:
+                        failed = StorageError(f"{failed} {PARTLY_FILLED}")
+                    raise failed from exc
                 finally:
                     self.times.add(once.times)
 
@@ -440,7 +445,9 @@ class VerifyingReader(FileSystemReader):
         info = self.storage_data[item.storage_index]
         return (info.offset, info.length)
 
-    def _load_item(self, f: io.FileIO, item: ReadItem, planner: LoadPlanner) -> None:
+    def _load_item(self, f: io.FileIO, item: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
+        """Deserialize one item from ``f`` into the state; the tensor it filled (None for a
+        value)."""
         info = self.storage_data[item.storage_index]
         view = _create_file_view(f, info.offset, info.length)
         source = self.transforms.transform_load_stream(
@@ -448,7 +455,7 @@ class VerifyingReader(FileSystemReader):
         )
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(source.read(-1)))
-            return
+            return None
         seekable: Any = source if source.seekable() else io.BytesIO(source.read(-1))
         tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
@@ -462,3 +469,4 @@ class VerifyingReader(FileSystemReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(item, target)
+        return target
