@@ -56,13 +56,21 @@ class IntegrityError(CheckpointError):
     """
 
     def __init__(
-        self, path: str, expected: str, actual: str, detail: str = "", divergent: bool = False
+        self,
+        path: str,
+        expected: str,
+        actual: str,
+        detail: str = "",
+        divergent: bool = False,
+        note: str = "",
     ) -> None:
         self.path = path
         self.expected = expected
         self.actual = actual
         self.detail = detail or "digest mismatch"
         self.divergent = divergent
+        self.note = note
+        """What the failed load left behind, said after the advice (a state it filled)."""
         advice = (
             "The ranks do not see the same checkpoint: every rank must read one shared "
             "directory (not a disk of its own per node), with the same contents. Nothing was "
@@ -71,11 +79,12 @@ class IntegrityError(CheckpointError):
             else "The file is damaged or was changed after commit; do not load it. Resume "
             "from an older checkpoint (dckpt ls) or re-save, and check the storage for bit rot."
         )
-        super().__init__(f"{self.detail} in {path}: expected {expected}, got {actual}. {advice}")
+        text = f"{self.detail} in {path}: expected {expected}, got {actual}. {advice}"
+        super().__init__(f"{text} {note}" if note else text)
 
-    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str, str, bool]]:
+    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str, str, bool, str]]:
         # Errors cross ranks pickled (DCP gathers failures); keep the fields intact.
-        fields = (self.path, self.expected, self.actual, self.detail, self.divergent)
+        fields = (self.path, self.expected, self.actual, self.detail, self.divergent, self.note)
         return (IntegrityError, fields)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,8 @@ def test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value(
         assert not holder["small"].any(), "a small tensor was filled from an unproven file"
     if where != "archive header":  # the big tensor went straight in: the error says so
         assert "hold some of this file's bytes" in str(failed.value), str(failed.value)
+    # as another rank receives it (DCP gathers failures pickled)
+    assert str(pickle.loads(pickle.dumps(failed.value))) == str(failed.value)
     # the state, partly overwritten by the failed file's bytes, is whole again after the
     # next checkpoint loads (what a resume's fallback does)
     _load(good, into)

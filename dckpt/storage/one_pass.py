@@ -189,20 +189,14 @@ class OnePassFile:
                     broken = exc
             self._through(self.record.bytes)
             if os.pread(self.fd, 1, self.record.bytes):  # it grew after the size check
-                raise IntegrityError(
-                    self.where, f"{self.record.bytes} bytes", "more bytes",
-                    self._detail("size mismatch"),
-                )  # fmt: skip
+                size = f"{self.record.bytes} bytes"
+                raise self._mismatch(size, "more bytes", "size mismatch")
         except _ShortReadError as short:
-            raise IntegrityError(
-                self.where, f"{self.record.bytes} bytes", f"{short.at} bytes",
-                self._detail("size mismatch"),
-            ) from None  # fmt: skip
+            size = f"{self.record.bytes} bytes"
+            raise self._mismatch(size, f"{short.at} bytes", "size mismatch") from None
         actual = format_digest(self.algorithm, self.hasher)
         if actual != self.record.digest:
-            raise IntegrityError(
-                self.where, self.record.digest, actual, self._detail("digest mismatch")
-            )
+            raise self._mismatch(self.record.digest, actual)
         if broken is not None:
             raise broken
         t0 = time.perf_counter()
@@ -211,8 +205,9 @@ class OnePassFile:
         self.times.fill_s += time.perf_counter() - t0
         return actual
 
-    def _detail(self, what: str) -> str:
-        return f"{what} ({PARTLY_FILLED[:-1]})" if self.filled else what
+    def _mismatch(self, expected: str, actual: str, detail: str = "") -> IntegrityError:
+        note = PARTLY_FILLED if self.filled else ""
+        return IntegrityError(self.where, expected, actual, detail, note=note)
 
     def _item(
         self, item: ReadItem, offset: int, length: int, planner: LoadPlanner
