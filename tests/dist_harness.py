@@ -59,6 +59,9 @@ def _entry(
     env: dict[str, str],
     backend: str,
 ) -> None:
+    # The caller's environment as it is now, whole: the forkserver's own is that of the test
+    # that started it (a variable one test set, such as DCKPT_RUN_ID, reached later tests).
+    os.environ.clear()
     os.environ.update(env)
     os.environ["RANK"] = str(rank)  # as torchrun sets it (the fault hook reads it)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -98,10 +101,11 @@ def run_world(
     store_dir = tempfile.mkdtemp(prefix="dckpt-store-")
     store_path = os.path.join(store_dir, "store")
     out = _CTX.Queue()
+    environ = {**os.environ, **(env or {})}  # the test's environment now, and what it adds
     procs = [
         _CTX.Process(
             target=_entry,
-            args=(fn, rank, world_size, store_path, out, args, dict(env or {}), backend),
+            args=(fn, rank, world_size, store_path, out, args, environ, backend),
             daemon=True,
         )
         for rank in range(world_size)
