@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 
 # Test files run in parallel, a file's tests on one worker (they share its module fixtures):
 # most of a test's time is its ranks waiting on each other, on a deadline or on a store, so
-# three workers on 2 cores take about 11 minutes where one took 15. PYTEST_WORKERS=0 runs one
+# three workers on 2 cores take 10 to 11 minutes where one took 15. PYTEST_WORKERS=0 runs one
 # file after another in this process.
 PYTEST_WORKERS ?= 3
 unit: $(STAMP)
