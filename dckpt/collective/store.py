@@ -19,7 +19,10 @@ its main loop waits for that (measured: a node whose link went down kept its age
 400 s after its worker exited). So at interpreter exit, a worker that once found the job's
 store unreachable probes it once more (``HINT_S``); if it still does not answer, and the
 parent is torchrun's agent, the worker sends it SIGTERM (which it handles: it stops its
-workers and exits at once), saying why. ``DCKPT_END_AGENT=0`` turns that off.
+workers and exits), saying why, and leaves a watcher that sends SIGKILL if the agent still
+runs ``AGENT_GRACE_S`` later (an agent blocked in a rendezvous call on the dead link handles
+the signal only when that call gives up, and its shutdown calls the store again: beside a
+busy machine a node took over 180 s to end). ``DCKPT_END_AGENT=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import atexit
 import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -43,6 +47,9 @@ T = TypeVar("T")
 HINT_S = 5.0
 """How long a marker, a heartbeat or a look at the markers may wait: a store that answers
 at all answers in milliseconds; one slower than this is as good as gone for a hint."""
+AGENT_GRACE_S = 20.0
+"""After this worker sent torchrun's agent SIGTERM (a node cut off from the job's store), how
+long the agent has to exit before a watcher sends it SIGKILL."""
 QUIET_S = 30.0
 """After a call timed out, calls fail at once for this long (no new thread on a dead link)."""
 
@@ -132,5 +139,52 @@ def _end_agent_if_cut_off() -> None:
         parent,
         why,
     )
+    _kill_if_still_there(parent, AGENT_GRACE_S)
     with contextlib.suppress(OSError):
         os.kill(parent, signal.SIGTERM)
+
+
+def _started(pid: int) -> str | None:
+    """When ``pid`` started (``/proc/<pid>/stat``'s 22nd field), telling it from a later
+    process that reuses its number; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 and fields[0] != "Z" else None
+
+
+def _kill_if_still_there(pid: int, grace_s: float) -> None:
+    """Leave a watcher that ends ``pid`` (the agent) with SIGKILL if it still runs
+    ``grace_s`` after this worker asked it to stop: an agent blocked in a store call on the
+    dead link handles SIGTERM only when that call returns, and its shutdown makes more such
+    calls (measured beside a busy machine: over 180 s). The watcher is its own session, so
+    the agent's stopping of its workers does not take it along, and it exits as soon as the
+    agent is gone."""
+    started = _started(pid)
+    if started is None:
+        return
+    try:
+        ready, told = os.pipe()
+        child = os.fork()
+    except OSError:
+        return
+    if child == 0:  # the watcher: only os calls from here (a forked copy of a threaded process)
+        try:
+            os.setsid()
+            os.write(told, b"x")
+            end = time.monotonic() + grace_s
+            while time.monotonic() < end:
+                if _started(pid) != started:
+                    os._exit(0)
+                time.sleep(0.2)
+            if _started(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.close(told)
+    with contextlib.suppress(OSError):  # on its own session before the agent is told
+        select.select([ready], [], [], 2.0)
+    os.close(ready)
