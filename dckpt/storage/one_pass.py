@@ -51,7 +51,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 import torch
@@ -94,8 +94,8 @@ class LoadTimes:
     """Bytes read straight into the tensors they restore."""
 
     def add(self, other: LoadTimes) -> None:
-        for name in ("read_wait_s", "hash_s", "fill_s", "bytes_read", "direct_bytes"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def _bounded(view: Any, offset: int, length: int, where: str) -> torch.Tensor:
@@ -225,9 +225,9 @@ class OnePassFile:
                     self._fill(_MemoryFile(data, offset), item, planner, commit=True)
 
                 return fill_proven
-            view = _create_file_view(_MemoryFile(data, offset), offset, length)
-            _bounded(view, offset, length, self.where)
-            target = self._fill(_MemoryFile(data, offset), item, planner, commit=False)
+            held = _MemoryFile(data, offset)
+            _bounded(_create_file_view(held, offset, length), offset, length, self.where)
+            target = self._fill(held, item, planner, commit=False)
         else:
             placed = self._place(item, offset, length, planner)
             if placed is not None:
