@@ -5,7 +5,8 @@ Categories (top-level keys of the DCP state dict, listed in the manifest):
 - ``model`` and ``optimizer``: through DCP's state-dict helpers (``get_state_dict`` /
   ``set_state_dict``), so plain modules, DDP and FSDP2 save sharded and load resharded;
 - ``scheduler``: the LR scheduler(s); ``scaler``: the GradScaler (fp16);
-- ``data``: the data position (e.g. ``GlobalBatchSampler``), global, the same on every rank;
+- ``data``: the data position (``GlobalBatchSampler``, or a DataLoader's place and order:
+  dckpt.train.loader), global, the same on every rank;
 - ``progress``: step, epoch and samples seen;
 - ``extra``: any user object with ``state_dict`` / ``load_state_dict``, and ``PerRank``
   values (dckpt.train.per_rank), which each rank saves and gets back as its own;
@@ -39,11 +40,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 
 from ..errors import CheckpointError, StateMismatchError
+from .data import GlobalBatchSampler
+from .loader import position_of
 from .per_rank import PerRank
 
-__all__ = ["Stateful", "TrainState"]
+__all__ = ["Stateful", "TrainState", "describe_layout"]
 
 
 class Stateful(Protocol):
@@ -59,7 +63,10 @@ class TrainState:
         optimizer: its optimizer.
         scheduler: an LR scheduler, or a list of them.
         scaler: the GradScaler (only meaningful for fp16).
-        data: the data position, e.g. a ``GlobalBatchSampler``.
+        data: the data position: a ``GlobalBatchSampler``, any object with ``state_dict`` /
+            ``load_state_dict``, or the ``DataLoader`` itself (a plain one or the one
+            ``accelerator.prepare`` returns), whose place and order are then kept by
+            ``dckpt.train.loader``.
         extra: further named objects with ``state_dict`` / ``load_state_dict``.
         seed: the run's seed, used to reseed RNG when a resume changes the world size.
     """
@@ -71,20 +78,20 @@ class TrainState:
         *,
         scheduler: Stateful | Sequence[Stateful] | None = None,
         scaler: Stateful | None = None,
-        data: Stateful | None = None,
+        data: Stateful | DataLoader[Any] | None = None,
         extra: Mapping[str, Stateful] | None = None,
         seed: int = 0,
     ) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = _unwrap_optimizer(optimizer)
         if scheduler is None:
             self.schedulers: list[Stateful] = []
         elif isinstance(scheduler, Sequence):
-            self.schedulers = list(scheduler)
+            self.schedulers = [_unwrap_scheduler(s) for s in scheduler]
         else:
-            self.schedulers = [scheduler]
+            self.schedulers = [_unwrap_scheduler(scheduler)]
         self.scaler = scaler
-        self.data = data
+        self.data = _data_position(data, seed)
         self.extra = dict(extra or {})
         self.seed = seed
         self.step = 0
@@ -186,6 +193,65 @@ class TrainState:
     def per_rank(self) -> dict[str, PerRank]:
         """The ``extra`` entries that are per rank."""
         return {name: obj for name, obj in self.extra.items() if isinstance(obj, PerRank)}
+
+
+def describe_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """What a manifest records of a state dict's shape, for ``dckpt inspect``:
+    ``device_mesh``, each distinct mesh of the model's DTensors as ``{dim name: size}`` (a
+    one-mesh job's only one as a plain dict: ``{"dp": 2, "tp": 2}``); ``data``, the data
+    position's ``epoch`` and ``batches`` into it, when the ``data`` category records them."""
+    meshes: list[dict[str, int]] = []
+    for value in state_dict.get("model", {}).values():
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            described = dict(zip(names, (int(n) for n in mesh.shape), strict=True))
+            if described not in meshes:
+                meshes.append(described)
+    layout: dict[str, Any] = {}
+    if meshes:
+        layout["device_mesh"] = meshes[0] if len(meshes) == 1 else meshes
+    data = state_dict.get("data")
+    if isinstance(data, dict) and type(data.get("epoch")) is int:
+        batches = data.get("batches", data.get("batches_done"))
+        layout["data"] = {
+            "epoch": data["epoch"],
+            **({"batches": batches} if type(batches) is int else {}),
+        }
+    return layout
+
+
+def _unwrap_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The optimizer that holds the state. A framework's wrapper (Accelerate's
+    ``AcceleratedOptimizer``) subclasses ``Optimizer`` without its hooks and keeps the real
+    one as ``.optimizer``; DCP and the step hook need the real one. The wrapper's ``step``
+    still calls the real one's, so the hook fires on every step that updates."""
+    while optimizer is not None:
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def _unwrap_scheduler(scheduler: Stateful) -> Stateful:
+    """The scheduler a wrapper (Accelerate's ``AcceleratedScheduler``) holds as
+    ``.scheduler``: its state is the wrapped one's."""
+    inner = getattr(scheduler, "scheduler", None)
+    if inner is not None and hasattr(inner, "state_dict") and hasattr(inner, "load_state_dict"):
+        return _unwrap_scheduler(inner)
+    return scheduler
+
+
+def _data_position(data: Stateful | DataLoader[Any] | None, seed: int) -> Stateful | None:
+    """What the ``data`` category saves: a DataLoader's position (or the GlobalBatchSampler
+    it draws from, whose position is already global), any other object as it is."""
+    if not isinstance(data, DataLoader):  # Accelerate's loader passes as one too
+        return data
+    batch_sampler = getattr(data, "batch_sampler", None)
+    if isinstance(batch_sampler, GlobalBatchSampler):
+        return batch_sampler
+    return position_of(data, seed=seed)
 
 
 def _ptr(t: torch.Tensor) -> int | None:
