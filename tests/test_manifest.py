@@ -95,7 +95,9 @@ def test_the_json_holds_every_field_as_the_dataclass_holds_it() -> None:
     holds what ``dataclasses.asdict`` would, tuples as lists, and shares no dict with the
     manifest (a caller that edits the JSON leaves the frozen record as it was)."""
     m = make_manifest(
-        integrity={"nonfinite": ["model.w"]}, incremental={"trainable": ["model.w"], "reused": {}}
+        integrity={"nonfinite": ["model.w"]},
+        incremental={"trainable": ["model.w"], "reused": {}},
+        data={"epoch": 2, "batches": 1},
     )
     obj = m.to_json_obj()
     expected = json.loads(json.dumps(dataclasses.asdict(m)))

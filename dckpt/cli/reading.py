@@ -374,6 +374,28 @@ def _reused_text(manifest: Manifest) -> str:
     )
 
 
+def _data_text(data: dict[str, object]) -> str:
+    """The data position at the save: the loader's own epoch (which ``epoch`` above misses
+    when the script never passes ``save(epoch=)``) and the batches into it."""
+    if "epoch" not in data:
+        return "not recorded"
+    batches = data.get("batches")
+    into = f", {plural(batches, 'batch', 'batches')} into it" if isinstance(batches, int) else ""
+    return f"epoch {data['epoch']}{into}"
+
+
+def _world_text(manifest: Manifest) -> str:
+    """The world size, and the device mesh of the model's DTensors (``dp=2 x tp=2``)."""
+    mesh = manifest.mesh.get("device_mesh")
+    meshes = [mesh] if isinstance(mesh, dict) else mesh if isinstance(mesh, list) else []
+    shown = "; ".join(
+        " x ".join(f"{name}={size}" for name, size in m.items())
+        for m in meshes
+        if isinstance(m, dict)
+    )
+    return f"{manifest.world_size}" + (f" (device mesh {shown})" if shown else "")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     root = cli_root(args.root)
     step = committed_step(root, args.step)
@@ -391,7 +413,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     rows = [
         ("step", manifest.step),
         ("epoch", manifest.epoch),
-        ("world size", manifest.world_size),
+        ("data", _data_text(manifest.data)),
+        ("world size", _world_text(manifest)),
         ("state", ", ".join(manifest.state)),
         ("size", f"{human(manifest.total_bytes)} in {plural(len(manifest.files), 'file')}"),
         ("digests", manifest.digest_algorithm),

@@ -96,6 +96,11 @@ class Manifest:
     integrity: dict[str, Any] = field(default_factory=dict)
     """What the save's value checks let through (``nonfinite``, ``replicas_differ``); empty,
     and then absent from the file (older manifests stay byte-identical), for a clean save."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Where the data position stood at the save (``epoch``, ``batches`` into it), when the
+    state's ``data`` records them (a DataLoader's position, ``GlobalBatchSampler``): the
+    loader's epoch, which a script that never passes ``save(epoch=)`` leaves out of ``epoch``.
+    Empty, and then absent from the file (older manifests stay byte-identical), without one."""
     incremental: dict[str, Any] = field(default_factory=dict)
     """A save with ``incremental`` on records ``trainable`` (the names of the parameters that
     required grad, as rank 0 holds them) and, when it linked files, ``reused`` (file → the step
@@ -146,6 +151,8 @@ class Manifest:
             del obj["integrity"]
         if not self.incremental:
             del obj["incremental"]
+        if not self.data:
+            del obj["data"]
         obj["self_digest"] = fingerprint(obj)
         return obj
 
@@ -438,6 +445,7 @@ def _parse(obj: Any, source: str) -> Manifest:
         metric=_dict(obj, "metric", source),
         integrity=_dict(obj, "integrity", source) if "integrity" in obj else {},
         incremental=_incremental(obj, source, seen),
+        data=_dict(obj, "data", source) if "data" in obj else {},
     )
     sealed = manifest.sealed()
     if sealed.files_digest != manifest.files_digest:

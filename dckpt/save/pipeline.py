@@ -85,7 +85,7 @@ from ..root.manifest import Manifest
 from ..tiers.memory_commit import Lineage
 from ..train import rng
 from ..train.precision import PrecisionPolicy
-from ..train.state import TrainState
+from ..train.state import TrainState, describe_layout
 from ..units import human_bytes
 from .coordinator import Coordinator, RankReport, SaveOutcome
 from .findings import judge
@@ -183,6 +183,7 @@ class SavePipeline:
         every = self.config.milestone_every
         snapshot: Any = None
         scaler: dict[str, Any] | None = None
+        layout: dict[str, Any] = {}
         error: str | None = None
         trace = self.progress.trace(save_id, step)
         try:
@@ -195,6 +196,7 @@ class SavePipeline:
                     "scale": scale if math.isfinite(scale) else str(scale),  # JSON has no NaN
                     "growth_tracker": int(state_dict["scaler"].get("_growth_tracker", 0)),
                 }
+            layout = describe_layout(state_dict)  # before the stager copies or drops anything
             snapshot = route.snapshot(
                 state_dict, step=step, save_id=save_id, asynchronous=asynchronous, trace=trace
             )
@@ -219,6 +221,7 @@ class SavePipeline:
             loss=loss,
             metric={} if metric is None else {"value": float(metric)},
             scaler=scaler,
+            layout=layout,
         )
 
     # --- background ---------------------------------------------------------------------------
@@ -502,7 +505,11 @@ class SavePipeline:
                 "torch": torch.__version__,
                 "python": platform.python_version(),
             },
-            mesh={"world_size": self.world_size, **job.route.mesh()},
+            mesh={
+                "world_size": self.world_size,
+                **job.route.mesh(),
+                **({"device_mesh": m} if (m := job.layout.get("device_mesh")) else {}),
+            },
             config=self.run_config,
             precision={
                 **(self.precision.describe() if self.precision is not None else {}),
@@ -522,6 +529,7 @@ class SavePipeline:
             milestone=job.milestone,
             integrity=integrity,
             incremental=job.route.incremental(reports, job.snapshot),
+            data=job.layout.get("data", {}),
         )
 
 

@@ -68,6 +68,9 @@ class SaveJob:
     loss: dict[str, Any]
     metric: dict[str, float]
     scaler: dict[str, Any] | None
+    layout: dict[str, Any]
+    """What the manifest says of the state's shape at ``save()``: the device meshes of its
+    DTensors (``device_mesh``) and the data position (``data``); see ``describe_layout``."""
 
 
 class SaveRoute(Protocol):
