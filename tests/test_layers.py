@@ -24,12 +24,13 @@ BASE = {
     "dckpt.faults",
     "dckpt.robust",
     "dckpt.owned",
+    "dckpt.version",
 }
 
 
 def layer_of(module: str, *, importer: bool = False) -> str:
-    if module == "dckpt":  # the public names, imported lazily; below it only __version__
-        return "top" if importer else "base"
+    if module == "dckpt":  # the public names, imported lazily: the top, for every importer
+        return "top"
     if module in BASE:
         return "base"
     parts = module.split(".")

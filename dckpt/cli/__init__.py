@@ -17,8 +17,8 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from .. import __version__
 from ..errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from ..version import __version__
 from .common import EXIT_INTEGRITY, EXIT_STORAGE, EXIT_USAGE, CliError, err, fail
 
 __all__ = ["main"]

@@ -26,7 +26,6 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .. import __version__
 from ..collective.comm import Comm, Failed
 from ..errors import (
     CheckpointError,
@@ -57,6 +56,7 @@ from ..storage.verifying_reader import READ_THREADS, VerifyingReader
 from ..train.precision import PrecisionPolicy, check_scaler
 from ..train.state import TrainState
 from ..units import plural
+from ..version import __version__
 from .config_check import ConfigPolicy
 from .report import CandidateReport
 

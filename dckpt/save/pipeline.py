@@ -73,7 +73,6 @@ from typing import Any
 import torch
 import xxhash
 
-from .. import __version__
 from ..collective.comm import Comm
 from ..collective.progress import DECIDED, Progress, SaveTrace
 from ..config import CheckpointConfig
@@ -87,6 +86,7 @@ from ..train import rng
 from ..train.precision import PrecisionPolicy
 from ..train.state import TrainState, describe_layout
 from ..units import human_bytes
+from ..version import __version__
 from .coordinator import Coordinator, RankReport, SaveOutcome
 from .findings import judge
 from .handle import SaveResult, SaveTicket

@@ -50,7 +50,7 @@ from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..root.retention import RetentionPolicy
 from ..storage.records import FileRecord
 from ..storage.sink import Sink, Tee
-from .object_root import ObjectRoot
+from .bucket import Bucket
 from .s3_store import UploadStream
 
 __all__ = ["ObjectCommit", "keep_only"]
@@ -101,7 +101,7 @@ class ObjectCommit:
 
     shares_reused = False  # a reused file is copied in the store: an object of its own
 
-    def __init__(self, root: ObjectRoot, fence: Fence | None = None) -> None:
+    def __init__(self, root: Bucket, fence: Fence | None = None) -> None:
         self.objects = root
         self._local = RenameCommit()  # names of the mirror's tmp dirs
         self._uploaded: dict[str, int] = {}  # this rank's files sent by the tee: name -> bytes

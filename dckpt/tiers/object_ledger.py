@@ -23,7 +23,7 @@ from ..root.memory_ledger import (
     parse_identity,
     record_name,
 )
-from .object_root import ObjectRoot
+from .bucket import Bucket
 
 __all__ = ["ObjectLedger"]
 
@@ -31,7 +31,7 @@ __all__ = ["ObjectLedger"]
 class ObjectLedger(Pruning):
     """The memory ledger under an s3:// root; see the module docstring."""
 
-    def __init__(self, objects: ObjectRoot, held: Callable[[], None] | None = None) -> None:
+    def __init__(self, objects: Bucket, held: Callable[[], None] | None = None) -> None:
         self.objects = objects
         self.store = objects.store
         self.held = held

@@ -40,11 +40,12 @@ from ..errors import CheckpointError, IntegrityError, StorageError
 from ..owned import file_mode, make_dir, write_atomic
 from ..root.layout import step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
+from ..root.resume_record import ResumeRecords
 from ..storage.records import FileRecord
 from ..storage.verified_files import open_verified
 from ..units import human_bytes, plural
+from .bucket import Bucket
 from .object_commit import keep_only
-from .object_root import ObjectRecords, ObjectRoot
 
 __all__ = ["FetchReport", "ObjectSource", "local_share"]
 
@@ -91,7 +92,7 @@ class ObjectSource:
 
     def __init__(
         self,
-        root: ObjectRoot,
+        root: Bucket,
         mirror: Path,
         share: tuple[int, int] | None = None,
         *,
@@ -253,7 +254,7 @@ class ObjectSource:
     def save_id(self, step: int) -> str:
         return self.objects.read_manifest(step).save_id
 
-    def resume_records(self) -> ObjectRecords:
+    def resume_records(self) -> ResumeRecords:
         """In the bucket, not the mirror: every node's next start reads them."""
         return self.objects.resume_records()
 
