@@ -30,8 +30,11 @@ In the background (``SavePipeline.run``, on the save thread, on dckpt's *io* gro
 5. **write** (``route.write``): this rank's files with their digests, computed as the bytes
    go out (DCP's save through the ``HashingWriter``; the memory file hashed where it lies),
    as its ``RankReport``;
-6. **gather**: every rank's report (files and digests, or its error) on every rank; then
-   ``route.settle`` (the memory tier: the ranks' files were written with one layout);
+6. **gather**: every rank's report (files and digests, or its error) to rank 0, or to every
+   rank for a route whose ``settle`` and ``finish`` need them there
+   (``route.reports_everywhere``: the memory tier; an all-gather whose size grows with the
+   world); then ``route.settle`` (the memory tier: the ranks' files were written with one
+   layout);
 7. **commit**, rank 0 only: any report's error, or a refusal from step 6, refuses the save
    (the tmp location removed); so do the ranks' value checks (``dckpt.save.findings.judge``:
    copies of a replicated value that differ across ranks, unless ``replica_check="warn"``;
