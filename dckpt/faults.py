@@ -1,4 +1,5 @@
-"""Named phases of a save, and a fault hook that tests use to break them on purpose.
+"""A fault hook that tests use to break a save or a resume on purpose, at one of its named
+phases (dckpt.phases).
 
 ``DCKPT_FAULT="phase=write_manifest,rank=0,action=sigkill[,step=8][,seconds=5]"`` makes the
 process of that rank fire the action when it reaches that phase (of that step, if given):

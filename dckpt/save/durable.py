@@ -91,8 +91,9 @@ class DurableRoute:
     """A durable save may be synchronous (``async_save``), and the automatic mode learns from
     what its saves cost the loop."""
     soft = False
-    reports_everywhere = False  # settle needs none, finish only the committed size
     """A failed durable save is raised by the next ``save()``, ``wait()`` or ``close()``."""
+    reports_everywhere = False
+    """``settle`` needs no report, ``finish`` only the committed size: rank 0 gathers."""
 
     def __init__(
         self,

@@ -125,10 +125,10 @@ class MemoryRoute:
     """A memory save is never synchronous (its copy in ``save()`` is its snapshot), and the
     automatic save mode never learns from it."""
     soft = True
-    # settle and finish read every rank's report (owners, replica sizes and digests): an
-    # all-gather per memory save, whose size grows with the world
-    reports_everywhere = True
     """A failure every rank agreed on fails the handle only: training goes on."""
+    reports_everywhere = True
+    """``settle`` and ``finish`` read every rank's report (owners, replica sizes and
+    digests): an all-gather per memory save, whose size grows with the world."""
 
     def __init__(
         self,

@@ -9,7 +9,8 @@ pipeline calls the route at the steps its docstring names and never asks which t
 - step 6, ``settle`` (every rank, after the gather): why the save must be refused, if it must
   (it sees every rank's report on rank 0, and on the other ranks only when
   ``reports_everywhere``: their own otherwise);
-- step 7, ``mesh`` (rank 0): what the manifest's ``mesh`` records besides the world size;
+- step 7, ``mesh`` and ``incremental`` (rank 0): what the manifest's ``mesh`` records
+  besides the world size, and its ``incremental`` record (the durable tier's frozen files);
 - step 10, ``finish`` (every rank, once committed, told the committed step's bytes): what
   follows a commit (the memory tier's replicas), and rank 0's words for the save's log line;
 - ``abandon`` (every rank, after a failure every rank agreed on): this rank's leftovers.
