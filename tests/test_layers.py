@@ -85,8 +85,9 @@ ALLOWED: dict[str, set[str]] = {
     "save": {"base", "storage", "root", "tiers", "config", "collective", "train"},
     "load": {"base", "storage", "root", "tiers", "config", "collective", "train"},
     "top": {"base", "storage", "root", "tiers", "config", "collective", "train", "save", "load"},
-    # one module per framework, above the manager: the public API and the train layer only
-    "integrations": {"base", "config", "train", "top"},
+    # one module per framework, above the manager: the public API, the train layer, and the
+    # step directories' names (Lightning's links point at them)
+    "integrations": {"base", "config", "train", "top", "dckpt.root.layout"},
     "cli": {"base", "storage", "root", "tiers", "config", "load", "dckpt.save.step_clock"},
 }
 
