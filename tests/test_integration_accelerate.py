@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dckpt.root.layout import committed_steps
 
@@ -98,3 +99,29 @@ def test_prepared_objects_resume_exact_in_every_epoch(
     assert not differ, differ
     assert {s for s, _ in logged} == set(uninterrupted)
     assert [s for s, _ in logged].count(previous + 1) >= 2  # replayed after the fallback
+
+
+def test_import_dckpt_imports_no_framework() -> None:
+    code = (
+        "import sys, dckpt, dckpt.integrations, dckpt.train.loader\n"
+        "print(sorted(m for m in ('accelerate', 'transformers', 'lightning') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert proc.stdout.strip() == "[]"
+
+
+def test_a_deepspeed_run_is_refused_in_words() -> None:
+    from accelerate.utils import DistributedType
+
+    from dckpt.integrations.accelerate import checkpoint_manager
+
+    class DeepSpeedRun:  # what checkpoint_manager reads of an Accelerator
+        distributed_type = DistributedType.DEEPSPEED
+        scaler = None
+
+    with pytest.raises(
+        ValueError, match=r"DEEPSPEED: DeepSpeed.s engine .* accelerator.save_state"
+    ):
+        checkpoint_manager(DeepSpeedRun(), "unused", torch.nn.Linear(2, 2))  # type: ignore[arg-type]

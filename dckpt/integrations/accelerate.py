@@ -13,8 +13,8 @@ In a script (Accelerate's ``examples/by_feature/checkpointing.py`` shape)::
             manager.save(step, epoch=epoch)  # instead of accelerator.save_state(...)
     manager.close()
 
-What the pieces below do not: ``TrainState`` itself unwraps Accelerate's optimizer and
-scheduler and keeps a prepared loader's position (dckpt.train.state, dckpt.train.loader), so
+What the pieces below do not: ``TrainState`` itself unwraps Accelerate's optimizer (the
+scheduler wrapper's state is its scheduler's already) and keeps a prepared loader's position (dckpt.train.state, dckpt.train.loader), so
 ``dckpt.TrainState(model, optimizer, ...)`` with the prepared objects works without this
 module too. ``checkpoint_manager`` adds what only the accelerator knows: its GradScaler (fp16)
 in the state, and a refusal, in words, of the setups whose state DCP cannot hold (DeepSpeed's

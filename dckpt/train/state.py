@@ -87,9 +87,9 @@ class TrainState:
         if scheduler is None:
             self.schedulers: list[Stateful] = []
         elif isinstance(scheduler, Sequence):
-            self.schedulers = [_unwrap_scheduler(s) for s in scheduler]
+            self.schedulers = list(scheduler)
         else:
-            self.schedulers = [_unwrap_scheduler(scheduler)]
+            self.schedulers = [scheduler]
         self.scaler = scaler
         self.data = _data_position(data, seed)
         self.extra = dict(extra or {})
@@ -232,15 +232,6 @@ def _unwrap_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Op
             break
         optimizer = inner
     return optimizer
-
-
-def _unwrap_scheduler(scheduler: Stateful) -> Stateful:
-    """The scheduler a wrapper (Accelerate's ``AcceleratedScheduler``) holds as
-    ``.scheduler``: its state is the wrapped one's."""
-    inner = getattr(scheduler, "scheduler", None)
-    if inner is not None and hasattr(inner, "state_dict") and hasattr(inner, "load_state_dict"):
-        return _unwrap_scheduler(inner)
-    return scheduler
 
 
 def _data_position(data: Stateful | DataLoader[Any] | None, seed: int) -> Stateful | None:
