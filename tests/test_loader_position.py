@@ -7,6 +7,8 @@ loader, on 2 ranks with real kills: test_integration_accelerate.py.)"""
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -85,6 +87,14 @@ def test_the_loader_stays_what_it_was() -> None:
     assert position_of(loader, seed=0) is position  # one position per loader
     state = dckpt.TrainState(torch.nn.Linear(2, 2), data=loader)
     assert state.data is position
+
+
+def test_a_copy_is_the_plain_loader_it_was() -> None:
+    loader = _loader("shuffle")
+    position_of(loader, seed=0)
+    for copied in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert type(copied) is DataLoader and not hasattr(copied, "_dckpt_position")
+        assert sum(len(b) for (b,) in copied) == 40
 
 
 def test_a_global_batch_sampler_in_a_loader_is_kept_as_it_is() -> None:

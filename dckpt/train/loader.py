@@ -20,7 +20,8 @@ the original one (made once per type; the object, its attributes and ``isinstanc
 unchanged). A resume restores the generators to their state at the start of the saved
 iteration, the epoch (``set_epoch`` where the loader or its samplers have one), and the next
 iteration drops the first ``batches`` batches: they are drawn (their samples are read) and
-not handed out, so the loop resumes on exactly the next batch, whatever the sampler.
+not handed out, so the loop resumes on exactly the next batch, whatever the sampler. A copy
+of the loader (pickled, deep-copied) is the plain loader it was, without a position.
 
 Two things that made a resume differ, and what is done about them:
 
@@ -69,9 +70,25 @@ def _counting_type(real: type) -> type:
             position: LoaderPosition = vars(self)[_ATTR]
             return position.iterate(lambda: original(self))
 
-        made = type(real.__name__, (real,), {"__iter__": __iter__, "__module__": real.__module__})
+        def __reduce_ex__(self: Any, protocol: Any) -> Any:  # noqa: N807
+            # Pickled as the loader it was (this type is made here, not importable), without
+            # its position: a copy in another process is a plain loader again.
+            return (_plain_copy, (real, {k: v for k, v in vars(self).items() if k != _ATTR}))
+
+        made = type(
+            real.__name__,
+            (real,),
+            {"__iter__": __iter__, "__reduce_ex__": __reduce_ex__, "__module__": real.__module__},
+        )
         _COUNTING[real] = made
     return made
+
+
+def _plain_copy(cls: type, state: dict[str, Any]) -> Any:
+    """A loader of type ``cls`` with ``state`` as its attributes (what a pickled one becomes)."""
+    obj: Any = object.__new__(cls)
+    vars(obj).update(state)
+    return obj
 
 
 def _set_type(obj: Any, cls: type) -> None:
