@@ -14,11 +14,12 @@ In a script (Accelerate's ``examples/by_feature/checkpointing.py`` shape)::
     manager.close()
 
 What the pieces below do not: ``TrainState`` itself unwraps Accelerate's optimizer (the
-scheduler wrapper's state is its scheduler's already) and keeps a prepared loader's position (dckpt.train.state, dckpt.train.loader), so
-``dckpt.TrainState(model, optimizer, ...)`` with the prepared objects works without this
-module too. ``checkpoint_manager`` adds what only the accelerator knows: its GradScaler (fp16)
-in the state, and a refusal, in words, of the setups whose state DCP cannot hold (DeepSpeed's
-engine, Megatron-LM, XLA): for those, Accelerate's own ``save_state``.
+scheduler wrapper's state is its scheduler's already) and keeps a prepared loader's
+position (dckpt.train.state, dckpt.train.loader), so ``dckpt.TrainState(model, optimizer,
+...)`` with the prepared objects works without this module too. ``checkpoint_manager``
+adds what only the accelerator knows: its GradScaler (fp16) in the state, and a refusal, in
+words, of the setups whose state DCP cannot hold (DeepSpeed's engine, Megatron-LM, XLA):
+for those, Accelerate's own ``save_state``.
 
 Invariant: importing this module imports accelerate (an ImportError naming the extra when it
 is missing); ``import dckpt`` never imports this module.
