@@ -29,11 +29,13 @@ typecheck: $(STAMP)
 
 # Test files run in parallel, a file's tests on one worker (they share its module fixtures):
 # most of a test's time is its ranks waiting on each other, on a deadline or on a store, so
-# three workers on 2 cores take 10 to 11 minutes where one took 15. PYTEST_WORKERS=0 runs one
-# file after another in this process.
+# three workers on 2 cores take 10 to 11 minutes where one took 15. Files are handed out in
+# collection order, the longest first (tests/conftest.py: SLOWEST_FIRST), not re-sorted by
+# their number of tests (xdist's default put the few long ones last, alone at the end).
+# PYTEST_WORKERS=0 runs one file after another in this process.
 PYTEST_WORKERS ?= 3
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40
 
 test: lint typecheck unit
 

@@ -44,10 +44,13 @@ from torch.utils.data import DataLoader
 
 from ..errors import CheckpointError, StateMismatchError
 from .data import GlobalBatchSampler
-from .loader import position_of
+from .loader import LoaderPosition, position_of
 from .per_rank import PerRank
 
-__all__ = ["Stateful", "TrainState", "describe_layout"]
+__all__ = ["DATA_ORDER", "Stateful", "TrainState", "describe_layout"]
+
+DATA_ORDER = "dckpt_data_order"
+"""The ``extra`` entry a DataLoader's order is kept in (dckpt.train.loader.LoaderOrder)."""
 
 
 class Stateful(Protocol):
@@ -91,8 +94,10 @@ class TrainState:
         else:
             self.schedulers = [scheduler]
         self.scaler = scaler
-        self.data = _data_position(data, seed)
+        self.data = _data_position(data)
         self.extra = dict(extra or {})
+        if isinstance(self.data, LoaderPosition):  # its order: each rank's generators
+            self.extra.setdefault(DATA_ORDER, PerRank(self.data.order, on_resize="fresh"))
         self.seed = seed
         self.step = 0
         self.epoch = 0
@@ -222,19 +227,24 @@ def describe_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unwrap_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
-    """The optimizer that holds the state. A framework's wrapper (Accelerate's
-    ``AcceleratedOptimizer``) subclasses ``Optimizer`` without its hooks and keeps the real
-    one as ``.optimizer``; DCP and the step hook need the real one. The wrapper's ``step``
-    still calls the real one's, so the hook fires on every step that updates."""
-    while optimizer is not None:
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
-            break
-        optimizer = inner
+    """The optimizer that holds the state. Accelerate's ``AcceleratedOptimizer`` subclasses
+    ``Optimizer`` without its hooks and keeps the real one as ``.optimizer``; DCP and the step
+    hook need the real one, and its ``step`` calls the real one's, so the hook fires on every
+    step that updates. Matched by type (by name: accelerate is not imported here), not by the
+    attribute: another wrapper with an ``.optimizer`` may keep state of its own (Lookahead's
+    slow weights), which its own ``state_dict`` holds."""
+    kind = type(optimizer)
+    inner = getattr(optimizer, "optimizer", None)
+    if (
+        kind.__name__ == "AcceleratedOptimizer"
+        and kind.__module__.startswith("accelerate.")
+        and isinstance(inner, torch.optim.Optimizer)
+    ):
+        return inner
     return optimizer
 
 
-def _data_position(data: Stateful | DataLoader[Any] | None, seed: int) -> Stateful | None:
+def _data_position(data: Stateful | DataLoader[Any] | None) -> Stateful | None:
     """What the ``data`` category saves: a DataLoader's position (or the GlobalBatchSampler
     it draws from, whose position is already global), any other object as it is."""
     if not isinstance(data, DataLoader):  # Accelerate's loader passes as one too
@@ -242,7 +252,7 @@ def _data_position(data: Stateful | DataLoader[Any] | None, seed: int) -> Statef
     batch_sampler = getattr(data, "batch_sampler", None)
     if isinstance(batch_sampler, GlobalBatchSampler):
         return batch_sampler
-    return position_of(data, seed=seed)
+    return position_of(data)
 
 
 def _ptr(t: torch.Tensor) -> int | None:
