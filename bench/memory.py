@@ -73,12 +73,17 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     memory_dir = Path(cfg["memory_dir"])
     logging.getLogger("dckpt").setLevel(logging.WARNING)
 
+    def memory_of(root: Path) -> Path:
+        # A memory directory belongs to one root (a second root is refused the memory tier):
+        # each root of this run gets its own, beside the others under the same tmpfs.
+        return memory_dir.with_name(f"{memory_dir.name}-{root.name}")
+
     def config(root: Path, memory: bool) -> Any:
         return dckpt.CheckpointConfig(
             root=root,
             lock=False,
             memory=memory,
-            memory_dir=memory_dir,
+            memory_dir=memory_of(root),
             loss_watch="off",
             value_checks=cfg["value_checks"],
         )
@@ -90,7 +95,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     loops: dict[str, list[dict[str, float]]] = {"none": [], "disk": [], "memory": []}
     sizes: dict[str, int] = {}
     step = 0
-    node_dir = memory_layout.node_dir(memory_dir, rank)
+    node_dirs: list[Path] = []
     try:
         # Warm-up, untimed: every buffer and memory slot is made once.
         with dckpt.CheckpointManager(config(base / "warm", True), state) as mgr:
@@ -103,6 +108,8 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
             seconds["disk_write_nproc"].append(disk.measure(where, parallel=True))
             ranks.cleanup(where)
             root = base / f"r{rnd}"
+            node_dir = memory_layout.node_dir(memory_of(root), rank)
+            node_dirs.append(node_dir)
             with dckpt.CheckpointManager(config(root, True), state) as mgr:
                 for _ in range(2):  # untimed: the ranks agree on who writes which replicated
                     step += 10  # tensor, and the slots take that size: the steady state
@@ -154,7 +161,8 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                         step += 10
                         mgr.save(step, tier="memory").result()
             for number, kind in enumerate(h.round_order(("none", "disk", "memory"), rnd)):
-                with dckpt.CheckpointManager(config(base / f"loop-{rnd}", True), state) as mgr:
+                loop_root = base / f"loop-{rnd}-{kind}"  # a root of its own: see memory_of
+                with dckpt.CheckpointManager(config(loop_root, True), state) as mgr:
                     for extra in (100, 150):  # the layout and the slots, untimed
                         mgr.save(step + extra + number, tier="memory").result()
                     ranks.prepare()
@@ -163,11 +171,13 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                     got = h.save_loop(mgr, opt, cfg["steps"], cfg["matmul"], save, tier=loop_tier)
                 worst = max(ranks.gather(got["loop_s"])), max(ranks.gather(got["stall_s"]))
                 loops[kind].append({"loop_s": worst[0], "stall_s": worst[1]})
-                ranks.cleanup(base / f"loop-{rnd}")
+                ranks.cleanup(loop_root)
+                shutil.rmtree(memory_layout.node_dir(memory_of(loop_root), rank), True)
             step += 10
             ranks.cleanup(root)
     finally:
-        shutil.rmtree(node_dir, ignore_errors=True)
+        for node_dir in node_dirs:
+            shutil.rmtree(node_dir, ignore_errors=True)
     return {"seconds": seconds, "loops": loops, "bytes": sizes, "pushed": max(pushed)}
 
 
@@ -312,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = h.loop_config(args, run.base_dir, memory_dir=str(memory_dir))
             cfg["value_checks"] = not args.no_value_checks
             raw = h.spawn(args.world_size, args.torch_threads, _rank_main, cfg)
-    finally:
-        shutil.rmtree(memory_dir, ignore_errors=True)
+    finally:  # every root's memory directory (see _rank_main's memory_of)
+        for made in memory_dir.parent.glob(f"{memory_dir.name}-*"):
+            shutil.rmtree(made, ignore_errors=True)
     doc = summarize(raw, args)
     h.publish(args.name, doc, render(doc))
     return 0

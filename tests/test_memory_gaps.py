@@ -323,3 +323,23 @@ def test_a_save_after_a_memory_save_lost_the_group_refuses_instead_of_using_it(
         assert result["next"].startswith("WorldError:"), result
         assert "Restart the job" in result["next"], result
     assert committed_steps(tmp_path / "root") == [1]
+
+
+def test_a_memory_dir_of_an_earlier_root_at_the_same_path_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """A root removed and made again at the same path has a new memory identity: its old
+    memory directory is refused with words that tell the two apart (the message read "of X,
+    not of X") and a remedy that works (``dckpt memory clear`` refuses it too)."""
+    from dckpt.owned import NotOwnedError
+    from dckpt.tiers.memory_layout import claim_memory_dir
+
+    memory = tmp_path / "mem"
+    claim_memory_dir(memory, memory, "id-old", "/runs/a")
+    with pytest.raises(NotOwnedError) as refused:
+        claim_memory_dir(memory, memory, "id-new", "/runs/a")
+    words = str(refused.value)
+    assert "an earlier root at /runs/a (memory identity id-old; this root's is id-new" in words
+    assert f"rm -r {memory.resolve()}" in words and "dckpt memory clear" not in words
+    with pytest.raises(NotOwnedError, match="dckpt memory clear /runs/a --memory-dir"):
+        claim_memory_dir(memory, memory, "id-other", "/runs/b")

@@ -170,13 +170,23 @@ def claim_memory_dir(memory_dir: Path, base: Path, root_id: str, root_name: str)
             f"{real / ROOT_FILE} belongs to {owner_name(st.st_uid)}, not to this job's user"
         )
     if owner is None or owner[0] != root_id:
+        if owner is not None and owner[1] == root_name:
+            # The same place, another root: `dckpt memory clear` would refuse it too (it
+            # frees only this root's), and the earlier root may live on elsewhere (a move
+            # keeps the identity), so nothing says its memory is garbage: the user decides.
+            raise NotOwnedError(
+                f"{real} holds the memory tier of an earlier root at {root_name} (memory "
+                f"identity {owner[0]}; this root's is {root_id}: the root was made again "
+                f"there, or moved away): two roots never share a memory directory. Give this "
+                f"job a memory_dir of its own, or, if that earlier root is gone for good, "
+                f"remove the directory: rm -r {real}"
+            )
         name = owner[1] if owner is not None else "ROOT"
+        whose = owner[1] if owner is not None else "a root its .dckpt-root does not name"
         raise NotOwnedError(
-            f"{real} holds the memory tier of "
-            f"{owner[1] if owner is not None else 'a root its .dckpt-root does not name'}, not "
-            f"of {root_name}: two roots never share a memory directory. Give this job a "
-            f"memory_dir of its own, or free that one: dckpt memory clear {name} --memory-dir "
-            f"{real}"
+            f"{real} holds the memory tier of {whose}, not of {root_name}: two roots never "
+            f"share a memory directory. Give this job a memory_dir of its own, or free that "
+            f"one: dckpt memory clear {name} --memory-dir {real}"
         )
     return real
 
