@@ -54,6 +54,7 @@ from .load.memory import MemoryReader, MemorySource
 from .load.replay import Replay, ReplayMode
 from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer, ResumeTier
+from .load.watch import ResumeWatch
 from .owned import NotOwnedError, private_tree
 from .preemption import CHECK_EVERY_S, DEFAULT_SIGNALS, Preemption, PreemptionStop
 from .root.memory_ledger import MemoryLedger
@@ -294,15 +295,23 @@ class CheckpointManager:
             rtol=config.replay_rtol,
             run_id=self.run_id,
         )
+        self._watch = ResumeWatch(
+            rank=self.rank,
+            world_size=self.world_size,
+            config=config,
+            loss_watch=self._loss_watch,
+            replay=replay,
+            state=state,
+            records=tiers[-1].source.resume_records(),
+            run_id=self.run_id,
+        )
         self._resumer = Resumer(
             ctl=self._ctl,
             config=config,
             tiers=tiers,
-            loss_watch=self._loss_watch,
+            watch=self._watch,
             lineage=lineage,
-            replay=replay,
             state=state,
-            run_id=self.run_id,
             notes=notes,
         )
         self._stop = PreemptionStop(self._ctl, self._saver)
@@ -314,6 +323,7 @@ class CheckpointManager:
 
     def _on_optimizer_step(self) -> None:
         self._resumer.touched()
+        self._watch.touched()
         self._saver.on_optimizer_step()
 
     def _open_root(self) -> list[Lock]:
@@ -511,7 +521,7 @@ class CheckpointManager:
             resumed_unchanged=self._resumer.unchanged_since(step, tier),
         )
         if not handle.skipped:  # from here on, observe() journals the steps after this save
-            self._resumer.saved(step, handle.save_id, self._saver.last_committed_step)
+            self._watch.saved(step, handle.save_id, self._saver.last_committed_step)
         return handle
 
     def before_optimizer_step(self) -> None:
@@ -574,7 +584,9 @@ class CheckpointManager:
         after a resume the steps replayed are compared with the run that stopped, bit for bit
         (``replay_check``; dckpt.load.replay). ``step``: the step this loss is of; without
         it, the first ``observe()`` after ``save(N)`` is step N+1, and so on."""
-        self._resumer.observe(loss, step)
+        if self.state.optimizer is None:  # nothing else tells that the state is training
+            self._resumer.touched()
+        self._watch.observe(loss, step)
 
     # --- preemption -------------------------------------------------------------------------
 
@@ -617,7 +629,7 @@ class CheckpointManager:
             return
         self._closed = True
         try:
-            self._resumer.finish()
+            self._watch.finish()
             self._saver.drain()
         finally:
             # Each part let go on its own: one that fails (a read-only root, a dead link)

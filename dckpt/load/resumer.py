@@ -58,7 +58,8 @@ are proven) with a reader (how a proven candidate gets into the state), built by
 7. **warmup**: an all-reduce on the training group, whose result each rank checks; one
    all-reduce on dckpt's group says whether any sum was wrong, and only then does rank 0
    gather the results and word the error every rank raises;
-8. **replay and loss watch**: rank 0 reads the replay journal of the step resumed from
+8. **replay and loss watch**, handed to ``ResumeWatch`` (dckpt.load.watch), which the
+   manager calls from then on: rank 0 reads the replay journal of the step resumed from
    (dckpt.root.replay_journal), and its ``observe()`` compares the steps the resumed run
    replays with the run that stopped (dckpt.load.replay; no collective); the loss watch is
    armed with the loss recorded at save time (a checkpoint without one: only
@@ -78,8 +79,6 @@ are proven) with a reader (how a proven candidate gets into the state), built by
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +92,6 @@ from ..errors import (
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
     IntegrityError,
-    LossDeviationError,
     ManifestError,
     StorageError,
     WorldError,
@@ -102,22 +100,17 @@ from ..faults import fault_point
 from ..phases import Phase
 from ..root.layout import foreign_entries, step_dir_name
 from ..root.resume_record import (
-    LOSS_WATCH,
     REPLAY,
     ResumeRecord,
     failed_in_a_row,
     restart_loop,
-    this_start,
 )
 from ..root.source import CheckpointSource
 from ..tiers.memory_commit import Lineage
 from ..train.state import TrainState
 from ..units import human_bytes, plural
-from .config_check import HORIZON_KEYS, OPERATIONAL_KEYS, is_allowed
-from .loss_watch import LossVerdict, LossWatch
-from .overrides import Override, find_overrides
-from .replay import Replay
 from .report import CandidateReport, LoadResult, ResumeReport
+from .watch import ResumeWatch
 
 __all__ = ["LoadResult", "Reader", "ResumeTier", "Resumer"]
 
@@ -144,15 +137,6 @@ class Reader(Protocol):
 
 
 @dataclass(frozen=True)
-class _Watched:
-    """The resume the loss watch's verdict will be about (for its record)."""
-
-    step: int
-    tier: str
-    save_id: str
-
-
-@dataclass(frozen=True)
 class ResumeTier:
     """One place a resume may find checkpoints: its source and its reader."""
 
@@ -171,11 +155,9 @@ class Resumer:
         ctl: Comm,
         config: CheckpointConfig,
         tiers: list[ResumeTier],
-        loss_watch: LossWatch,
+        watch: ResumeWatch,
         lineage: Lineage,
-        replay: Replay,
         state: TrainState,
-        run_id: str | None = None,
         notes: list[str] | None = None,
     ) -> None:
         self._ctl = ctl
@@ -188,19 +170,14 @@ class Resumer:
         """In the order a tie is broken: the memory tier first, the root last."""
         self.durable = tiers[-1]
         self.source = self.durable.source
-        self._loss_watch = loss_watch
+        self.watch = watch
+        """What follows the resume (the replay, the loss watch, the overrides): armed at
+        step 8, then the manager's (dckpt.load.watch)."""
         self._lineage = lineage
         self.rank, self.world_size = ctl.rank, ctl.world_size
         self.records = self.durable.source.resume_records()
         """Where every tier's resumes are recorded: the root's (dckpt.root.resume_record)."""
-        self._run_id = (
-            run_id or os.environ.get("DCKPT_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
-        )
-        self._watched: _Watched | None = None
-        self.replay = replay
         self._state = state
-        self._overrides: list[Override] = []
-        self._recheck: list[Override] = []
         self._loaded: tuple[int, ...] = ()
         self._untouched: tuple[int, str] | None = None
         """The step just loaded and its tier's save route ("durable", "memory"), until the
@@ -218,49 +195,10 @@ class Resumer:
         self._untouched = (step, tier)
         self._loaded = _versions(self._state)
 
-    def saved(self, step: int, save_id: str, committed: int | None) -> None:
-        """A save started: its journal begins (rank 0); a replay still running ends."""
-        verdict = self.replay.saved(step, save_id, committed)
-        if verdict is not None and self.rank == 0:
-            log.info("%s", verdict.line())
-            self._record(REPLAY, verdict.ok, verdict.detail)
-
     def touched(self) -> None:
-        """A step of training (the optimizer's step pre-hook): the loaded state is changing.
-        The first after a resume checks the overrides the report named (rank 0 logs); the
-        second checks again those it found applied (a schedule's first step after the
-        resume could have put the saved value back)."""
+        """A step of training (the optimizer's step pre-hook), or, for a state without an
+        optimizer, an ``observe()``: the loaded state is changing."""
         self._untouched = None
-        recheck, self._recheck = self._recheck, []
-        for o in recheck:
-            if self.rank == 0 and o.still_restored():
-                c = o.change
-                log.warning(
-                    "dckpt: %s is back at %r (%s) after the first scheduler step: the schedule "
-                    "restored the saved value. Apply it where the schedule steps from: %s",
-                    c.key,
-                    c.saved,
-                    o.where,
-                    "; ".join(o.fix),
-                )
-        overrides, self._overrides = self._overrides, []
-        if self.rank != 0:
-            return
-        for o in overrides:
-            c = o.change
-            if o.still_restored():
-                log.warning(
-                    "dckpt: %s is still %r (%s) at the first optimizer step after the resume: "
-                    "the change to %r does nothing. Apply it after resume(): %s",
-                    c.key,
-                    c.saved,
-                    o.where,
-                    c.current,
-                    "; ".join(o.fix),
-                )
-            else:
-                log.info("dckpt: %s %r is applied (%s)", c.key, c.current, o.where)
-                self._recheck.append(o)
 
     def latest_step(self) -> int | None:
         """The newest committed step under the root (as rank 0 sees it), or None."""
@@ -324,7 +262,7 @@ class Resumer:
         result = self.durable.reader.load(chosen, report, with_config=False)
         self._lineage.resumed(result.manifest)
         self._mark_loaded(result.step, "durable")
-        self.replay.reset()
+        self.watch.reset()
         if self.rank == 0:
             log.info(
                 "dckpt: loaded step %d | %s | %d of %d files verified (%s), ranks agree | "
@@ -376,7 +314,7 @@ class Resumer:
         result: LoadResult | None = None
         passed: list[str] = []
         surveyed = [note for tier in self.tiers for note in tier.reader.survey()]
-        self._watched = None
+        self.watch.forget()
         for step, index in candidates:
             tier = self.tiers[index]
             loop = loops.get((step, index))
@@ -392,7 +330,7 @@ class Resumer:
                 result = tier.reader.load(step, candidate, with_config=True)  # 2-5
                 chosen = candidate
                 self._mark_loaded(step, "durable" if tier is self.durable else "memory")
-                self._watched = _Watched(step, tier.name, result.manifest.save_id)
+                self.watch.loaded(step, tier.name, result.manifest.save_id)
                 break
             except CheckpointNotFoundError as exc:  # 6: this tier cannot restore it here
                 passed.append(f"{tier.name}: step {step} not used: {exc}")
@@ -411,8 +349,7 @@ class Resumer:
             self._nothing_loaded(report, len(candidates), passed)
             return report
         self._lineage.resumed(result.manifest)
-        self._overrides = find_overrides(report.config_changes, self._state)
-        report.warnings.extend(o.describe() for o in self._overrides)
+        self.watch.overrides(report)
         t_loaded = time.perf_counter()
         if self._config.warmup and self._ctl.distributed:  # 7
             self._ctl.mark("the warmup all-reduce")
@@ -425,8 +362,7 @@ class Resumer:
             "warmup": time.perf_counter() - t_loaded,
             "total": time.perf_counter() - t0,
         }
-        report.replay = self._arm_replay(result, report)  # 8
-        self._arm_loss_watch(result, report)
+        self.watch.arm(result, report)  # 8
         if self.rank == 0:  # 9
             log.info("%s", report.format())
         return report
@@ -451,118 +387,6 @@ class Resumer:
             except WorldError as exc:
                 words = str(exc)
         raise WorldError(self._ctl.broadcast(words) or "the warmup all-reduce summed wrong")
-
-    def observe(self, loss: float, step: int | None = None) -> None:
-        """Record this step's loss: kept for the manifest and the replay journal, and
-        checked after a resume (the replay, then the loss watch). A replay that matched the
-        run that stopped outranks the loss watch: the resumed run is that run, so the watch
-        defers to it (and never fails it)."""
-        value = float(loss)
-        if self._state.optimizer is None:  # nothing else tells that the state is training
-            self._untouched = None
-        raising = self._config.loss_watch == "raise"
-        replayed = self.replay.observe(value, step)  # rank 0's verdict, None on the others
-        replay_failed = replayed is not None and not replayed.ok and raising
-        if replayed is not None:
-            if not replay_failed:
-                (log.info if replayed.ok else log.warning)("%s", replayed.line())
-            self._record(REPLAY, replayed.ok, replayed.detail)  # before anything is raised
-        verdict = self._loss_watch.judge(value, vouched=self.replay.vouched())
-        if verdict is not None:
-            failing = not verdict.ok and raising
-            self._tell(verdict, logged=not failing)  # recorded before anything is raised
-            if failing:
-                raise LossDeviationError(verdict.line())
-        if replay_failed:
-            assert replayed is not None
-            raise LossDeviationError(replayed.line())
-
-    def finish(self) -> None:
-        """At close: the replay's and the loss watch's verdicts on fewer steps than their
-        windows, if any. The replay's is recorded (every step it compared matched: proof
-        for the checkpoint); the loss watch's is logged, not recorded: a run that ends a few
-        steps after its resume (a preemption, a short job) judged too few losses (a
-        non-finite loss gave its verdict, recorded, when it was seen)."""
-        replayed = self.replay.finish()
-        if replayed is not None:  # rank 0's
-            log.info("%s", replayed.line())
-            self._record(REPLAY, replayed.ok, replayed.detail)
-        verdict = self._loss_watch.finish()
-        if verdict is not None:
-            self._tell(verdict, recorded=False)
-        self._watched = None
-
-    def _tell(self, verdict: LossVerdict, *, logged: bool = True, recorded: bool = True) -> None:
-        if self.rank != 0:  # one line, not one per rank (each rank judged its own losses)
-            return
-        if logged:
-            (log.info if verdict.ok else log.warning)("%s", verdict.line())
-        if recorded:
-            self._record(LOSS_WATCH, verdict.ok, verdict.detail)
-
-    def _record(self, kind: str, ok: bool, detail: str) -> None:
-        """Rank 0: one verdict of this resume (``REPLAY`` or ``LOSS_WATCH``) into the root's
-        resume records. Never raises: a lost record costs the restart-loop guard one start,
-        a raise would cost the run."""
-        watched = self._watched
-        if watched is None or self.records is None or self.rank != 0:
-            return
-        attempt, job, start = this_start()
-        record = ResumeRecord(
-            step=watched.step,
-            tier=watched.tier,
-            save_id=watched.save_id,
-            ok=ok,
-            verdict=detail,
-            run_id=self._run_id,
-            attempt=attempt,
-            job=job,
-            start=start,
-            time=time.time(),
-            kind=kind,
-        )
-        where = self.records.where(watched.step)
-        try:
-            kept = self.records.add(record)
-        except (OSError, ValueError, CheckpointError) as exc:
-            log.warning(
-                "dckpt: could not record the resume of step %d in %s (%s); training goes on, "
-                "but a restart that fails the same way is not known to have failed before",
-                watched.step,
-                where,
-                exc,
-            )
-            return
-        if ok:
-            return
-        if kind == LOSS_WATCH:
-            log.warning(
-                "dckpt: the loss watch's verdict on the resume of step %d is recorded in %s: "
-                "a warning, never a strike against the checkpoint (only a replay that differs "
-                "from the run that stopped is)",
-                watched.step,
-                where,
-            )
-            return
-        row = failed_in_a_row(
-            [r for r in kept if (r.tier, r.save_id) == (record.tier, record.save_id)]
-        )
-        then = (
-            "the next start quarantines it and resumes from the step before"
-            if len(row) >= 2
-            else "if the next start's replay of it differs too, the start after that "
-            "quarantines it and resumes from the step before"
-        )
-        log.warning(
-            "dckpt: the resume of step %d (%s, %s) did not reproduce the run that stopped "
-            "(its replay differed), recorded in %s (%d in a row): %s",
-            watched.step,
-            watched.tier,
-            record.label(),
-            where,
-            len(row),
-            then,
-        )
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -702,36 +526,6 @@ class Resumer:
             step,
             f"restart loop: {loop}. Resuming it again would fail the same way; to try it "
             f"anyway once the cause is fixed, restore it and remove its resume records ({where})",
-        )
-
-    def _arm_replay(self, result: LoadResult, report: ResumeReport) -> str:
-        """Step 8: rank 0 reads the journal of the step resumed from and arms the replay."""
-        changed = None
-        neutral = OPERATIONAL_KEYS - HORIZON_KEYS  # where logs and saves go, not the math
-        shaping = [c.key for c in report.config_changes if not is_allowed(c, neutral)]
-        if report.world_size_saved not in (None, self.world_size):
-            changed = f"the world size changed ({report.world_size_saved} -> {self.world_size})"
-        elif shaping:
-            changed = f"the config changed ({', '.join(shaping)})"
-        return self.replay.resumed(result.step, result.manifest.save_id, changed)
-
-    def _arm_loss_watch(self, result: LoadResult, report: ResumeReport) -> None:
-        if self._config.loss_watch == "off":
-            return  # no verdict of its own (the replay's is still recorded)
-        steps = self._config.loss_watch_steps
-        if not result.manifest.loss:  # nothing to compare with: a non-finite loss still fails
-            self._loss_watch.guard(steps, result.path.name)
-            return
-        self._loss_watch.arm(result.manifest.loss, steps, result.path.name)
-        low, high = self._loss_watch.band()
-        if not (math.isfinite(low) and math.isfinite(high)):  # a NaN band would pass nothing
-            report.warnings.append(f"loss watch {self._loss_watch.describe_armed()}")
-            self._loss_watch.guard(steps, result.path.name)
-            return
-        report.check(
-            "loss watch armed",
-            True,
-            self._loss_watch.describe_armed() + "; the verdict follows as its own line",
         )
 
     def _nothing_loaded(self, report: ResumeReport, candidates: int, passed: list[str]) -> None:

@@ -1,0 +1,296 @@
+"""After a resume: ``ResumeWatch``, the checks that follow the training it resumed.
+
+The resume (dckpt.load.resumer, step 8 of its protocol) hands the watch the step it loaded;
+from then on the manager calls the watch, not the resumer:
+
+- ``observe()`` each step's loss: rank 0 journals it (dckpt.load.replay), compares the steps
+  the resumed run replays with the run that stopped, and the loss watch (dckpt.load.loss_watch)
+  compares the first losses with the one recorded at save time; a replay that matched
+  outranks the loss watch (the resumed run is that run);
+- ``touched()`` at each optimizer step: the config changes the restored state overrides
+  (dckpt.load.overrides), checked at the first step and again at the second;
+- ``saved()`` when a save starts: its journal begins, a replay still running ends;
+- ``finish()`` at close: the verdicts on fewer steps than their windows.
+
+Rank 0 records every verdict in the root's resume records (dckpt.root.resume_record) before
+it is logged or raised; a record that cannot be written is logged, never raised. Those
+records are what the resumer's restart-loop rule reads at the next start. No collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+from ..config import CheckpointConfig
+from ..errors import CheckpointError, LossDeviationError
+from ..root.resume_record import (
+    LOSS_WATCH,
+    REPLAY,
+    ResumeRecord,
+    ResumeRecords,
+    failed_in_a_row,
+    this_start,
+)
+from ..train.state import TrainState
+from .config_check import HORIZON_KEYS, OPERATIONAL_KEYS, is_allowed
+from .loss_watch import LossVerdict, LossWatch
+from .overrides import Override, find_overrides
+from .replay import Replay
+from .report import LoadResult, ResumeReport
+
+__all__ = ["ResumeWatch"]
+
+log = logging.getLogger("dckpt")
+
+
+@dataclass(frozen=True)
+class _Watched:
+    """The resume the verdicts are about (for their records)."""
+
+    step: int
+    tier: str
+    save_id: str
+
+
+class ResumeWatch:
+    """The replay, the loss watch and the overrides after a resume; see the module
+    docstring."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        config: CheckpointConfig,
+        loss_watch: LossWatch,
+        replay: Replay,
+        state: TrainState,
+        records: ResumeRecords | None,
+        run_id: str | None = None,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._config = config
+        self._loss_watch = loss_watch
+        self.replay = replay
+        self._state = state
+        self.records = records
+        self._run_id = (
+            run_id or os.environ.get("DCKPT_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+        )
+        self._watched: _Watched | None = None
+        self._overrides: list[Override] = []
+        self._recheck: list[Override] = []
+
+    # --- from the resumer -------------------------------------------------------------------
+
+    def forget(self) -> None:
+        """A resume begins: nothing is watched until it loads a candidate."""
+        self._watched = None
+
+    def loaded(self, step: int, tier: str, save_id: str) -> None:
+        """A resume loaded ``step`` from ``tier`` (its name): the verdicts are about it."""
+        self._watched = _Watched(step, tier, save_id)
+
+    def reset(self) -> None:
+        """``load()`` (no resume): no replay of the steps after it."""
+        self.replay.reset()
+
+    def overrides(self, report: ResumeReport) -> None:
+        """The config changes that passed but that the restored state overrides, named in
+        the report and checked at the first optimizer steps (``touched``)."""
+        self._overrides = find_overrides(report.config_changes, self._state)
+        report.warnings.extend(o.describe() for o in self._overrides)
+
+    def arm(self, result: LoadResult, report: ResumeReport) -> None:
+        """Step 8: the replay and the loss watch, armed for the steps after ``result``."""
+        report.replay = self._arm_replay(result, report)
+        self._arm_loss_watch(result, report)
+
+    # --- from the manager -------------------------------------------------------------------
+
+    def saved(self, step: int, save_id: str, committed: int | None) -> None:
+        """A save started: its journal begins (rank 0); a replay still running ends."""
+        verdict = self.replay.saved(step, save_id, committed)
+        if verdict is not None and self.rank == 0:
+            log.info("%s", verdict.line())
+            self._record(REPLAY, verdict.ok, verdict.detail)
+
+    def touched(self) -> None:
+        """A step of training (the optimizer's step pre-hook). The first after a resume
+        checks the overrides the report named (rank 0 logs); the second checks again those it
+        found applied (a schedule's first step after the resume could have put the saved
+        value back)."""
+        recheck, self._recheck = self._recheck, []
+        for o in recheck:
+            if self.rank == 0 and o.still_restored():
+                c = o.change
+                log.warning(
+                    "dckpt: %s is back at %r (%s) after the first scheduler step: the schedule "
+                    "restored the saved value. Apply it where the schedule steps from: %s",
+                    c.key,
+                    c.saved,
+                    o.where,
+                    "; ".join(o.fix),
+                )
+        overrides, self._overrides = self._overrides, []
+        if self.rank != 0:
+            return
+        for o in overrides:
+            c = o.change
+            if o.still_restored():
+                log.warning(
+                    "dckpt: %s is still %r (%s) at the first optimizer step after the resume: "
+                    "the change to %r does nothing. Apply it after resume(): %s",
+                    c.key,
+                    c.saved,
+                    o.where,
+                    c.current,
+                    "; ".join(o.fix),
+                )
+            else:
+                log.info("dckpt: %s %r is applied (%s)", c.key, c.current, o.where)
+                self._recheck.append(o)
+
+    def observe(self, loss: float, step: int | None = None) -> None:
+        """Record this step's loss: kept for the manifest and the replay journal, and
+        checked after a resume (the replay, then the loss watch). A replay that matched the
+        run that stopped outranks the loss watch: the resumed run is that run, so the watch
+        defers to it (and never fails it)."""
+        value = float(loss)
+        raising = self._config.loss_watch == "raise"
+        replayed = self.replay.observe(value, step)  # rank 0's verdict, None on the others
+        replay_failed = replayed is not None and not replayed.ok and raising
+        if replayed is not None:
+            if not replay_failed:
+                (log.info if replayed.ok else log.warning)("%s", replayed.line())
+            self._record(REPLAY, replayed.ok, replayed.detail)  # before anything is raised
+        verdict = self._loss_watch.judge(value, vouched=self.replay.vouched())
+        if verdict is not None:
+            failing = not verdict.ok and raising
+            self._tell(verdict, logged=not failing)  # recorded before anything is raised
+            if failing:
+                raise LossDeviationError(verdict.line())
+        if replay_failed:
+            assert replayed is not None
+            raise LossDeviationError(replayed.line())
+
+    def finish(self) -> None:
+        """At close: the replay's and the loss watch's verdicts on fewer steps than their
+        windows, if any. The replay's is recorded (every step it compared matched: proof
+        for the checkpoint); the loss watch's is logged, not recorded: a run that ends a few
+        steps after its resume (a preemption, a short job) judged too few losses (a
+        non-finite loss gave its verdict, recorded, when it was seen)."""
+        replayed = self.replay.finish()
+        if replayed is not None:  # rank 0's
+            log.info("%s", replayed.line())
+            self._record(REPLAY, replayed.ok, replayed.detail)
+        verdict = self._loss_watch.finish()
+        if verdict is not None:
+            self._tell(verdict, recorded=False)
+        self._watched = None
+
+    def _tell(self, verdict: LossVerdict, *, logged: bool = True, recorded: bool = True) -> None:
+        if self.rank != 0:  # one line, not one per rank (each rank judged its own losses)
+            return
+        if logged:
+            (log.info if verdict.ok else log.warning)("%s", verdict.line())
+        if recorded:
+            self._record(LOSS_WATCH, verdict.ok, verdict.detail)
+
+    def _record(self, kind: str, ok: bool, detail: str) -> None:
+        """Rank 0: one verdict of this resume (``REPLAY`` or ``LOSS_WATCH``) into the root's
+        resume records. Never raises: a lost record costs the restart-loop guard one start,
+        a raise would cost the run."""
+        watched = self._watched
+        if watched is None or self.records is None or self.rank != 0:
+            return
+        attempt, job, start = this_start()
+        record = ResumeRecord(
+            step=watched.step,
+            tier=watched.tier,
+            save_id=watched.save_id,
+            ok=ok,
+            verdict=detail,
+            run_id=self._run_id,
+            attempt=attempt,
+            job=job,
+            start=start,
+            time=time.time(),
+            kind=kind,
+        )
+        where = self.records.where(watched.step)
+        try:
+            kept = self.records.add(record)
+        except (OSError, ValueError, CheckpointError) as exc:
+            log.warning(
+                "dckpt: could not record the resume of step %d in %s (%s); training goes on, "
+                "but a restart that fails the same way is not known to have failed before",
+                watched.step,
+                where,
+                exc,
+            )
+            return
+        if ok:
+            return
+        if kind == LOSS_WATCH:
+            log.warning(
+                "dckpt: the loss watch's verdict on the resume of step %d is recorded in %s: "
+                "a warning, never a strike against the checkpoint (only a replay that differs "
+                "from the run that stopped is)",
+                watched.step,
+                where,
+            )
+            return
+        row = failed_in_a_row(
+            [r for r in kept if (r.tier, r.save_id) == (record.tier, record.save_id)]
+        )
+        then = (
+            "the next start quarantines it and resumes from the step before"
+            if len(row) >= 2
+            else "if the next start's replay of it differs too, the start after that "
+            "quarantines it and resumes from the step before"
+        )
+        log.warning(
+            "dckpt: the resume of step %d (%s, %s) did not reproduce the run that stopped "
+            "(its replay differed), recorded in %s (%d in a row): %s",
+            watched.step,
+            watched.tier,
+            record.label(),
+            where,
+            len(row),
+            then,
+        )
+
+    def _arm_replay(self, result: LoadResult, report: ResumeReport) -> str:
+        """Step 8: rank 0 reads the journal of the step resumed from and arms the replay."""
+        changed = None
+        neutral = OPERATIONAL_KEYS - HORIZON_KEYS  # where logs and saves go, not the math
+        shaping = [c.key for c in report.config_changes if not is_allowed(c, neutral)]
+        if report.world_size_saved not in (None, self.world_size):
+            changed = f"the world size changed ({report.world_size_saved} -> {self.world_size})"
+        elif shaping:
+            changed = f"the config changed ({', '.join(shaping)})"
+        return self.replay.resumed(result.step, result.manifest.save_id, changed)
+
+    def _arm_loss_watch(self, result: LoadResult, report: ResumeReport) -> None:
+        if self._config.loss_watch == "off":
+            return  # no verdict of its own (the replay's is still recorded)
+        steps = self._config.loss_watch_steps
+        if not result.manifest.loss:  # nothing to compare with: a non-finite loss still fails
+            self._loss_watch.guard(steps, result.path.name)
+            return
+        self._loss_watch.arm(result.manifest.loss, steps, result.path.name)
+        low, high = self._loss_watch.band()
+        if not (math.isfinite(low) and math.isfinite(high)):  # a NaN band would pass nothing
+            report.warnings.append(f"loss watch {self._loss_watch.describe_armed()}")
+            self._loss_watch.guard(steps, result.path.name)
+            return
+        report.check(
+            "loss watch armed",
+            True,
+            self._loss_watch.describe_armed() + "; the verdict follows as its own line",
+        )
