@@ -43,7 +43,6 @@ import json
 import math
 import mmap
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +67,7 @@ from ..root.memory_ledger import MemoryLedger
 from ..storage.digest import format_digest, new_hasher
 from ..storage.memory_file import FlatFile, MemoryFileError, StateFill
 from ..storage.records import FileRecord
+from ..storage.verified_files import NotRegularFileError, open_regular
 from ..tiers import memory_layout as layout
 from ..tiers.memory_layout import Claim
 from ..train import rng
@@ -653,25 +653,14 @@ def _allocate(claims: list[Claim | None]) -> None:
                 break  # the receive meets it again, and says so
 
 
-class _SizeMismatchError(ValueError):
-    """The file is not a regular file of the recorded size."""
-
-    def __init__(self, st: os.stat_result, size: int) -> None:
-        kind = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
-        super().__init__(f"{kind} where {size} bytes were recorded")
-        self.actual = kind
-
-
 def _map_sized(path: Path, size: int) -> tuple[mmap.mmap, os.stat_result]:
-    """A read-only mapping of ``path``, which must be a regular file of ``size`` bytes
-    (``_SizeMismatchError`` otherwise, before anything is mapped) owned by the job's user
+    """A read-only mapping of ``path``, opened as every checkpoint file is
+    (``storage.verified_files.open_regular``: ``NotRegularFileError`` unless a regular file
+    of ``size`` bytes, before anything is mapped), owned by the job's user
     (``PermissionError`` otherwise: not this job's file, so no evidence about the step), and
     its ``fstat``; the caller hashes through this very mapping."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    fd, st = open_regular(str(path), size)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise _SizeMismatchError(st, size)
         _check_owner(path, st)
         return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ), st
     finally:
@@ -683,7 +672,7 @@ def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, i
     writer's bytes. Returns the mapping (kept for the reads) and the file's identity."""
     try:
         mm, st = _map_sized(path, record.bytes)
-    except _SizeMismatchError as exc:
+    except NotRegularFileError as exc:
         raise IntegrityError(
             str(path), f"{record.bytes} bytes", exc.actual, "size mismatch"
         ) from None
@@ -703,9 +692,11 @@ def _map(path: str, identity: tuple[int, int, int]) -> mmap.mmap:
     """Map ``path`` if it is still the file that was proven (the proof and the read may be on
     two ranks of the node, so the file is opened twice: never through a link, and checked
     on the descriptor to be that inode, unchanged, and the job's user's)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
     try:
-        st = os.fstat(fd)
+        fd, st = open_regular(path, identity[1])
+    except NotRegularFileError:
+        raise CheckpointError(f"{path} changed after it was proven: not read") from None
+    try:
         if _identity(st) != identity:
             raise CheckpointError(f"{path} changed after it was proven: not read")
         _check_owner(Path(path), st)

@@ -1,10 +1,12 @@
 """Opening checkpoint files safely and proving their bytes match the manifest (no torch).
 
-``open_verified`` is the one check every reader uses (a load, ``dckpt verify``, the coverage
-pass of a resume): no symlink is followed (``O_NOFOLLOW``), no FIFO is waited on
-(``O_NONBLOCK``, then a regular-file check), the size must match before anything is read,
-and every byte is hashed through one reused buffer. ``read_verified`` is for small files
-whose every byte is then used (``.metadata``): it hashes exactly the bytes it returns.
+``open_regular`` is the one way a checkpoint file is opened for reading, by every reader (a
+load, ``dckpt verify``, the coverage pass of a resume, the memory tier's mappings): no
+symlink is followed (``O_NOFOLLOW``), no FIFO is waited on (``O_NONBLOCK``, then a
+regular-file check on the descriptor), and the size must match before anything is read or
+mapped. ``open_verified`` adds the digest: every byte hashed through one reused buffer.
+``read_verified`` is for small files whose every byte is then used (``.metadata``): it
+hashes exactly the bytes it returns.
 An I/O failure is a ``StorageError`` (retry), never an integrity failure.
 """
 
@@ -24,8 +26,10 @@ from .item_digests import ItemDigests
 from .records import FileRecord
 
 __all__ = [
+    "NotRegularFileError",
     "VerifiedFile",
     "open_checked",
+    "open_regular",
     "open_verified",
     "read_verified",
     "read_verified_digest",
@@ -44,6 +48,32 @@ def unreadable(path: str, exc: OSError, doing: str = "read") -> StorageError:
     )
 
 
+class NotRegularFileError(ValueError):
+    """The path opened is not a regular file of the recorded size; ``actual`` says what it is
+    (``"N bytes"``, or ``"not a regular file"``)."""
+
+    def __init__(self, st: os.stat_result, size: int) -> None:
+        self.regular = stat.S_ISREG(st.st_mode)
+        self.actual = f"{st.st_size} bytes" if self.regular else "not a regular file"
+        super().__init__(f"{self.actual} where {size} bytes were recorded")
+
+
+def open_regular(path: str, size: int) -> tuple[int, os.stat_result]:
+    """``path`` opened read-only, never through a symlink (``OSError`` ELOOP) nor waiting on a
+    FIFO; its ``fstat`` must be a regular file of ``size`` bytes (``NotRegularFileError``
+    otherwise, the descriptor closed). Returns the descriptor (the caller's to close) and the
+    ``fstat``. Other ``OSError`` (missing file, the storage failing) as raised."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise NotRegularFileError(st, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 class VerifiedFile(io.FileIO):
     """A checkpoint file opened by ``open_verified``; ``digest`` is what its bytes hashed to
     (equal to the manifest's record, or it would not have been returned)."""
@@ -58,30 +88,23 @@ def _open_checked(path: str, record: FileRecord) -> tuple[VerifiedFile, str]:
         algorithm, _ = parse_digest(record.digest)
     except ValueError as exc:
         raise IntegrityError(path, record.digest, "unusable digest", str(exc)) from None
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags)
+        fd, _ = open_regular(path, record.bytes)
     except FileNotFoundError:
         raise IntegrityError(path, record.digest, "missing file", detail="file missing") from None
+    except NotRegularFileError as exc:
+        if not exc.regular:
+            raise IntegrityError(
+                path, "a regular file", "not a regular file", "wrong file type"
+            ) from None
+        raise IntegrityError(
+            path, f"{record.bytes} bytes", exc.actual, detail="size mismatch"
+        ) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: the layout was tampered with
             raise IntegrityError(path, "a regular file", "a symlink", "wrong file type") from exc
         raise unreadable(path, exc, "open") from exc
-    f = VerifiedFile(fd, "rb", closefd=True)
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        f.close()
-        raise unreadable(path, exc, "stat") from exc
-    if not stat.S_ISREG(st.st_mode):
-        f.close()
-        raise IntegrityError(path, "a regular file", "not a regular file", "wrong file type")
-    if st.st_size != record.bytes:
-        f.close()
-        raise IntegrityError(
-            path, f"{record.bytes} bytes", f"{st.st_size} bytes", detail="size mismatch"
-        )
-    return f, algorithm
+    return VerifiedFile(fd, "rb", closefd=True), algorithm
 
 
 def open_checked(path: str, record: FileRecord) -> VerifiedFile:
