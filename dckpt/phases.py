@@ -104,7 +104,7 @@ _WHAT = {
     Phase.MAKE_TMP: "preparing the save (its state and tmp dir)",
     Phase.STAGE: "staging the deferred copies",
     Phase.WRITE_SHARDS: "writing shards",
-    Phase.DCP_FINISH: "DCP's save",
+    Phase.DCP_FINISH: "finishing its files (DCP's save, or the memory copy)",
     Phase.UPLOAD: "uploading shards to the object store",
     Phase.WRITE_MANIFEST: "writing the manifest",
     Phase.FSYNC_SHARDS: "syncing the files",

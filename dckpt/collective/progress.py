@@ -30,7 +30,9 @@ __all__ = ["MARKED", "Progress", "SaveTrace", "StopFlag"]
 
 MARKED = (Phase.PREPARE, Phase.MAKE_TMP, Phase.WRITE_SHARDS, Phase.DCP_FINISH)
 """The phases every rank marks in a save, in order. ``DCP_FINISH`` is marked once this rank's
-DCP save returned cleanly; nothing can fail between that and its report to the coordinator."""
+files are written (the durable tier: DCP's save returned cleanly; the memory tier, which runs
+no DCP save: its memory file copied and hashed); nothing can fail between that and its report
+to the coordinator."""
 DECIDED = Phase.RENAME
 """Marked by rank 0 alone once it decided, before telling the others: past the commit point
 (``rename``), or the save refused."""

@@ -280,7 +280,7 @@ class MemoryRoute:
                 ),
             )
             trace.passed(Phase.WRITE_SHARDS)
-            trace.passed(Phase.DCP_FINISH)
+            trace.passed(Phase.DCP_FINISH)  # "this rank's files are written": no DCP run here
         except Exception as exc:  # reported to every rank by the gather
             error = f"hashing its memory file failed: {describe_os_error(exc, self.dir)}"
         return dataclasses.replace(
