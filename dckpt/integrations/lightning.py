@@ -410,14 +410,15 @@ class _DckptHooks(pl.strategies.Strategy):
     """The Lightning methods both strategies below route to their ``_Driver``; listed before
     Lightning's strategy in their bases, so each ``super()`` here is that strategy's."""
 
-    _dckpt: _Driver
-
-    def _attach(
+    def __init__(
         self,
         root: str | os.PathLike[str] | CheckpointConfig,
-        run_config: dict[str, Any] | None,
-        manager_kwargs: dict[str, Any] | None,
+        *,
+        run_config: dict[str, Any] | None = None,
+        manager_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
+        super().__init__(**kwargs)  # the Lightning strategy's, next in the bases
         self._dckpt = _Driver(self, root, {**(manager_kwargs or {}), "run_config": run_config})
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -498,17 +499,6 @@ class DckptStrategy(_DckptHooks, DDPStrategy):
         **kwargs: ``DDPStrategy``'s.
     """
 
-    def __init__(
-        self,
-        root: str | os.PathLike[str] | CheckpointConfig,
-        *,
-        run_config: dict[str, Any] | None = None,
-        manager_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._attach(root, run_config, manager_kwargs)
-
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the manager needs the wrapped model and the optimizer
@@ -525,14 +515,3 @@ class DckptStrategy(_DckptHooks, DDPStrategy):
 class DckptModelParallelStrategy(_DckptHooks, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2, tensor parallel) whose checkpoints are dckpt's; the
     same arguments as ``DckptStrategy`` (``**kwargs``: ``ModelParallelStrategy``'s)."""
-
-    def __init__(
-        self,
-        root: str | os.PathLike[str] | CheckpointConfig,
-        *,
-        run_config: dict[str, Any] | None = None,
-        manager_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._attach(root, run_config, manager_kwargs)
