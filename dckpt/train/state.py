@@ -206,9 +206,11 @@ def describe_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
     one-mesh job's only one as a plain dict: ``{"dp": 2, "tp": 2}``); ``data``, the data
     position's ``epoch`` and ``batches`` into it, when the ``data`` category records them."""
     meshes: list[dict[str, int]] = []
+    seen: set[int] = set()  # a model's tensors share a few mesh objects: each described once
     for value in state_dict.get("model", {}).values():
-        if isinstance(value, DTensor):
+        if isinstance(value, DTensor) and id(value.device_mesh) not in seen:
             mesh = value.device_mesh
+            seen.add(id(mesh))
             names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
             described = dict(zip(names, (int(n) for n in mesh.shape), strict=True))
             if described not in meshes:
