@@ -44,6 +44,7 @@ PR = "tests/test_preemption.py"
 RS = "tests/test_resume_share.py"
 IN = "tests/test_incremental.py"
 OP = "tests/test_one_pass.py"
+LP = "tests/test_loader_position.py"
 
 
 @dataclass(frozen=True)
@@ -591,6 +592,39 @@ MUTANTS = (
         "                except Exception as exc:  # judged once the digest is known\n"
         "                    raise",
         (f"{OP}::test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value",),
+    ),
+    Mutant(
+        "loader: the order is not taken again when an iteration ends or is left",
+        "dckpt/train/loader.py",
+        "            self.batches = 0\n            self._at_begin = self._states()\n",
+        "            self.batches = 0\n",
+        (
+            f"{LP}::test_a_loop_left_early_then_saved_resumes_with_the_next_order",
+            f"{LP}::test_a_rebuilt_loader_continues_with_the_next_batch",
+        ),
+    ),
+    Mutant(
+        "loader: a loader with a subset of the saved generators passes",
+        "dckpt/train/loader.py",
+        'if sorted(state["names"]) != sorted(gens):',
+        'if not set(gens) <= set(state["names"]):',
+        (f"{LP}::test_a_loader_built_differently_is_refused_in_words",),
+    ),
+    Mutant(
+        "loader: a loader without a generator keeps drawing from the global RNG",
+        "dckpt/train/loader.py",
+        "            if owner.generator is None:  # see the module docstring",
+        "            if False:",
+        (f"{LP}::test_the_iterator_draws_nothing_from_the_global_rng",),
+    ),
+    Mutant(
+        "accelerate: the AcceleratedOptimizer is not unwrapped",
+        "dckpt/train/state.py",
+        "        self.optimizer = _unwrap_optimizer(optimizer)",
+        "        self.optimizer = optimizer",
+        (
+            "tests/test_integration_accelerate.py::test_prepared_objects_resume_exact_in_every_epoch",
+        ),
     ),
 )
 
