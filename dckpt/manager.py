@@ -10,13 +10,13 @@ to collaborators built here with explicit parts:
   docstring is the resume protocol;
 - ``watch_preemption``, ``preempted`` -> ``dckpt.preemption.PreemptionStop``.
 
-Each tier is built here from its parts and handed down, so nothing below asks which tier it
-runs: the root, opened once by ``open_root`` and asked only through the ``Root`` protocol
-(dckpt.root.protocol) for its locks, recovery, commit strategy and source (a
-``DurableRoute`` with the strategy; a ``DurableReader`` over the source), and, with
-``memory=True``, the memory tier (a ``MemoryRoute`` with ``MemoryCommit`` over the root's
-memory ledger; a ``MemorySource`` with a ``MemoryReader``), with the ``Lineage`` they share.
-Nothing here asks which kind of root it holds.
+The manager composes the tiers; it wires none of them. The root is opened once by
+``open_root`` and asked only through the ``Root`` protocol (dckpt.root.protocol) for its
+locks, recovery, commit strategy, source and resume records; each tier is one value
+(``dckpt.tier.Tier``) built by its factory (``durable_tier``; with ``memory=True``,
+``dckpt.memory_tier.memory_tier``, or why it is off for this start) and the one list is
+handed to the saver and the resumer. Nothing here asks which kind of root it holds or which
+tier it runs, beyond checking ``save(tier=...)`` against the tiers this start has.
 
 Two groups, created in the same order on every rank: *ctl* for foreground calls (load, skip
 and mode decisions, preemption) and *io* for the background save, so they never interleave
@@ -27,12 +27,11 @@ use, and building a group costs it a few store calls at any world size.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import os
 import secrets
-import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -45,36 +44,27 @@ import torch
 from .collective.comm import Comm
 from .collective.progress import Progress
 from .config import CheckpointConfig
-from .errors import CheckpointError, LockError, describe_os_error
+from .errors import CheckpointError, LockError
 from .load.checks import CandidateChecks
 from .load.config_check import ConfigPolicy
-from .load.durable import DurableReader
 from .load.loss_watch import LossWatch
-from .load.memory import MemoryReader, MemorySource
 from .load.replay import Replay, ReplayMode
 from .load.report import ResumeReport
-from .load.resumer import LoadResult, Resumer, ResumeTier
+from .load.resumer import LoadResult, Resumer
 from .load.watch import ResumeWatch
-from .owned import NotOwnedError, private_tree
+from .memory_tier import Off, memory_tier
 from .preemption import CHECK_EVERY_S, DEFAULT_SIGNALS, Preemption, PreemptionStop
-from .root.memory_ledger import MemoryLedger
 from .root.protocol import Lock, Root
-from .root.source import CheckpointSource
-from .save.durable import DurableRoute
 from .save.handle import SaveHandle, SaveResult
-from .save.memory import MemoryRoute
 from .save.mode import SaveMode
 from .save.pipeline import SavePipeline
-from .save.route import DURABLE, SaveRoute
 from .save.saver import Saver
-from .save.stager import Stager
 from .save.step_clock import StepClock
-from .tiers import memory_layout
-from .tiers.memory_commit import Lineage, MemoryCommit
+from .tier import DURABLE, MEMORY, Tier, durable_tier
+from .tiers.memory_commit import Lineage
 from .tiers.roots import open_root
 from .train.precision import PrecisionPolicy
 from .train.state import TrainState
-from .units import human_bytes
 
 __all__ = ["CheckpointManager", "LoadResult", "ResumeReport", "SaveHandle", "SaveResult"]
 
@@ -100,25 +90,6 @@ def _replay_mode(config: CheckpointConfig, state: TrainState) -> ReplayMode | No
         return config.replay_check
     on_cpu = all(p.device.type == "cpu" for p in state.model.parameters())
     return "exact" if on_cpu or torch.are_deterministic_algorithms_enabled() else "close"
-
-
-def _node_indices(told: list[tuple[str | None, str]]) -> tuple[int, ...] | str:
-    """Each rank's node from every rank's (``GROUP_RANK``, host name): torchrun's node rank
-    where every rank has one, else the host names in sorted order (srun, mpirun). A node
-    index spanning two hosts, or indices with gaps (the partner ring needs 0..n-1), is why
-    the memory tier cannot start (a string)."""
-    if all(group is not None and group.isdigit() for group, _ in told):
-        nodes = tuple(int(group) for group, _ in told if group is not None)
-    else:
-        hosts = sorted({host for _, host in told})
-        nodes = tuple(hosts.index(host) for _, host in told)
-    for n in set(nodes):
-        hosts_of = sorted({host for (_, host), m in zip(told, nodes, strict=True) if m == n})
-        if len(hosts_of) > 1:
-            return f"node {n} (GROUP_RANK) spans several hosts: {', '.join(hosts_of)}"
-    if sorted(set(nodes)) != list(range(len(set(nodes)))):
-        return f"node indices {sorted(set(nodes))} are not 0..n-1"
-    return nodes
 
 
 def _tidy(what: str, action: Callable[[], object]) -> None:
@@ -215,7 +186,7 @@ class CheckpointManager:
             self._io.close()
             raise
         self._locks = self._open_root()
-        strategy, source = self._root.commit_strategy(), self._root.source()
+        source = self._root.source()
         lineage = Lineage()
         if config.memory and self.rank == 0:  # until a resume says otherwise: the root's newest
             lineage.anchor = max(source.steps(), default=None)
@@ -228,44 +199,40 @@ class CheckpointManager:
             ),
             state=state,
         )
-        durable = DurableRoute(
+        durable = durable_tier(
+            ctl=self._ctl,
             io=self._io,
-            strategy=strategy,
+            strategy=self._root.commit_strategy(),
+            source=source,
             config=config,
             state=state,
-            stager=Stager(config.device_staging_bytes),
+            checks=checks,
         )
-        self._durable = durable
-        routes: dict[str, SaveRoute] = {durable.tier: durable}
-        tiers = [
-            ResumeTier(
-                "root",
-                source,
-                DurableReader(
-                    ctl=self._ctl,
-                    source=source,
-                    state=state,
-                    checks=checks,
-                    read_threads=config.read_threads,
-                ),
-            )
-        ]
-        self._memory: tuple[MemoryRoute, MemorySource] | None = None
-        self._memory_off_why: str | None = None
+        self._tiers: list[Tier] = [durable]
+        """Every tier this start saves to and resumes from, the anchor (the root's) last."""
+        self._off: dict[str, str] = {}
+        """The tiers asked for but off for this start, with why."""
         notes: list[str] = []
         if config.memory:
-            opened = self._open_memory(lineage, source)
-            if isinstance(opened, str):
-                self._memory_off_why = opened
-                notes.append(self._memory_off(opened))
-            else:
-                self._memory = opened
-                route, memory_source = opened
-                routes[route.tier] = route
-                reader = MemoryReader(
-                    ctl=self._ctl, source=memory_source, state=state, checks=checks
+            try:
+                memory = memory_tier(
+                    ctl=self._ctl,
+                    io=self._io,
+                    root=self._root,
+                    config=config,
+                    state=state,
+                    checks=checks,
+                    lineage=lineage,
+                    durable=source,
                 )
-                tiers.insert(0, ResumeTier("memory tier", memory_source, reader))
+            except CheckpointError:
+                self._close_on_failure()
+                raise
+            if isinstance(memory, Off):
+                self._off[MEMORY] = memory.why
+                notes.append(memory.note)
+            else:
+                self._tiers.insert(0, memory)
         clock, mode, progress = StepClock(), SaveMode(config.async_save), Progress(self._io)
         self._pipeline = SavePipeline(
             io=self._io,
@@ -282,12 +249,13 @@ class CheckpointManager:
         self._saver = Saver(
             ctl=self._ctl,
             pipeline=self._pipeline,
-            routes=routes,
+            tiers=self._tiers,
             progress=progress,
             config=config,
             clock=clock,
             mode=mode,
         )
+        records = self._root.resume_records()
         replay = Replay(
             rank=self.rank,
             root=self.root,
@@ -302,13 +270,15 @@ class CheckpointManager:
             loss_watch=self._loss_watch,
             replay=replay,
             state=state,
-            records=tiers[-1].source.resume_records(),
+            records=records,
             run_id=self.run_id,
         )
         self._resumer = Resumer(
             ctl=self._ctl,
             config=config,
-            tiers=tiers,
+            tiers=self._tiers,
+            records=records,
+            foreign=self._root.foreign,
             watch=self._watch,
             lineage=lineage,
             state=state,
@@ -364,104 +334,6 @@ class CheckpointManager:
         self._ctl.close()
         self._io.close()
 
-    def _open_memory(
-        self, lineage: Lineage, durable: CheckpointSource
-    ) -> tuple[MemoryRoute, MemorySource] | str:
-        """The memory tier: every rank learns the topology (which node each rank is on);
-        each node's first rank proves the node's memory directory the job's own and this
-        root's (dckpt.tiers.memory_layout.claim_memory_dir) and removes what the last
-        workers left half-written; rank 0 tidies the ledger's saves in flight. Nothing
-        listens: replicas move over dckpt's gloo groups (dckpt.collective.transfer).
-
-        A directory that is not provably the job's (another user's, writable by others, a
-        link, another root's) or that cannot be made, on any node, turns the memory tier off
-        for this start on every rank (returns why): the durable tier goes on, and nothing is
-        written into, read from or freed in that directory."""
-        found = _node_indices(
-            self._ctl.all_gather((os.environ.get("GROUP_RANK"), socket.gethostname()))
-        )
-        if isinstance(found, str):
-            self._close_on_failure()
-            raise CheckpointError(f"the memory tier cannot tell the nodes apart: {found}")
-        topology = memory_layout.Topology(found)
-        node = topology.node_of[self.rank]
-        memory_dir = self.config.memory_root
-        ledger = self._root.memory_ledger()
-        commit = MemoryCommit(ledger, self.config.memory_keep, str(memory_dir))
-        identity = self._ctl.broadcast(self._memory_identity(ledger) if self.rank == 0 else None)
-        failure: CheckpointError | None = None
-        try:
-            if not isinstance(identity, str):
-                raise identity if identity is not None else CheckpointError("no identity")
-            if topology.ranks_of(node)[0] == self.rank:
-                base = self.config.memory_base
-                memory_layout.claim_memory_dir(memory_dir, base, identity, str(self._root))
-                node_dir = private_tree(memory_layout.node_dir(memory_dir, node), base)
-                memory_layout.clean_abandoned(node_dir)
-        except (NotOwnedError, CheckpointError) as exc:
-            failure = exc
-        except OSError as exc:
-            failure = CheckpointError(f"{describe_os_error(exc, memory_dir)}")
-        failed = self._ctl.first_failure(failure)
-        if failed is not None:
-            return f"node {topology.node_of[failed.rank]}: {failed.error}"
-        if self.rank == 0:
-            commit.recover(self.root)
-        slots = memory_layout.Slots(memory_layout.node_dir(memory_dir, node))
-        route = MemoryRoute(
-            io=self._io,
-            strategy=commit,
-            memory_dir=memory_dir,
-            topology=topology,
-            lineage=lineage,
-            keep=self.config.memory_keep,
-            digest=self.config.digest,
-            timeout_s=self.config.timeout_s,
-            slots=slots,
-            replica_check=self.config.value_checks and self.config.replica_check != "off",
-            finite_check=self.config.value_checks,
-            replica_every=self.config.replica_every,
-        )
-        source = MemorySource(
-            ctl=self._ctl,
-            ledger=ledger,
-            topology=topology,
-            memory_dir=memory_dir,
-            durable_steps=durable.steps,
-            timeout_s=self.config.timeout_s,
-            slots=slots,
-        )
-        return route, source
-
-    def _memory_identity(self, ledger: MemoryLedger) -> str | CheckpointError:
-        """Rank 0: the root's memory identity, made at its first memory start (or why not)."""
-        try:
-            found = ledger.identity(create=True)
-        except (OSError, CheckpointError) as exc:
-            return CheckpointError(f"cannot read or make the memory identity in {ledger}: {exc}")
-        return found or CheckpointError(f"{ledger} holds no readable memory identity (root-id)")
-
-    def _memory_off(self, why: str) -> str:
-        """The memory tier is off for this start: rank 0 says so once, with the memory steps
-        the root's ledger records (not considered by this start's resume); the note every
-        resume report carries."""
-        recorded: list[int] = []
-        if self.rank == 0:
-            with contextlib.suppress(OSError, CheckpointError):
-                recorded = self._root.memory_ledger().steps()
-        note = (
-            f"the memory tier is off for this start: {why}. Memory saves are skipped and "
-            "durable saves go on"
-            + (
-                f"; memory steps {recorded} recorded in the root were not considered"
-                if recorded
-                else ""
-            )
-        )
-        if self.rank == 0:
-            log.error("dckpt: %s", note)
-        return note
-
     # --- saving -----------------------------------------------------------------------------
 
     def save(
@@ -501,15 +373,14 @@ class CheckpointManager:
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if tier not in ("durable", "memory"):
+        if tier not in (DURABLE, MEMORY):
             raise ValueError(f"tier must be 'durable' or 'memory', got {tier!r}")
-        if tier == "memory" and self._memory is None:
-            if self._memory_off_why is None:
-                raise ValueError(
-                    "save(tier='memory') needs the memory tier: CheckpointConfig(memory=True)"
-                )
-            # off for this start (said once at start): the same on every rank, no collective
-            return self._saver.skipped(step, f"the memory tier is off: {self._memory_off_why}")
+        if tier in self._off:  # said once at start: the same on every rank, no collective
+            return self._saver.skipped(step, f"the {tier} tier is off: {self._off[tier]}")
+        if all(t.name != tier for t in self._tiers):
+            raise ValueError(
+                f"save(tier={tier!r}) needs the {tier} tier: CheckpointConfig({tier}=True)"
+            )
         handle = self._saver.save(
             step,
             epoch=epoch,
@@ -637,36 +508,18 @@ class CheckpointManager:
             if self._hook is not None:
                 _tidy("the optimizer hook", self._hook.remove)
             _tidy("the signal handlers", self._stop.uninstall)
-            # DCP keeps cached plans in class-level dicts (rank 0's hold every rank's): a
-            # closed manager's would stay for the life of the process
-            _tidy("DCP's cached plans", self._durable.plans.forget)
             for lock in reversed(self._locks):
                 if self._saver.stuck is not None:
                     lock.abandon()  # the stuck write may still land: keep others out
                 else:
                     _tidy("the run lock", lock.release)
-            if self._memory is not None:
-                _tidy("the memory tier", self._close_memory)
+            settled = self._pipeline.last_was_anchor and self._saver.stuck is None
+            for tier in self._tiers:
+                if tier.close is not None:
+                    _tidy(f"the {tier.words}'s tier", functools.partial(tier.close, settled))
             _tidy("dckpt's groups", self._io.close)
             _tidy("dckpt's groups", self._ctl.close)
         self._saver.raise_if_failed()
-
-    def _close_memory(self) -> None:
-        """A run whose last save was durable leaves nothing in memory the root lacks: each
-        rank frees its files of this run in its node's memory (a run that ends with a memory
-        save, or a crash, keeps them for the next start to resume from)."""
-        assert self._memory is not None
-        route, _source = self._memory
-        if self._pipeline.last_committed_tier == DURABLE and self._saver.stuck is None:
-            freed = route.release()
-            if self.rank == 0 and freed:
-                log.info(
-                    "dckpt: the last checkpoint is in the root (step %d): the memory tier's "
-                    "copies of this run were freed (%s on rank 0's node)",
-                    self._pipeline.last_committed[DURABLE],
-                    human_bytes(freed),
-                )
-        route.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

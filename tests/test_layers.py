@@ -47,7 +47,13 @@ def layer_of(module: str, *, importer: bool = False) -> str:
         return parts[1]
     if module == "dckpt.config":
         return "config"
-    if module in ("dckpt.manager", "dckpt.preemption", "dckpt.resume"):
+    if module in (
+        "dckpt.manager",
+        "dckpt.preemption",
+        "dckpt.resume",
+        "dckpt.tier",
+        "dckpt.memory_tier",
+    ):
         return "top"
     if len(parts) >= 2 and parts[1] == "integrations":
         return "integrations"

@@ -79,7 +79,7 @@ def _saves(rank: int, world: int, root: str) -> dict[str, Any]:
         model.to(torch.float64)  # ... parameters, or a buffer
         mgr.save(9)
         mgr.save(10)
-        key = mgr._durable.plans.key
+        key = mgr._tiers[-1].route.plans.key
         out["held_open"] = _held(key)
     out["held_closed"] = _held(key)  # DCP's class-level caches let go at close
     for step in range(1, 11):

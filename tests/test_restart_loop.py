@@ -156,7 +156,7 @@ def test_a_step_that_fails_twice_is_quarantined_and_the_step_before_used(
         assert len(shown[8]["resumes"]) == 2 * attempt
         assert shown[4]["resumes"] == [] and shown[4]["resumed"] is None
     first, second = _replays(records)
-    assert (first.step, first.tier) == (8, "root")
+    assert (first.step, first.tier) == (8, "durable")  # the tier's one name
     assert len(first.run_id) == 32 and first.run_id != second.run_id  # each start's own
     assert first.verdict.startswith("step 9 differs from the run that stopped: nan now")
     for r in _world(str(root), attempt=3, fallback=False):  # neither a third try nor a fallback
@@ -221,7 +221,7 @@ def test_one_failure_then_a_pass_quarantines_nothing(
 def _record(start: str, ok: bool, t: float, **kw: Any) -> ResumeRecord:
     fields: dict[str, Any] = {
         "step": 8,
-        "tier": "root",
+        "tier": "durable",
         "save_id": "a",
         "ok": ok,
         "verdict": "loss nan",
@@ -252,6 +252,10 @@ def test_the_rule_counts_starts_and_a_pass_breaks_the_row(tmp_path: Path) -> Non
     old = _record("a", False, 1.0).to_json()
     del old["kind"]  # a record from before the replay counted: a loss watch's
     assert ResumeRecord.from_json(old) == _record("a", False, 1.0, kind=LOSS_WATCH)
+    # an older dckpt stored the report's words as the tier: read with the tier's one name
+    for words, name in (("root", "durable"), ("memory tier", "memory")):
+        got = ResumeRecord.from_json({**old, "tier": words})
+        assert got is not None and got.tier == name, got
     numbered = [_record("a", False, 1.0, attempt=3), _record("b", False, 2.0, attempt=4)]
     assert (restart_loop(numbered) or "").startswith("resumed twice (attempts 3, 4) and")
     two_jobs = [_record("a", False, 1.0, attempt=0), _record("b", False, 2.0, attempt=0)]

@@ -70,9 +70,6 @@ class DurableReader:
         """Reads in flight per file (``CheckpointConfig.read_threads``)."""
         self.rank, self.world_size = ctl.rank, ctl.world_size
 
-    def survey(self) -> list[str]:
-        return []
-
     def load(self, step: int, report: CandidateReport, *, with_config: bool) -> LoadResult:
         t0 = time.perf_counter()
         path, name, state = report.path, report.path.name, self.state

@@ -498,9 +498,6 @@ class MemoryReader:
         self.checks = checks
         self.rank = ctl.rank
 
-    def survey(self) -> list[str]:
-        return self.source.unrecorded()
-
     def load(self, step: int, report: CandidateReport, *, with_config: bool) -> LoadResult:
         t0 = time.perf_counter()
         self.ctl.mark(f"proving memory step {step}'s files (and moving those a node lacks)")

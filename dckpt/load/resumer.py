@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -98,10 +98,11 @@ from ..errors import (
 )
 from ..faults import fault_point
 from ..phases import Phase
-from ..root.layout import foreign_entries, step_dir_name
+from ..root.layout import step_dir_name
 from ..root.resume_record import (
     REPLAY,
     ResumeRecord,
+    ResumeRecords,
     failed_in_a_row,
     restart_loop,
 )
@@ -112,7 +113,7 @@ from ..units import human_bytes, plural
 from .report import CandidateReport, LoadResult, ResumeReport
 from .watch import ResumeWatch
 
-__all__ = ["LoadResult", "Reader", "ResumeTier", "Resumer"]
+__all__ = ["LoadResult", "LoadTier", "Reader", "Resumer"]
 
 log = logging.getLogger("dckpt")
 
@@ -129,21 +130,38 @@ class Reader(Protocol):
         """Steps 2-5 for one candidate: prove it and load it into the state."""
         ...
 
-    def survey(self) -> list[str]:
-        """Every rank, once per resume, before the candidates: what the report says about
-        this tier beyond them (the memory tier: steps held in memory the root has no record
-        of, never restored)."""
+
+class LoadTier(Protocol):
+    """A tier as the resume sees it (dckpt.tier.Tier is one): where it finds checkpoints
+    (``source``) and how it loads one (``reader``)."""
+
+    @property
+    def name(self) -> str:
+        """Its one id: in ``save(tier=...)``, and in the resume records."""
         ...
 
+    @property
+    def words(self) -> str:
+        """How the report names it ("root", "memory tier")."""
+        ...
 
-@dataclass(frozen=True)
-class ResumeTier:
-    """One place a resume may find checkpoints: its source and its reader."""
+    @property
+    def anchor(self) -> bool:
+        """Whether the run's lineage rests on it (the root's tier): ``load()`` reads it."""
+        ...
 
-    name: str
-    """For the report: "memory tier", or "root"."""
-    source: CheckpointSource
-    reader: Reader
+    @property
+    def source(self) -> CheckpointSource: ...
+
+    @property
+    def reader(self) -> Reader: ...
+
+    @property
+    def survey(self) -> Callable[[], list[str]] | None:
+        """Every rank, once per resume, before the candidates: what the report says about
+        this tier beyond them (the memory tier: steps held in memory the root has no record
+        of, never restored); None: nothing."""
+        ...
 
 
 class Resumer:
@@ -154,7 +172,9 @@ class Resumer:
         *,
         ctl: Comm,
         config: CheckpointConfig,
-        tiers: list[ResumeTier],
+        tiers: Sequence[LoadTier],
+        records: ResumeRecords | None,
+        foreign: Callable[[], list[str]],
         watch: ResumeWatch,
         lineage: Lineage,
         state: TrainState,
@@ -166,21 +186,24 @@ class Resumer:
         """Said in every resume's report (the same on every rank): a tier off this start."""
         self._config = config
         self.root = config.directory
-        self.tiers = tiers
-        """In the order a tie is broken: the memory tier first, the root last."""
-        self.durable = tiers[-1]
-        self.source = self.durable.source
+        self.tiers = list(tiers)
+        """In the order a tie is broken (the memory tier before the root)."""
+        self.anchor = next(t for t in tiers if t.anchor)
+        """The tier the run's lineage rests on (the root's): what ``load()`` reads."""
+        self.source = self.anchor.source
         self.watch = watch
         """What follows the resume (the replay, the loss watch, the overrides): armed at
         step 8, then the manager's (dckpt.load.watch)."""
         self._lineage = lineage
         self.rank, self.world_size = ctl.rank, ctl.world_size
-        self.records = self.durable.source.resume_records()
+        self.records = records
+        self._foreign = foreign
+        """What the root holds that dckpt did not write (a fresh start's report lists it)."""
         """Where every tier's resumes are recorded: the root's (dckpt.root.resume_record)."""
         self._state = state
         self._loaded: tuple[int, ...] = ()
         self._untouched: tuple[int, str] | None = None
-        """The step just loaded and its tier's save route ("durable", "memory"), until the
+        """The step just loaded and its tier's name ("durable", "memory"), until the
         first optimizer step after it (or, for a state without an optimizer, ``observe()``):
         the same on every rank, so the re-save it skips is skipped on every rank."""
 
@@ -258,10 +281,10 @@ class Resumer:
                 f"no committed checkpoint for {where} under {self.source}; "
                 "run `dckpt ls` on it to see what is there"
             )
-        report = CandidateReport(chosen, self._path(self.durable, chosen))
-        result = self.durable.reader.load(chosen, report, with_config=False)
+        report = CandidateReport(chosen, self._path(self.anchor, chosen))
+        result = self.anchor.reader.load(chosen, report, with_config=False)
         self._lineage.resumed(result.manifest)
-        self._mark_loaded(result.step, "durable")
+        self._mark_loaded(result.step, self.anchor.name)
         self.watch.reset()
         if self.rank == 0:
             log.info(
@@ -313,7 +336,7 @@ class Resumer:
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
         passed: list[str] = []
-        surveyed = [note for tier in self.tiers for note in tier.reader.survey()]
+        surveyed = [note for tier in self.tiers if tier.survey for note in tier.survey()]
         self.watch.forget()
         for step, index in candidates:
             tier = self.tiers[index]
@@ -325,15 +348,15 @@ class Resumer:
                 looped.append((step, loop))
                 continue
             candidate = CandidateReport(step, self._path(tier, step), tier.source.origin(step))
-            self._ctl.mark(f"step {step} from the {tier.name}")
+            self._ctl.mark(f"step {step} from the {tier.words}")
             try:
                 result = tier.reader.load(step, candidate, with_config=True)  # 2-5
                 chosen = candidate
-                self._mark_loaded(step, "durable" if tier is self.durable else "memory")
+                self._mark_loaded(step, tier.name)
                 self.watch.loaded(step, tier.name, result.manifest.save_id)
                 break
             except CheckpointNotFoundError as exc:  # 6: this tier cannot restore it here
-                passed.append(f"{tier.name}: step {step} not used: {exc}")
+                passed.append(f"{tier.words}: step {step} not used: {exc}")
             except (IntegrityError, ManifestError) as exc:  # 6
                 # Only evidence of damage moves a checkpoint aside: not a newer schema, and
                 # not ranks that disagree (that would quietly pick one rank's view).
@@ -390,7 +413,7 @@ class Resumer:
 
     # --- the steps --------------------------------------------------------------------------
 
-    def _path(self, tier: ResumeTier, step: int) -> Path:
+    def _path(self, tier: LoadTier, step: int) -> Path:
         return tier.source.local / step_dir_name(step)
 
     def _candidates(
@@ -494,15 +517,12 @@ class Resumer:
 
     def _forget(self, step: int) -> str:
         """The one command that removes ``step``'s resume records (a refusal says it)."""
-        where = "" if self.records is None else self.records.where(step)
-        if where.startswith("s3://"):
-            return f"aws s3 rm {where} (with --endpoint-url for a store other than AWS)"
-        return f"rm {where}"
+        return "" if self.records is None else self.records.forget(step)
 
-    def _refuse_cascade(self, tier: ResumeTier, step: int, loop: str, before: int) -> None:
+    def _refuse_cascade(self, tier: LoadTier, step: int, loop: str, before: int) -> None:
         """A restart loop right after another was set aside: refused on every rank."""
         raise CheckpointError(
-            f"step {step} ({tier.name}) is a restart loop too ({loop}), right after step "
+            f"step {step} ({tier.words}) is a restart loop too ({loop}), right after step "
             f"{before} was set aside as one, with no replay matching in between. Checkpoint "
             "after checkpoint differing alike points at a cause outside them (a faulty node "
             "or GPU, the data, a change to the code or the config), so nothing more is "
@@ -511,13 +531,13 @@ class Resumer:
             f"(step {before} is in quarantine/ with its reason)"
         )
 
-    def _restart_loop(self, tier: ResumeTier, step: int, loop: str, fallback: bool) -> None:
+    def _restart_loop(self, tier: LoadTier, step: int, loop: str, fallback: bool) -> None:
         """Step 6 for a restart loop: quarantined with its reason (or, without fallback, the
         resume refused), on every rank."""
         where = "" if self.records is None else self.records.where(step)
         if not fallback:
             raise CheckpointError(
-                f"step {step} ({tier.name}) is a restart loop: {loop}. With fallback=False it "
+                f"step {step} ({tier.words}) is a restart loop: {loop}. With fallback=False it "
                 "is neither resumed a third time nor fallen back past. Resume with fallback, "
                 f"or fix the cause and run: {self._forget(step)}"
             )
@@ -558,8 +578,8 @@ class Resumer:
                 "records (dckpt memory clear ROOT --records) to really start over."
             )
         quarantined = self._ctl.broadcast(self._quarantined_count() if self.rank == 0 else 0)
-        if self.rank == 0 and self._config.remote is None and self.root.is_dir():
-            report.foreign = foreign_entries(self.root)
+        if self.rank == 0:
+            report.foreign = self._foreign()
         if quarantined:
             raise CheckpointError(
                 f"{self.source} has no committed checkpoint but {quarantined} in quarantine/: "
@@ -573,7 +593,7 @@ class Resumer:
         return sum(t.source.quarantined_count() for t in self.tiers)
 
     def _quarantine(
-        self, tier: ResumeTier, step: int, reason: str, exc: CheckpointError | None = None
+        self, tier: LoadTier, step: int, reason: str, exc: CheckpointError | None = None
     ) -> None:
         error: str | None = None
         if self.rank == 0:

@@ -23,6 +23,7 @@ from .fence import Fence
 from .layout import (
     LOCK_FILE,
     committed_steps,
+    foreign_entries,
     is_dckpt_root,
     list_checkpoints,
     pinned_steps,
@@ -176,6 +177,9 @@ class DirectoryRoot:
 
     def resume_records(self) -> ResumeRecords:
         return DirectoryRecords(self.path)
+
+    def foreign(self) -> list[str]:
+        return foreign_entries(self.path)
 
     def verify(
         self, step: int, *, threads: int, deep: bool, progress: Callable[[int], None]

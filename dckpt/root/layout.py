@@ -35,6 +35,7 @@ __all__ = [
     "committed_steps",
     "foreign_entries",
     "is_committed_dir",
+    "is_ours",
     "list_checkpoints",
     "read_latest",
     "read_small_file",
@@ -176,7 +177,8 @@ _TORCH_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".tar"})
 FOREIGN_LISTED = 8
 
 
-def _is_ours(name: str) -> bool:
+def is_ours(name: str) -> bool:
+    """Whether a name at the top of a root is one dckpt writes (or a file system's own)."""
     return (
         name in _OURS
         or name == "lost+found"  # a mounted volume's, not another checkpointer's
@@ -205,7 +207,7 @@ def foreign_entries(root: str | os.PathLike[str]) -> list[str]:
     """What ``root`` holds that dckpt did not write (at most ``FOREIGN_LISTED``, then a
     count), each named with what it looks like; for a fresh start's report."""
     try:
-        names = sorted(c.name for c in Path(root).iterdir() if not _is_ours(c.name))
+        names = sorted(c.name for c in Path(root).iterdir() if not is_ours(c.name))
     except OSError:
         return []
     shown = [_what(Path(root) / n) for n in names[:FOREIGN_LISTED]]

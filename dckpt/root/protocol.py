@@ -156,6 +156,11 @@ class Root(Protocol):
 
     def pinned_steps(self) -> set[int]: ...
 
+    def foreign(self) -> list[str]:
+        """What the root holds that dckpt did not write, each named (a fresh start's report
+        lists it: the user may have pointed at another run's root)."""
+        ...
+
     def resume_records(self) -> ResumeRecords:
         """How the resumes of this root's steps went (dckpt.root.resume_record)."""
         ...

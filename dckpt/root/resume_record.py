@@ -73,6 +73,8 @@ REPLAY = "replay"
 LOSS_WATCH = "loss watch"
 """A loss watch's verdict: shown, never counted toward a loop."""
 _NAME_RE = re.compile(r"(step-[0-9]{8,})\.json")
+_OLD_TIER_NAMES = {"root": "durable", "memory tier": "memory"}
+"""The report's words once stored as the tier's id, read as the tier's name."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +83,8 @@ class ResumeRecord:
 
     step: int
     tier: str
-    """The tier it was resumed from, as the resume report names it ("root", "memory tier")."""
+    """The tier it was resumed from, by its one name ("durable", "memory"); an older dckpt's
+    records named them "root" and "memory tier", and are read with today's names."""
     save_id: str
     """The manifest's save id: which checkpoint of that step it was."""
     ok: bool
@@ -110,7 +113,7 @@ class ResumeRecord:
             attempt = obj.get("attempt")
             record = cls(
                 step=obj["step"],
-                tier=obj["tier"],
+                tier=_OLD_TIER_NAMES[t] if (t := obj["tier"]) in _OLD_TIER_NAMES else t,
                 save_id=obj["save_id"],
                 ok=obj["ok"],
                 verdict=obj["verdict"],
@@ -278,6 +281,10 @@ class ResumeRecords(Protocol):
 
     def where(self, step: int) -> str: ...
 
+    def forget(self, step: int) -> str:
+        """The one command that removes ``step``'s records (a refusal says it)."""
+        ...
+
 
 class DirectoryRecords:
     """``ROOT/.dckpt-resumes/step-N.json``: read and written through a descriptor of the
@@ -292,6 +299,9 @@ class DirectoryRecords:
 
     def where(self, step: int) -> str:
         return str(self.dir / record_name(step))
+
+    def forget(self, step: int) -> str:
+        return f"rm {self.where(step)}"
 
     def _open(self) -> int | None:
         try:

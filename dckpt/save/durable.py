@@ -65,7 +65,7 @@ from .coordinator import RankReport
 from .findings import Findings
 from .handle import SaveTicket
 from .plan_cache import PlanCache
-from .route import DURABLE, Finished, SaveJob
+from .route import Finished, SaveJob, Settled
 from .stager import (
     Snapshot,
     Stager,
@@ -84,7 +84,6 @@ log = logging.getLogger("dckpt")
 class DurableRoute:
     """The durable tier's steps of a save; see the module docstring."""
 
-    tier = DURABLE
     noun = "save"
     label = ""
     can_block = True
@@ -339,16 +338,11 @@ class DurableRoute:
         error as ``describe_os_error`` words it (a full disk says so)."""
         return str(exc) if isinstance(exc, CheckpointError) else describe_os_error(exc, self.root)
 
-    def settle(self, reports: list[RankReport]) -> str | None:
-        return None  # DCP's own plan already agreed who wrote what
-
-    def mesh(self) -> dict[str, Any]:
-        return {}
-
     def finish(
         self,
         job: SaveJob,
         reports: list[RankReport],
+        settled: Settled,
         timings: dict[str, float],
         trace: Trace,
         total_bytes: int,
@@ -379,13 +373,19 @@ class DurableRoute:
         file = StableBase(stable, path, (st.st_dev, st.st_ino), st.st_size, st.st_mtime_ns)
         self._bases.append(_Base(file, step, origin, shared))
 
-    def incremental(self, reports: list[RankReport], snapshot: Snapshot | None) -> dict[str, Any]:
-        """Rank 0: what the manifest records of an incremental save: the parameters that
-        require grad, and each linked file's step of origin."""
-        if not self.config.incremental or snapshot is None:
-            return {}
+    def settle(self, reports: list[RankReport], snapshot: Snapshot | None) -> Settled:
+        """Nothing to refuse (DCP's own plan agreed who wrote what); rank 0 records what an
+        incremental save is: the parameters that require grad, and each linked file's step
+        of origin."""
+        if self.rank != 0 or not self.config.incremental or snapshot is None:
+            return Settled()
         reused = {p: s for r in reports for p, s in r.route.get("reused", {}).items()}
-        return {"trainable": list(snapshot.trainable), **({"reused": reused} if reused else {})}
+        return Settled(
+            incremental={
+                "trainable": list(snapshot.trainable),
+                **({"reused": reused} if reused else {}),
+            }
+        )
 
     def abandon(self, snapshot: Snapshot | None, step: int) -> None:
         self._pending = None  # the tmp location, removed by rank 0, held all of it; the base stays

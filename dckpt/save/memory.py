@@ -39,7 +39,7 @@ import errno
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,7 @@ from ..units import human_bytes
 from .coordinator import RankReport
 from .findings import Findings
 from .handle import SaveTicket
-from .route import Finished, SaveJob
+from .route import Finished, SaveJob, Settled
 from .value_checks import Inspection, replica_key
 
 __all__ = ["MemoryRoute", "sharing_scope"]
@@ -78,9 +78,10 @@ __all__ = ["MemoryRoute", "sharing_scope"]
 log = logging.getLogger("dckpt")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Staged:
-    """A memory save's file as ``save()`` wrote it, and the layout it was written with."""
+    """A memory save's file as ``save()`` wrote it, and the layout it was written with: the
+    route's state for one save, from its snapshot to its end (the route keeps none)."""
 
     part: Path
     final: Path
@@ -98,6 +99,10 @@ class Staged:
     ranks' files), finished on the file's own bytes in the background."""
     held: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, str | None], ...] = ()
     """The host tensors in the file: key, dtype, shape, offset, bytes, replica key."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """The bytes of each replicated-looking tensor (how step 6 shares them out)."""
+    named: bool = False
+    """Whether step 5 gave the file its final name (a failed save retires it by that name)."""
 
 
 def sharing_scope(topology: Topology, rank: int) -> tuple[list[int], str | None]:
@@ -118,7 +123,6 @@ def sharing_scope(topology: Topology, rank: int) -> tuple[list[int], str | None]
 class MemoryRoute:
     """The memory tier's steps of a save; see the module docstring."""
 
-    tier = "memory"
     noun = "memory save"
     label = " to memory"
     can_block = False
@@ -167,9 +171,6 @@ class MemoryRoute:
         self.owners: tuple[str, frozenset[str], str] | None = None
         """The layout agreed at the last memory save: (signature of the replicated tensors,
         those this rank leaves to others, "world" or "node": who reads whose files)."""
-        self._sizes: dict[str, int] = {}
-        self._kind: str | bool = False
-        self._named: Path | None = None  # the file step 5 last gave its name
 
     # --- step 3, in save() --------------------------------------------------------------------
 
@@ -179,14 +180,12 @@ class MemoryRoute:
     ) -> Staged:  # fmt: skip
         """Copy this rank's state into its memory file (the snapshot). A memory file system
         too small for it raises StorageError, and nothing durable is touched."""
-        self._named = None
         self._snapshots += 1  # first: every rank counts alike, whatever fails below
         final = layout.own_dir(self.dir) / step_dir_name(step) / self.name
         part = final.with_name(layout.part_name(self.name, save_id))
         sig, sizes = signature(state_dict)
         shared = sig if self.owners is not None and self.owners[0] == sig else None
         skip = self.owners[1] if shared is not None and self.owners is not None else frozenset()
-        self._sizes = sizes
         try:
             plan = plan_flat(state_dict, skip)
         except MemoryFileError as exc:
@@ -207,7 +206,7 @@ class MemoryRoute:
             ) from None
         trace.at(Phase.MEMORY_COPY)
         checks, held = self._begin_checks(state_dict, plan, skip)
-        return Staged(part, final, claim.key, plan.size, sig, shared, checks, held)
+        return Staged(part, final, claim.key, plan.size, sig, shared, checks, held, sizes)
 
     def _begin_checks(
         self, state_dict: dict[str, Any], plan: FlatPlan, skip: frozenset[str]
@@ -270,7 +269,7 @@ class MemoryRoute:
             if staged.final.exists():  # this step saved again: the old copy stays, aside,
                 self.slots.rename(staged.final, _aside(staged))  # until the new one commits
             self.slots.rename(staged.part, staged.final, key=staged.key)
-            self._named = staged.final
+            staged.named = True
             records = (
                 FileRecord(
                     path=self.name,
@@ -307,48 +306,44 @@ class MemoryRoute:
 
     # --- step 6, every rank ----------------------------------------------------------------
 
-    def settle(self, reports: list[RankReport]) -> str | None:
-        """Why this save's files cannot be read together (None when they can), and the owners
-        the next save follows. Every rank computes the same from the same reports."""
+    def settle(self, reports: list[RankReport], staged: Staged | None) -> Settled:
+        """Why this save's files cannot be read together (None when they can), what the
+        manifest's ``mesh`` records of them, and the owners the next save follows. Every rank
+        computes the same from the same reports."""
         told: list[tuple[str, str | None]] = [
             r.route.get("layout", ("", None)) for r in sorted(reports, key=lambda r: r.rank)
         ]
         signatures = {sig for sig, _ in told}
         used = {shared for _, shared in told}
-        self._kind = self.owners[2] if self.owners is not None and used != {None} else False
+        # whose files hold each other's replicated tensors ("world": every rank's; "node":
+        # each node's), False: none; by the owners this save followed, before they change
+        kind: str | bool = self.owners[2] if self.owners is not None and used != {None} else False
+        mesh = {
+            "tier": "memory",
+            "nodes": list(self.topology.node_of),
+            "replicas": self.topology.replicas(),
+            "shared": kind,
+            "after": self.lineage.anchor,
+        }
         if used != {None} and (len(used) != 1 or signatures != used):
             self.owners = None
-            return (
+            refused = (
                 "the ranks' replicated tensors changed while some ranks wrote only their share "
                 "of them (signatures differ), so no rank could restore this save: it is "
                 "refused, and the next memory save writes every tensor on every rank"
             )
-        scope, kind = sharing_scope(self.topology, self.rank)
-        if len(signatures) == 1 and self._sizes and kind is not None:
+            return Settled(refused=refused, mesh=mesh)
+        scope, scope_kind = sharing_scope(self.topology, self.rank)
+        sizes = staged.sizes if staged is not None else {}
+        if len(signatures) == 1 and sizes and scope_kind is not None:
             sig = next(iter(signatures))
             if self.owners is None or self.owners[0] != sig:
-                owners = share_out(self._sizes, len(scope))
+                owners = share_out(sizes, len(scope))
                 skip = frozenset(k for k, i in owners.items() if scope[i] != self.rank)
-                self.owners = (sig, skip, kind)
+                self.owners = (sig, skip, scope_kind)
         else:
             self.owners = None
-        return None
-
-    # --- step 7, rank 0 --------------------------------------------------------------------
-
-    def incremental(self, reports: list[RankReport], snapshot: Any) -> dict[str, Any]:
-        return {}  # a memory save links nothing
-
-    def mesh(self) -> dict[str, Any]:
-        return {
-            "tier": "memory",
-            "nodes": list(self.topology.node_of),
-            "replicas": self.topology.replicas(),
-            # whose files hold each other's replicated tensors ("world": every rank's;
-            # "node": each node's), False: none
-            "shared": self._kind,
-            "after": self.lineage.anchor,
-        }
+        return Settled(mesh=mesh)
 
     # --- step 10, once committed ---------------------------------------------------------------
 
@@ -356,6 +351,7 @@ class MemoryRoute:
         self,
         job: SaveJob,
         reports: list[RankReport],
+        settled: Settled,
         timings: dict[str, float],
         trace: Trace,
         total_bytes: int,
@@ -521,7 +517,7 @@ class MemoryRoute:
         the committed copy a save of the same step set aside takes its place back."""
         if staged is None:
             return
-        named = staged.final if self._named == staged.final else None
+        named = staged.final if staged.named else None
         for path in (staged.part, named):
             if path is not None and path.exists():
                 self.slots.retire(path, "failed")

@@ -94,7 +94,7 @@ from .coordinator import Coordinator, RankReport, SaveOutcome
 from .findings import judge
 from .handle import SaveResult, SaveTicket
 from .mode import SaveMode
-from .route import Finished, SaveJob, SaveRoute
+from .route import Finished, SaveJob, SaveRoute, SaveTier, Settled
 from .step_clock import LoopCost, StepClock
 
 __all__ = ["SaveJob", "SavePipeline"]
@@ -150,10 +150,10 @@ class SavePipeline:
         set on every rank by the save whose commit found it so."""
         """Set when a collective of a save failed: dckpt's group is unusable from then on."""
         self.last_committed: dict[str, int] = {}
-        """The step of each tier's last committed save."""
-        self.last_committed_tier: str | None = None
-        """The tier of the last committed save (a run whose last one is durable leaves
-        nothing in memory that the root lacks)."""
+        """The step of each tier's last committed save, by the tier's name."""
+        self.last_was_anchor = False
+        """Whether the last committed save was to the tier the lineage rests on (a run whose
+        last one was leaves nothing in memory that the root lacks)."""
         self.committed: tuple[int, str] | None = None
         """On rank 0: (step, where) of the save it committed last, even if telling the other
         ranks failed afterwards."""
@@ -165,7 +165,7 @@ class SavePipeline:
 
     def prepare(
         self,
-        route: SaveRoute,
+        tier: SaveTier,
         step: int,
         *,
         started: float,
@@ -200,7 +200,7 @@ class SavePipeline:
                     "growth_tracker": int(state_dict["scaler"].get("_growth_tracker", 0)),
                 }
             layout = describe_layout(state_dict)  # before the stager copies or drops anything
-            snapshot = route.snapshot(
+            snapshot = tier.route.snapshot(
                 state_dict, step=step, save_id=save_id, asynchronous=asynchronous, trace=trace
             )
             trace.at(Phase.PREPARE)
@@ -211,7 +211,7 @@ class SavePipeline:
                 else f"taking the state dict failed: {exc!r}"
             )
         return SaveJob(
-            route=route,
+            tier=tier,
             step=step,
             save_id=save_id,
             started=started,
@@ -275,10 +275,10 @@ class SavePipeline:
         mine = RankReport(rank=self.rank, loss=job.loss, metric=job.metric)
         report = route.write(job.snapshot, ticket, trace, tmp, mine)  # 5
         reports = coordinator.gather(report, everywhere=route.reports_everywhere)  # 6
-        refused = route.settle(reports)
+        settled = route.settle(reports, job.snapshot)
         decision = None
         if self.rank == 0:  # 7
-            decision = self._decide(job, ticket, tmp, reports, refused, coordinator)
+            decision = self._decide(job, ticket, tmp, reports, settled, coordinator)
             self.progress.mark(job.save_id, DECIDED)  # 8
         try:
             outcome = coordinator.announce(decision.outcome if decision else None, job.step)
@@ -290,7 +290,7 @@ class SavePipeline:
         ticket.decided = True
         result = self._result(job, ticket, outcome)  # committed: its time is taken now
         timings = decision.manifest.timings if decision and decision.manifest else {}
-        finished = route.finish(job, reports, timings, trace, outcome.total_bytes)  # 10
+        finished = route.finish(job, reports, settled, timings, trace, outcome.total_bytes)  # 10
         if finished.lost is not None:
             self.group_lost = finished.lost
         result = dataclasses.replace(result, replicas_s=finished.replicas_s)
@@ -327,7 +327,7 @@ class SavePipeline:
         if error is None:
             trace.passed(Phase.MAKE_TMP)
         what = f"preparing the {job.route.noun} of step {job.step}"
-        coordinator.agree(error, what, f"{job.step} ({job.route.tier})")
+        coordinator.agree(error, what, f"{job.step} ({job.tier.name})")
 
     def _decide(
         self,
@@ -335,7 +335,7 @@ class SavePipeline:
         ticket: SaveTicket,
         tmp: Path,
         reports: list[RankReport],
-        refused: str | None,
+        settled: Settled,
         coordinator: Coordinator,
     ) -> _Decision:
         verdict = judge(
@@ -344,7 +344,7 @@ class SavePipeline:
             replica_check=self.config.replica_check,
             allow_nonfinite=self.config.allow_nonfinite,
         )
-        refusal = coordinator.refusal(tmp, reports, refused or verdict.refusal)
+        refusal = coordinator.refusal(tmp, reports, settled.refused or verdict.refusal)
         if refusal is not None:
             return _Decision(refusal)
         for warning in verdict.warnings:
@@ -366,7 +366,7 @@ class SavePipeline:
             cost = self.clock.cost(job.started, stall_s, now)
             if job.route.can_block:  # the automatic mode learns from saves it may choose
                 self.mode.record(job.asynchronous, cost, waited_s=job.waited_s)
-            manifest = self._manifest(job, reports, stall_s, cost, verdict.marks)
+            manifest = self._manifest(job, reports, settled, stall_s, cost, verdict.marks)
         except Exception as exc:  # nothing may be committed without its manifest
             shutil.rmtree(tmp, ignore_errors=True)
             return _Decision(
@@ -431,9 +431,9 @@ class SavePipeline:
             stall_s=ticket.stall_s if job.asynchronous else commit_s,
             commit_s=commit_s,
         )
-        self.last_committed[job.route.tier] = job.step
-        self.last_committed_tier = job.route.tier
-        self.lineage.committed(job.step, job.route.tier)  # later memory saves follow it
+        self.last_committed[job.tier.name] = job.step
+        self.last_was_anchor = job.tier.anchor
+        self.lineage.committed(job.step, anchor=job.tier.anchor)  # later memory saves follow
         return result
 
     def _log(
@@ -466,7 +466,7 @@ class SavePipeline:
         step, save_id = job.step, job.save_id
         committed = self.committed
         if self.rank == 0 and committed is not None and committed[0] == step:
-            self.last_committed[job.route.tier] = step
+            self.last_committed[job.tier.name] = step
             return (
                 f"but step {step} IS committed at {committed[1]}: only telling the other ranks "
                 "failed"
@@ -488,6 +488,7 @@ class SavePipeline:
         self,
         job: SaveJob,
         reports: list[RankReport],
+        settled: Settled,
         stall_s: float,
         cost: LoopCost,
         integrity: dict[str, Any],
@@ -510,7 +511,7 @@ class SavePipeline:
             },
             mesh={
                 "world_size": self.world_size,
-                **job.route.mesh(),
+                **settled.mesh,
                 **({"device_mesh": m} if (m := job.layout.get("device_mesh")) else {}),
             },
             config=self.run_config,
@@ -531,7 +532,7 @@ class SavePipeline:
             ),
             milestone=job.milestone,
             integrity=integrity,
-            incremental=job.route.incremental(reports, job.snapshot),
+            incremental=settled.incremental,
             data=job.layout.get("data", {}),
         )
 

@@ -1,24 +1,27 @@
 """The seam between the save protocol and a tier: ``SaveRoute``, and the records they share.
 
-The save pipeline (dckpt.save.pipeline) runs one protocol for every tier; each tier is one
-route, built by the manager with its commit strategy, and picked by ``save(tier=...)``. The
-pipeline calls the route at the steps its docstring names and never asks which tier it is:
+The save pipeline (dckpt.save.pipeline) runs one protocol for every tier; a tier is one value
+(``SaveTier``: its name, its route, whether the run's lineage rests on it), built by its
+factory above this layer (dckpt.tier) with its commit strategy, and picked by
+``save(tier=...)``. The pipeline calls the route at the steps its docstring names and never
+asks which tier it is:
 
 - step 3, ``snapshot`` (foreground): this rank's copy of the state, as the tier keeps it;
 - step 5, ``write`` (background): this rank's files, with their digests, as its report;
-- step 6, ``settle`` (every rank, after the gather): why the save must be refused, if it must
-  (it sees every rank's report on rank 0, and on the other ranks only when
-  ``reports_everywhere``: their own otherwise);
-- step 7, ``mesh`` and ``incremental`` (rank 0): what the manifest's ``mesh`` records
-  besides the world size, and its ``incremental`` record (the durable tier's frozen files);
-- step 10, ``finish`` (every rank, once committed, told the committed step's bytes): what
-  follows a commit (the memory tier's replicas), and rank 0's words for the save's log line;
+- step 6, ``settle`` (every rank, after the gather): the route's verdict on the ranks'
+  reports (``Settled``): why the save must be refused, if it must, and what rank 0's
+  manifest records of it (``mesh`` beside the world size, the ``incremental`` record). It
+  sees every rank's report on rank 0, and on the other ranks only when
+  ``reports_everywhere``, their own otherwise; what rank 0 records is read on rank 0 only;
+- step 10, ``finish`` (every rank, once committed, told the committed step's bytes and what
+  ``settle`` said): what follows a commit (the memory tier's replicas), and rank 0's words
+  for the save's log line;
 - ``abandon`` (every rank, after a failure every rank agreed on): this rank's leftovers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,10 +30,19 @@ from ..root.commit import CommitStrategy
 from .coordinator import RankReport
 from .handle import SaveTicket
 
-__all__ = ["DURABLE", "Finished", "SaveJob", "SaveRoute"]
+__all__ = ["Finished", "SaveJob", "SaveRoute", "SaveTier", "Settled"]
 
-DURABLE = "durable"
-"""The root's tier: what a preemption's final save and the run's lineage rest on."""
+
+@dataclass(frozen=True)
+class Settled:
+    """A route's verdict on the ranks' reports of one save (step 6)."""
+
+    refused: str | None = None
+    """Why the save must be refused, else None (the same on every rank that decides)."""
+    mesh: dict[str, Any] = field(default_factory=dict)
+    """Rank 0: what the manifest's ``mesh`` records besides the world size."""
+    incremental: dict[str, Any] = field(default_factory=dict)
+    """Rank 0: the manifest's ``incremental`` record ({}: none)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ class Finished:
 class SaveJob:
     """What the foreground hands the save thread for one save; never changed after."""
 
-    route: SaveRoute
+    tier: SaveTier
     step: int
     save_id: str
     started: float
@@ -73,12 +85,14 @@ class SaveJob:
     """What the manifest says of the state's shape at ``save()``: the device meshes of its
     DTensors (``device_mesh``) and the data position (``data``); see ``describe_layout``."""
 
+    @property
+    def route(self) -> SaveRoute:
+        return self.tier.route
+
 
 class SaveRoute(Protocol):
     """One tier's part of the save protocol; see the module docstring."""
 
-    tier: str
-    """The tier's name, in ``save(tier=...)`` and in the agreement of the ranks."""
     label: str
     """Words for the save line after ``saved step N`` ("" or " to memory")."""
     noun: str
@@ -104,21 +118,34 @@ class SaveRoute(Protocol):
         self, snapshot: Any, ticket: SaveTicket, trace: Trace, tmp: Path, report: RankReport
     ) -> RankReport: ...
 
-    def settle(self, reports: list[RankReport]) -> str | None: ...
-
-    def mesh(self) -> dict[str, Any]: ...
-
-    def incremental(self, reports: list[RankReport], snapshot: Any) -> dict[str, Any]:
-        """Rank 0: the manifest's ``incremental`` record ({}: none)."""
-        ...
+    def settle(self, reports: list[RankReport], snapshot: Any) -> Settled: ...
 
     def finish(
         self,
         job: SaveJob,
         reports: list[RankReport],
+        settled: Settled,
         timings: dict[str, float],
         trace: Trace,
         total_bytes: int,
     ) -> Finished: ...
 
     def abandon(self, snapshot: Any, step: int) -> None: ...
+
+
+class SaveTier(Protocol):
+    """A tier as the save sees it (dckpt.tier.Tier is one)."""
+
+    @property
+    def name(self) -> str:
+        """Its one id: in ``save(tier=...)``, the ranks' agreement, the report, the records."""
+        ...
+
+    @property
+    def route(self) -> SaveRoute: ...
+
+    @property
+    def anchor(self) -> bool:
+        """Whether the run's lineage rests on it (the root's tier): a preemption's final
+        save, the steps later memory saves follow, what ``load()`` reads."""
+        ...

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..collective.comm import Comm
@@ -26,7 +27,7 @@ from .background import SaveThread
 from .handle import SaveHandle, SaveResult, SaveTicket
 from .mode import SaveMode
 from .pipeline import SavePipeline
-from .route import DURABLE, SaveRoute
+from .route import SaveTier
 from .step_clock import StepClock
 
 __all__ = ["Saver"]
@@ -45,7 +46,7 @@ class Saver:
         *,
         ctl: Comm,
         pipeline: SavePipeline,
-        routes: dict[str, SaveRoute],
+        tiers: Sequence[SaveTier],
         progress: Progress,
         config: CheckpointConfig,
         clock: StepClock,
@@ -53,7 +54,8 @@ class Saver:
     ) -> None:
         self._ctl = ctl
         self._pipeline = pipeline
-        self._routes = routes
+        self._tiers = {tier.name: tier for tier in tiers}
+        """Every tier this start saves to, by its name (``save(tier=...)``)."""
         self._progress = progress
         self._config = config
         self._clock = clock
@@ -79,8 +81,10 @@ class Saver:
 
     @property
     def last_committed_step(self) -> int | None:
-        """The step of the last committed durable save."""
-        return self._pipeline.last_committed.get(DURABLE)
+        """The step of the last committed save to the tier the run's lineage rests on (the
+        root's)."""
+        anchor = next((t.name for t in self._tiers.values() if t.anchor), None)
+        return None if anchor is None else self._pipeline.last_committed.get(anchor)
 
     @property
     def asynchronous(self) -> bool:
@@ -94,7 +98,7 @@ class Saver:
         milestone: bool,
         metric: float | None,
         loss: dict[str, Any],
-        tier: str = "durable",
+        tier: str,
         when: object = None,
         resumed_unchanged: bool = False,
     ) -> SaveHandle:
@@ -111,7 +115,8 @@ class Saver:
         plan while it decides (so the decision costs no collective of its own, and lags the
         save still in flight by one save); then ``resumed_unchanged``, the same on every
         rank: the step just resumed from, with nothing trained since, is not written again."""
-        route = self._routes[tier]
+        chosen = self._tiers[tier]
+        route = chosen.route
         self._refuse_if_unusable()
         t0 = time.perf_counter()
         mine = None
@@ -168,7 +173,7 @@ class Saver:
         self._refuse_if_unusable()
 
         job = self._pipeline.prepare(
-            route,
+            chosen,
             step,
             started=t0,
             waited_s=waited,

@@ -55,10 +55,11 @@ class Lineage:
 
     anchor: int | None = None
 
-    def committed(self, step: int, tier: str) -> None:
-        """A save of ``step`` to ``tier`` committed: a durable one is what later memory saves
-        follow (a memory save follows the durable step before it)."""
-        if tier == "durable":  # dckpt.save.route.DURABLE: the root's tier
+    def committed(self, step: int, *, anchor: bool) -> None:
+        """A save of ``step`` committed: one to the tier the lineage rests on (``anchor``: the
+        root's) is what later memory saves follow (a memory save follows the durable step
+        before it)."""
+        if anchor:
             self.anchor = step
 
     def resumed(self, manifest: Manifest) -> None:

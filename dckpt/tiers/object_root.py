@@ -44,12 +44,14 @@ from ..root import upkeep
 from ..root.commit import CommitStrategy
 from ..root.fence import Fence
 from ..root.layout import (
+    FOREIGN_LISTED,
     LATEST_FILE,
     PINS_DIR,
     QUARANTINE_DIR,
     QUARANTINED_RE,
     STEP_RE,
     Status,
+    is_ours,
     step_dir_name,
 )
 from ..root.lock import RunLock
@@ -197,6 +199,14 @@ class ObjectRoot:
                 head = f"{QUARANTINE_DIR}/{rest.partition('/')[0]}"
             groups.setdefault(head, []).append(obj)
         return groups
+
+    def foreign(self) -> list[str]:
+        """The names under the prefix dckpt did not write (one listing, on a fresh start)."""
+        names = sorted(head for head in self._grouped() if not is_ours(head.split("/")[0]))
+        shown = [f"{self.url_of(n)}" for n in names[:FOREIGN_LISTED]]
+        if len(names) > FOREIGN_LISTED:
+            shown.append(f"and {len(names) - FOREIGN_LISTED} more")
+        return shown
 
     def entries(self) -> list[Entry]:
         """Every step prefix (committed or incomplete) and every quarantined one. Committed:
@@ -546,6 +556,9 @@ class ObjectRecords:
 
     def where(self, step: int) -> str:
         return self.root.url_of(RESUMES_DIR, record_name(step))
+
+    def forget(self, step: int) -> str:
+        return f"aws s3 rm {self.where(step)} (with --endpoint-url for a store other than AWS)"
 
     def read(self, step: int) -> list[ResumeRecord]:
         got = self.root.store.get_small(
