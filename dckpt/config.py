@@ -43,160 +43,52 @@ def _lock_from_env() -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Settings of a CheckpointManager.
+    """Settings of a CheckpointManager: ``CheckpointConfig(root="runs/exp1", keep_last=3)``.
 
-    Attributes:
-        root: directory that holds the checkpoints of one run (created if missing), or an
-            object store URL, ``s3://bucket/prefix`` (``pip install dckpt[s3]``; the endpoint
-            and credentials come from the AWS variables, ``AWS_ENDPOINT_URL`` for MinIO or
-            Ceph). For a URL, ``remote`` holds it after construction and ``root`` becomes the
-            local *mirror* (``mirror``).
-        mirror: for an s3:// root, the local directory a save is written into before its
-            upload and a resume downloads into (each file verified): it holds the newest
-            step and the save in flight. None: ``$DCKPT_CACHE_DIR`` or ``~/.cache/dckpt``,
-            under ``s3/<bucket>/``.
-        digest: ``xxh3_128`` (fast, default) or ``sha256`` (cryptographic) for every file.
-        timeout_s: the longest any rank waits for the others in a save or load collective.
-        save_timeout_s: the longest one save may take from ``save()`` to its commit before
-            the watchdog declares it stuck (a hung write, a dead rank): it logs which rank and
-            phase, and the next ``save()`` raises. None: ``4 * timeout_s + 30``.
-        io_threads: writer threads per rank (DCP's ``thread_count``); one file per thread.
-        read_threads: reads in flight per file at a load (8 MiB each): a disk's bandwidth
-            needs a deep queue. A load's memory beyond the state it fills is these buffers,
-            64 MiB of small items held until their file is proven, and a large item that
-            cannot be read straight into its tensor (a resharded load, a GPU tensor).
-        direct_io: write shard files with ``O_DIRECT`` where the file system allows it
-            (buffered where it refuses it): no page-cache copy, a fraction of the CPU a
-            buffered write takes from the training steps. The price: a load right after a
-            save on the same node reads from the disk, not from the page cache.
-        incremental: write the model parameters that do not require grad (a frozen backbone)
-            to a file of their own per rank, and let a save whose frozen items all hash the
-            same as an earlier save's (``incremental_copies``) link that file instead of
-            writing it again (a hard link: every step stays a complete directory, retention
-            and ``gc`` work as before, and every byte is still verified; on an s3:// root, a
-            copy inside the bucket, from rank 0's node: other nodes upload theirs). A model
-            with no frozen parameter writes the same files as without it (its manifest lists
-            the trainable names). See docs/ARCHITECTURE.md, "Incremental saves".
-        incremental_copies: with ``incremental``, how many copies of the frozen file the
-            newest steps hold: a save links the file of the save ``incremental_copies`` saves
-            before it, never a newer one. 2 (default): two consecutive steps never share a
-            copy, so one bad sector in it fails every other step and the resume falls back to
-            the step before, as without incremental saves (the second save writes the file
-            again; the third on link). 1: every save links the last one's (the least bytes;
-            one bad sector fails every step since the copy was written). A save only links
-            a file whose step is still kept: with ``keep_last`` below this, none is. On an
-            s3:// root a reused file is copied in the bucket, an object of its own, so every
-            save reuses the last one's whatever this says.
-        full_every: with ``incremental``, write the frozen file afresh once a written copy
-            serves this many steps (0: only when it changes; 1: never reuse): bounds how many
-            steps one bad sector in a copy can fail.
-        async_save: ``True``: write in the background; ``save()`` returns once the state is
-            staged. ``False``: ``save()`` returns once the checkpoint is committed. ``"auto"``
-            (default): whichever costs the training loop less, measured: the first saves run
-            in the background (their cost read from step times, dckpt.save.step_clock), one
-            save is made synchronously (its stall), the cheaper way is kept, and the comparison
-            runs again when the kept way's cost drifts by more than 1.5x (dckpt.save.mode);
-            each decision is logged on rank 0 with both figures.
-        overlap_staging: let ``save()`` return before the parameters and optimizer state that
-            go to host memory are copied; the copy completes before the next
-            ``optimizer.step()`` (a step pre-hook waits for it). Off by default: it rests on
-            a promise that those tensors change only inside ``optimizer.step()`` until then
-            (version counters catch in-place changes through the tensors, not through
-            ``.data``). Off, every copy is taken (CPU) or queued on the training stream
-            (CUDA) inside ``save()``: a consistent snapshot by construction.
-        device_staging_bytes: GPU memory for staging buffers: CUDA tensors are copied into
-            them device-to-device inside ``save()`` and drained to pinned host memory in the
-            background; what does not fit is copied device-to-host on the training stream.
-            None (default): 1/8 of the GPU's memory. 0: off.
-        if_busy: what ``save()`` does while the previous save is still writing: ``wait`` for
-            it, or ``skip`` this one (all ranks decide together; logged either way).
-        fallback: on resume, quarantine a checkpoint that fails verification and try the next
-            older one (``False``: raise instead).
-        warmup: run the warmup all-reduce on the training group at the end of a resume.
-        loss_watch: after a resume, compare the first ``loss_watch_steps`` losses given to
-            ``observe()`` with the loss recorded at save time: ``warn``, ``raise`` or ``off``.
-        replay_check: after a resume from step N, compare the losses of the steps the resumed
-            run replays (N+1, ... as far as the run that stopped got) with that run's, kept
-            by rank 0 in ``ROOT/.dckpt-replay/`` (dckpt.load.replay): ``exact`` (bits),
-            ``close`` (relative ``replay_rtol``: GPU kernels that are not deterministic),
-            ``auto`` (default: exact when every parameter is on the CPU or
-            ``torch.use_deterministic_algorithms`` is on, else close) or ``off`` (no
-            journal). A difference is logged, naming the step; with ``loss_watch="raise"``
-            it raises ``LossDeviationError``.
-        replay_rtol: the relative difference ``close`` passes.
-        keep_last: keep the N newest committed checkpoints (at least 2); None keeps all.
-        milestone_every: every checkpoint whose step is a multiple of this is a milestone,
-            kept forever (as is any ``save(..., milestone=True)``).
-        best_k, best_mode: also keep the k best by the metric given to ``save(metric=...)``.
-        lock: hold ``ROOT/.dckpt-lock`` so a second job on the same root fails fast.
-            Default: on, unless ``$DCKPT_LOCK`` is ``0``, ``false`` or ``no`` (for a store
-            that ignores conditional writes, where the lock is refused; then make sure only
-            one job writes the root).
-        memory: turn on the memory tier: ``save(step, tier="memory")`` keeps the checkpoint
-            in host memory (``memory_dir``) and, sent over dckpt's own process group, on a
-            partner node; its manifest goes into the root (``ROOT/memory/``), the record a
-            resume trusts; ``resume()`` takes the newest step of either tier (see
-            dckpt.save.memory and dckpt.load.memory).
-        memory_dir: a directory on a memory file system that holds ``node-<n>/`` for each
-            node (made 0700, its files 0600). None: ``$DCKPT_MEMORY_DIR`` or
-            ``/dev/shm/dckpt-<uid>``, under a name derived from the root, so two runs never
-            share it.
-        memory_keep: memory checkpoints each node keeps of its own ranks and of its
-            partner's (the footprint is ``memory_keep + 1`` copies of each, reserved by the
-            first memory save).
-        replica_check: DCP keeps one copy of a value that several ranks hold under one name
-            (a plain tensor under DDP, a non-tensor value); every holder hashes its own copy
-            and rank 0 compares the digests before it commits. ``error`` (default): copies
-            that differ fail the save on every rank, naming the value and which ranks hold
-            which digest; ``warn``: commit, log it loudly and mark the step; ``off``: no
-            digests.
-        allow_nonfinite: every floating-point tensor written is checked for NaN and Inf
-            (on its GPU where it lives there). False (default): such a save fails, naming
-            the tensors, so a diverged step never becomes the newest; True: it is saved,
-            marked, and retention keeps the newest finite step beside it.
-        replica_sample: the share of replicated tensors compared per save (1.0: all). Below
-            1, each tensor is compared in one save of every ``round(1 / replica_sample)``,
-            the same save on every rank, so all are compared over that many saves; it cuts
-            the hashing a save adds (every holder hashes its copy) by that factor.
-        value_checks: False turns both checks above off (no digests, no NaN scan): what
-            ``bench/true_cost.py`` compares against to measure their cost.
+    Only ``root`` is required. Each setting is documented right under its declaration below,
+    grouped by theme (where the checkpoints go, integrity, the waits, saving, resuming and its
+    guards, retention, the run lock, the memory tier, the value checks), and each theme's
+    ``_check_*`` method, right after its fields, refuses a bad value at construction with the
+    reason. ``remote`` is read, never set: the URL of an ``s3://`` root, filled in at
+    construction.
     """
 
+    # -- Where the checkpoints go ---------------------------------------------------------------
+
     root: Path | str
+    """The directory that holds the checkpoints of one run (created if missing), or an object
+    store URL, ``s3://bucket/prefix`` (``pip install dckpt[s3]``; the endpoint and credentials
+    come from the AWS variables, ``AWS_ENDPOINT_URL`` for MinIO or Ceph). Always a ``Path``
+    after construction: for a URL, the local mirror (``mirror``), and ``remote`` holds the
+    URL."""
     mirror: Path | None = None
-    remote: str | None = None
-    digest: str = "xxh3_128"
-    timeout_s: float = 600.0
-    save_timeout_s: float | None = None
-    io_threads: int = 1
-    read_threads: int = 4
-    direct_io: bool = True
-    incremental: bool = True
-    incremental_copies: int = 2
-    full_every: int = 0
-    async_save: bool | Literal["auto"] = "auto"
-    overlap_staging: bool = False
-    device_staging_bytes: int | None = None
-    if_busy: IfBusy = "wait"
-    fallback: bool = True
-    warmup: bool = True
-    loss_watch: LossWatchAction = "warn"
-    loss_watch_steps: int = 5
-    replay_check: ReplayCheckMode = "auto"
-    replay_rtol: float = 1e-3
-    keep_last: int | None = None
-    milestone_every: int | None = None
-    best_k: int = 0
-    best_mode: BestMode = "min"
-    lock: bool = field(default_factory=_lock_from_env)
-    lock_lease_s: float = 300.0
-    memory: bool = False
-    memory_dir: Path | None = None
-    memory_keep: int = 1
-    replica_check: ReplicaCheck = "error"
-    allow_nonfinite: bool = False
-    replica_sample: float = 1.0
-    value_checks: bool = True
+    """For an ``s3://`` root, the local directory a save is written into before its upload and
+    a resume downloads into (each file verified): it holds the newest step and the save in
+    flight. None: ``$DCKPT_CACHE_DIR`` or ``~/.cache/dckpt``, under ``s3/<bucket>/``. Refused
+    with a directory root (which is its own copy)."""
+    _remote: str | None = None
+    """Not a setting: the ``s3://`` URL of a URL root, filled in at construction (read it as
+    ``remote``). An init field only so that a copy (``dataclasses.replace``), which passes
+    the mirror as ``root``, keeps the URL."""
+
+    def _check_where(self) -> None:
+        if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
+            raise ValueError(f"root must be a directory path or an s3:// URL, got {self.root!r}")
+        where = parse_root(self.root)
+        if isinstance(where, ObjectURL):
+            object.__setattr__(self, "_remote", str(where))
+            object.__setattr__(self, "root", Path(self.mirror or default_mirror(where)))
+        elif self._remote is not None:  # a copy of a config that was given a URL
+            object.__setattr__(self, "_remote", str(parse_url(self._remote)))
+        elif self.mirror is not None:
+            raise ValueError("mirror is for s3:// roots; a directory root is its own copy")
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def remote(self) -> str | None:
+        """The ``s3://`` URL of a URL root (whose ``root`` is its local mirror); None for a
+        directory root."""
+        return self._remote
 
     @property
     def directory(self) -> Path:
@@ -206,7 +98,232 @@ class CheckpointConfig:
     @property
     def where(self) -> str | Path:
         """The root as a user names it: the directory, or the s3:// URL."""
-        return self.remote or Path(self.root)
+        return self._remote or Path(self.root)
+
+    # -- Integrity ------------------------------------------------------------------------------
+
+    digest: str = "xxh3_128"
+    """The digest of every file: ``xxh3_128`` (fast, the default) or ``sha256``
+    (cryptographic)."""
+
+    def _check_integrity(self) -> None:
+        if self.digest not in ALGORITHMS:
+            raise ValueError(f"digest must be one of {sorted(ALGORITHMS)}, got {self.digest!r}")
+
+    # -- How long a rank waits for the others -------------------------------------------------
+
+    timeout_s: float = 600.0
+    """The longest any rank waits for the others in a save or load collective (> 0)."""
+    save_timeout_s: float | None = None
+    """The longest one save may take from ``save()`` to its commit before the watchdog
+    declares it stuck (a hung write, a dead rank): it logs which rank and phase, and the next
+    ``save()`` raises. At least ``timeout_s``. None: ``4 * timeout_s + 30``."""
+
+    def _check_waits(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(
+                f"timeout_s must be > 0, got {self.timeout_s}: a wait without a bound turns a "
+                "dead rank into a hang"
+            )
+        if self.save_timeout_s is not None and not self.save_timeout_s >= self.timeout_s:
+            raise ValueError(
+                f"save_timeout_s ({self.save_timeout_s}) must be >= timeout_s ({self.timeout_s})"
+                ": a save waits for the others at least once"
+            )
+
+    @property
+    def watchdog_s(self) -> float:
+        """Seconds after which a save in flight counts as stuck."""
+        return self.save_timeout_s or 4 * self.timeout_s + 30
+
+    # -- Saving ---------------------------------------------------------------------------------
+
+    io_threads: int = 1
+    """Writer threads per rank (DCP's ``thread_count``), 1 to 64; one file per thread."""
+    direct_io: bool = True
+    """Write shard files with ``O_DIRECT`` where the file system allows it (buffered where it
+    refuses it): no page-cache copy, a fraction of the CPU a buffered write takes from the
+    training steps. The price: a load right after a save on the same node reads from the
+    disk, not from the page cache."""
+    incremental: bool = True
+    """Write the model parameters that do not require grad (a frozen backbone) to a file of
+    their own per rank, and let a save whose frozen items all hash the same as an earlier
+    save's (``incremental_copies``) link that file instead of writing it again (a hard link:
+    every step stays a complete directory, retention and ``gc`` work as before, and every
+    byte is still verified; on an s3:// root, a copy inside the bucket, from rank 0's node:
+    other nodes upload theirs). A model with no frozen parameter writes the same files as
+    without it (its manifest lists the trainable names). See docs/ARCHITECTURE.md,
+    "Incremental saves"."""
+    incremental_copies: int = 2
+    """With ``incremental``, how many copies of the frozen file the newest steps hold (>= 1):
+    a save links the file of the save ``incremental_copies`` saves before it, never a newer
+    one. 2 (the default): two consecutive steps never share a copy, so one bad sector in it
+    fails every other step and the resume falls back to the step before, as without
+    incremental saves (the second save writes the file again; the third on link). 1: every
+    save links the last one's (the least bytes; one bad sector fails every step since the copy
+    was written). A save only links a file whose step is still kept: with ``keep_last`` below
+    this, none is. On an s3:// root a reused file is copied in the bucket, an object of its
+    own, so every save reuses the last one's whatever this says."""
+    full_every: int = 0
+    """With ``incremental``, write the frozen file afresh once a written copy serves this many
+    steps (>= 0; 0: only when it changes; 1: never reuse): bounds how many steps one bad
+    sector in a copy can fail."""
+    async_save: bool | Literal["auto"] = "auto"
+    """``True``: write in the background; ``save()`` returns once the state is staged.
+    ``False``: ``save()`` returns once the checkpoint is committed. ``"auto"`` (the default):
+    whichever costs the training loop less, measured: the first saves run in the background
+    (their cost read from step times, dckpt.save.step_clock), one save is made synchronously
+    (its stall), the cheaper way is kept, and the comparison runs again when the kept way's
+    cost drifts by more than 1.5x (dckpt.save.mode); each decision is logged on rank 0 with
+    both figures."""
+    overlap_staging: bool = False
+    """Let ``save()`` return before the parameters and optimizer state that go to host memory
+    are copied; the copy completes before the next ``optimizer.step()`` (a step pre-hook waits
+    for it). Needs a background save (``async_save`` True or ``"auto"``). Off by default: it
+    rests on a promise that those tensors change only inside ``optimizer.step()`` until then
+    (version counters catch in-place changes through the tensors, not through ``.data``).
+    Off, every copy is taken (CPU) or queued on the training stream (CUDA) inside ``save()``:
+    a consistent snapshot by construction."""
+    device_staging_bytes: int | None = None
+    """GPU memory for staging buffers: CUDA tensors are copied into them device-to-device
+    inside ``save()`` and drained to pinned host memory in the background; what does not fit
+    is copied device-to-host on the training stream. None (the default): 1/8 of the GPU's
+    memory. 0: off."""
+    if_busy: IfBusy = "wait"
+    """What ``save()`` does while the previous save is still writing: ``wait`` for it, or
+    ``skip`` this one (all ranks decide together; logged either way)."""
+
+    def _check_saving(self) -> None:
+        if not 1 <= self.io_threads <= 64:
+            raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")
+        if self.incremental_copies < 1:
+            raise ValueError(f"incremental_copies must be >= 1, got {self.incremental_copies}")
+        if self.full_every < 0:
+            raise ValueError(
+                f"full_every must be >= 0 (0: a frozen file is written again only when it "
+                f"changes), got {self.full_every}"
+            )
+        if self.async_save not in (True, False, "auto"):
+            raise ValueError(f"async_save must be True, False or 'auto', got {self.async_save!r}")
+        if self.overlap_staging and self.async_save is False:
+            raise ValueError(
+                "overlap_staging=True needs a background save (async_save True or 'auto'): a "
+                "synchronous save has nothing to overlap the copy with"
+            )
+        if self.device_staging_bytes is not None and self.device_staging_bytes < 0:
+            raise ValueError(
+                f"device_staging_bytes must be >= 0 (0 turns device staging off), got "
+                f"{self.device_staging_bytes}"
+            )
+        if self.if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+
+    # -- Resuming and its guards ----------------------------------------------------------------
+
+    read_threads: int = 4
+    """Reads in flight per file at a load (8 MiB each), 1 to 64: a disk's bandwidth needs a
+    deep queue. A load's memory beyond the state it fills is these buffers, 64 MiB of small
+    items held until their file is proven, and a large item that cannot be read straight into
+    its tensor (a resharded load, a GPU tensor)."""
+    fallback: bool = True
+    """On resume, quarantine a checkpoint that fails verification and try the next older one
+    (``False``: raise instead)."""
+    warmup: bool = True
+    """Run the warmup all-reduce on the training group at the end of a resume."""
+    loss_watch: LossWatchAction = "warn"
+    """After a resume, compare the first ``loss_watch_steps`` losses given to ``observe()``
+    with the loss recorded at save time; a loss above the bound is ``warn``-ed about,
+    ``raise``-s ``LossDeviationError``, or is not looked at (``off``)."""
+    loss_watch_steps: int = 5
+    """How many losses after a resume ``loss_watch`` compares (>= 1)."""
+    replay_check: ReplayCheckMode = "auto"
+    """After a resume from step N, compare the losses of the steps the resumed run replays
+    (N+1, ... as far as the run that stopped got) with that run's, kept by rank 0 in
+    ``ROOT/.dckpt-replay/`` (dckpt.load.replay): ``exact`` (bits), ``close`` (relative
+    ``replay_rtol``: GPU kernels that are not deterministic), ``auto`` (the default: exact
+    when every parameter is on the CPU or ``torch.use_deterministic_algorithms`` is on, else
+    close) or ``off`` (no journal). A difference is logged, naming the step; with
+    ``loss_watch="raise"`` it raises ``LossDeviationError``."""
+    replay_rtol: float = 1e-3
+    """The relative difference ``replay_check="close"`` passes, in [0, 1)."""
+
+    def _check_resuming(self) -> None:
+        if not 1 <= self.read_threads <= 64:
+            raise ValueError(f"read_threads must be in [1, 64], got {self.read_threads}")
+        if self.loss_watch not in ("warn", "raise", "off"):
+            raise ValueError(f"loss_watch must be warn, raise or off, got {self.loss_watch!r}")
+        if self.loss_watch_steps < 1:
+            raise ValueError(f"loss_watch_steps must be >= 1, got {self.loss_watch_steps}")
+        if self.replay_check not in ("auto", "exact", "close", "off"):
+            raise ValueError(
+                f"replay_check must be auto, exact, close or off, got {self.replay_check!r}"
+            )
+        if not 0 <= self.replay_rtol < 1:
+            raise ValueError(f"replay_rtol must be in [0, 1), got {self.replay_rtol}")
+
+    # -- Retention ------------------------------------------------------------------------------
+
+    keep_last: int | None = None
+    """Keep the N newest committed checkpoints (at least 2: the newest may turn out damaged,
+    and the one before it is what a resume falls back to); None keeps all."""
+    milestone_every: int | None = None
+    """Every checkpoint whose step is a multiple of this (>= 1) is a milestone, kept forever
+    (as is any ``save(..., milestone=True)``)."""
+    best_k: int = 0
+    """Also keep the k best checkpoints (>= 0) by the metric given to ``save(metric=...)``;
+    needs ``keep_last`` (without it everything is kept)."""
+    best_mode: BestMode = "min"
+    """Which metric is best for ``best_k``: the lowest (``min``) or the highest (``max``)."""
+
+    def _check_retention(self) -> None:
+        self.retention  # noqa: B018 - builds the policy, which checks keep_last, best_k, best_mode
+        if self.milestone_every is not None and self.milestone_every < 1:
+            raise ValueError(f"milestone_every must be >= 1, got {self.milestone_every}")
+        if self.best_k and self.keep_last is None:
+            raise ValueError("best_k needs keep_last: with keep_last=None everything is kept")
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(
+            keep_last=self.keep_last, best_k=self.best_k, best_mode=self.best_mode
+        )
+
+    # -- The run lock ---------------------------------------------------------------------------
+
+    lock: bool = field(default_factory=_lock_from_env)
+    """Hold ``ROOT/.dckpt-lock`` so a second job on the same root fails fast. Default: on,
+    unless ``$DCKPT_LOCK`` is ``0``, ``false`` or ``no`` (for a store that ignores
+    conditional writes, where the lock is refused; then make sure only one job writes the
+    root)."""
+    lock_lease_s: float = 300.0
+    """The run lock's lease, at least 10 s: its owner renews it every ``lock_lease_s / 3``,
+    and a job on another host takes the lock over only once the owner has not renewed it for
+    a whole lease, timed on the taker's own clock."""
+
+    def _check_lock(self) -> None:
+        if self.lock_lease_s < 10:
+            raise ValueError(f"lock_lease_s must be >= 10 s, got {self.lock_lease_s}")
+
+    # -- The memory tier ------------------------------------------------------------------------
+
+    memory: bool = False
+    """Turn on the memory tier: ``save(step, tier="memory")`` keeps the checkpoint in host
+    memory (``memory_dir``) and, sent over dckpt's own process group, on a partner node; its
+    manifest goes into the root (``ROOT/memory/``), the record a resume trusts; ``resume()``
+    takes the newest step of either tier (see dckpt.save.memory and dckpt.load.memory)."""
+    memory_dir: Path | None = None
+    """A directory on a memory file system that holds ``node-<n>/`` for each node (made 0700,
+    its files 0600). None: ``$DCKPT_MEMORY_DIR`` or ``/dev/shm/dckpt-<uid>``, under a name
+    derived from the root, so two runs never share it."""
+    memory_keep: int = 1
+    """Memory checkpoints each node keeps of its own ranks and of its partner's (>= 1; the
+    footprint is ``memory_keep + 1`` copies of each, reserved by the first memory save)."""
+
+    def _check_memory(self) -> None:
+        if self.memory_keep < 1:
+            raise ValueError(f"memory_keep must be >= 1, got {self.memory_keep}")
+        if self.memory_dir is not None:
+            object.__setattr__(self, "memory_dir", Path(self.memory_dir))
 
     @property
     def memory_base(self) -> Path:
@@ -222,98 +339,51 @@ class CheckpointConfig:
         """Where this run's memory tier lives (``node-<n>/`` under it, one per node)."""
         if self.memory_dir is not None:
             return Path(self.memory_dir)
-        key = xxhash.xxh64_hexdigest((self.remote or str(Path(self.root).resolve())).encode())
-        return self.memory_base / f"{Path(self.remote or self.root).name or 'root'}-{key[:12]}"
+        key = xxhash.xxh64_hexdigest((self._remote or str(Path(self.root).resolve())).encode())
+        return self.memory_base / f"{Path(self._remote or self.root).name or 'root'}-{key[:12]}"
 
-    @property
-    def watchdog_s(self) -> float:
-        """Seconds after which a save in flight counts as stuck."""
-        return self.save_timeout_s or 4 * self.timeout_s + 30
+    # -- The value checks of every save ---------------------------------------------------------
 
-    @property
-    def replica_every(self) -> int:
-        """Saves over which every replicated tensor is compared once (``replica_sample``)."""
-        return max(1, round(1 / self.replica_sample))
+    replica_check: ReplicaCheck = "error"
+    """DCP keeps one copy of a value that several ranks hold under one name (a plain tensor
+    under DDP, a non-tensor value); every holder hashes its own copy and rank 0 compares the
+    digests before it commits. ``error`` (the default): copies that differ fail the save on
+    every rank, naming the value and which ranks hold which digest; ``warn``: commit, log it
+    loudly and mark the step; ``off``: no digests."""
+    allow_nonfinite: bool = False
+    """Every floating-point tensor written is checked for NaN and Inf (on its GPU where it
+    lives there). False (the default): such a save fails, naming the tensors, so a diverged
+    step never becomes the newest; True: it is saved, marked, and retention keeps the newest
+    finite step beside it."""
+    replica_sample: float = 1.0
+    """The share of replicated tensors compared per save, in (0, 1] (1.0: all). Below 1, each
+    tensor is compared in one save of every ``round(1 / replica_sample)``, the same save on
+    every rank, so all are compared over that many saves; it cuts the hashing a save adds
+    (every holder hashes its copy) by that factor."""
+    value_checks: bool = True
+    """False turns both checks above off (no replica digests, no NaN scan): what
+    ``bench/true_cost.py`` compares against to measure their cost."""
 
-    @property
-    def retention(self) -> RetentionPolicy:
-        return RetentionPolicy(
-            keep_last=self.keep_last, best_k=self.best_k, best_mode=self.best_mode
-        )
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
-            raise ValueError(f"root must be a directory path or an s3:// URL, got {self.root!r}")
-        where = parse_root(self.root)
-        if isinstance(where, ObjectURL):
-            object.__setattr__(self, "remote", str(where))
-            object.__setattr__(self, "root", Path(self.mirror or default_mirror(where)))
-        elif self.remote is not None:  # a copy of a config that was given a URL
-            object.__setattr__(self, "remote", str(parse_url(self.remote)))
-        elif self.mirror is not None:
-            raise ValueError("mirror is for s3:// roots; a directory root is its own copy")
-        object.__setattr__(self, "root", Path(self.root))
-        if self.digest not in ALGORITHMS:
-            raise ValueError(f"digest must be one of {sorted(ALGORITHMS)}, got {self.digest!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(
-                f"timeout_s must be > 0, got {self.timeout_s}: a wait without a bound turns a "
-                "dead rank into a hang"
-            )
-        if self.save_timeout_s is not None and not self.save_timeout_s >= self.timeout_s:
-            raise ValueError(
-                f"save_timeout_s ({self.save_timeout_s}) must be >= timeout_s ({self.timeout_s})"
-                ": a save waits for the others at least once"
-            )
-        self.retention  # noqa: B018 - builds the policy, which validates its settings
-        if self.milestone_every is not None and self.milestone_every < 1:
-            raise ValueError(f"milestone_every must be >= 1, got {self.milestone_every}")
-        if self.best_k and self.keep_last is None:
-            raise ValueError("best_k needs keep_last: with keep_last=None everything is kept")
-        if self.lock_lease_s < 10:
-            raise ValueError(f"lock_lease_s must be >= 10 s, got {self.lock_lease_s}")
-        if self.loss_watch not in ("warn", "raise", "off"):
-            raise ValueError(f"loss_watch must be warn, raise or off, got {self.loss_watch!r}")
-        if self.loss_watch_steps < 1:
-            raise ValueError(f"loss_watch_steps must be >= 1, got {self.loss_watch_steps}")
-        if self.replay_check not in ("auto", "exact", "close", "off"):
-            raise ValueError(
-                f"replay_check must be auto, exact, close or off, got {self.replay_check!r}"
-            )
-        if not 0 <= self.replay_rtol < 1:
-            raise ValueError(f"replay_rtol must be in [0, 1), got {self.replay_rtol}")
-        if self.if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
-        if self.async_save not in (True, False, "auto"):
-            raise ValueError(f"async_save must be True, False or 'auto', got {self.async_save!r}")
-        if self.overlap_staging and self.async_save is False:
-            raise ValueError(
-                "overlap_staging=True needs a background save (async_save True or 'auto'): a "
-                "synchronous save has nothing to overlap the copy with"
-            )
-        if self.device_staging_bytes is not None and self.device_staging_bytes < 0:
-            raise ValueError(
-                f"device_staging_bytes must be >= 0 (0 turns device staging off), got "
-                f"{self.device_staging_bytes}"
-            )
+    def _check_values(self) -> None:
         if self.replica_check not in ("error", "warn", "off"):
             raise ValueError(
                 f"replica_check must be 'error', 'warn' or 'off', got {self.replica_check!r}"
             )
         if not 0 < self.replica_sample <= 1:
             raise ValueError(f"replica_sample must be in (0, 1], got {self.replica_sample}")
-        if self.memory_keep < 1:
-            raise ValueError(f"memory_keep must be >= 1, got {self.memory_keep}")
-        if self.memory_dir is not None:
-            object.__setattr__(self, "memory_dir", Path(self.memory_dir))
-        if self.incremental_copies < 1:
-            raise ValueError(f"incremental_copies must be >= 1, got {self.incremental_copies}")
-        if self.full_every < 0:
-            raise ValueError(
-                f"full_every must be >= 0 (0: a frozen file is written again only when it "
-                f"changes), got {self.full_every}"
-            )
-        if not 1 <= self.io_threads <= 64:
-            raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")
-        if not 1 <= self.read_threads <= 64:
-            raise ValueError(f"read_threads must be in [1, 64], got {self.read_threads}")
+
+    @property
+    def replica_every(self) -> int:
+        """Saves over which every replicated tensor is compared once (``replica_sample``)."""
+        return max(1, round(1 / self.replica_sample))
+
+    def __post_init__(self) -> None:
+        self._check_where()  # first: it makes root a Path
+        self._check_integrity()
+        self._check_waits()
+        self._check_saving()
+        self._check_resuming()
+        self._check_retention()
+        self._check_lock()
+        self._check_memory()
+        self._check_values()
