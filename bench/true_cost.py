@@ -88,7 +88,8 @@ def trainer_cmd(args: argparse.Namespace, mode: str, root: Path, log: Path) -> l
         cmd.append("--no-async")
     elif mode in ("async", "nocheck", "sampled"):
         cmd.append("--async")
-    if mode == "nocheck":  # the same background save without replica digests or NaN scan
+    if mode == "nocheck":  # the same background save without replica digests or NaN scan:
+        # the trainer passes it as CheckpointConfig(_value_checks=False), no user setting
         cmd.append("--no-value-checks")
     if mode == "sampled":
         cmd += ["--replica-sample", str(SAMPLE)]

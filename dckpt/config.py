@@ -49,8 +49,8 @@ class CheckpointConfig:
     grouped by theme (where the checkpoints go, integrity, the waits, saving, resuming and its
     guards, retention, the run lock, the memory tier, the value checks), and each theme's
     ``_check_*`` method, right after its fields, refuses a bad value at construction with the
-    reason. ``remote`` is read, never set: the URL of an ``s3://`` root, filled in at
-    construction.
+    reason. ``remote`` and ``value_checks`` are read by dckpt, never set: the first is filled
+    in for an ``s3://`` root, the second is a benchmark's switch (``_value_checks``).
     """
 
     # -- Where the checkpoints go ---------------------------------------------------------------
@@ -360,9 +360,11 @@ class CheckpointConfig:
     tensor is compared in one save of every ``round(1 / replica_sample)``, the same save on
     every rank, so all are compared over that many saves; it cuts the hashing a save adds
     (every holder hashes its copy) by that factor."""
-    value_checks: bool = True
-    """False turns both checks above off (no replica digests, no NaN scan): what
-    ``bench/true_cost.py`` compares against to measure their cost."""
+    _value_checks: bool = field(default=True, repr=False)
+    """Not a setting: the switch that measures what the two checks above cost. False turns
+    both off (no replica digests, no NaN scan), so a run saves whatever its values are;
+    ``bench/true_cost.py`` runs the trainer so (``launch/train.py --no-value-checks``) and
+    compares, as ``bench/memory.py --no-value-checks`` does. Read it as ``value_checks``."""
 
     def _check_values(self) -> None:
         if self.replica_check not in ("error", "warn", "off"):
@@ -371,6 +373,12 @@ class CheckpointConfig:
             )
         if not 0 < self.replica_sample <= 1:
             raise ValueError(f"replica_sample must be in (0, 1], got {self.replica_sample}")
+
+    @property
+    def value_checks(self) -> bool:
+        """Whether saves run the value checks at all (``_value_checks``: True but in the
+        benchmarks that measure their cost)."""
+        return self._value_checks
 
     @property
     def replica_every(self) -> int:

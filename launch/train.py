@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         memory=args.memory_every is not None,
         memory_dir=args.memory_dir,
         memory_keep=args.memory_keep,
-        value_checks=args.value_checks,
+        _value_checks=args.value_checks,  # not a setting: the benchmarks' switch
         replica_sample=args.replica_sample,
         **({} if args.lock is None else {"lock": args.lock}),  # None: DCKPT_LOCK decides
     )

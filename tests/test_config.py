@@ -1,6 +1,6 @@
 """CheckpointConfig: every check refuses its bad value in its own words and passes the good
-value beside it; an s3:// config survives ``dataclasses.replace``; the mechanics are not
-settings; every setting is documented under its declaration."""
+value beside it; an s3:// config survives ``dataclasses.replace``; the mechanics (``remote``,
+``value_checks``) are read, not set; every setting is documented under its declaration."""
 
 from __future__ import annotations
 
@@ -91,7 +91,6 @@ UNCHECKED = {
     "memory",
     "memory_dir",
     "allow_nonfinite",
-    "value_checks",
 }
 
 
@@ -203,6 +202,15 @@ def test_remote_is_not_a_keyword(tmp_path: Path) -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         dckpt.CheckpointConfig(root=URL).remote = "s3://other/x"  # type: ignore[misc]
     assert "remote" not in _public_fields()
+
+
+def test_value_checks_is_read_not_set() -> None:
+    with pytest.raises(TypeError, match="value_checks"):
+        dckpt.CheckpointConfig(root="runs/x", value_checks=False)  # type: ignore[call-arg]
+    assert dckpt.CheckpointConfig(root="runs/x").value_checks is True
+    off = dckpt.CheckpointConfig(root="runs/x", _value_checks=False)  # the benchmarks' switch
+    assert off.value_checks is False and dataclasses.replace(off, keep_last=2).value_checks is False
+    assert "value_checks" not in _public_fields() and "value_checks" not in repr(off)
 
 
 # -- Every setting documented under its declaration --------------------------------------------
