@@ -343,7 +343,7 @@ class CheckpointManager:
         epoch: int | None = None,
         milestone: bool = False,
         metric: float | None = None,
-        tier: Literal["durable", "memory"] = "durable",
+        tier: Literal["durable", "memory"] = DURABLE,
         when: object = None,
     ) -> SaveHandle:
         """Save the state as ``step`` on every rank; returns once training may go on.

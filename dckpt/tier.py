@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from .collective.comm import Comm
 from .config import CheckpointConfig
 from .load.checks import CandidateChecks
 from .load.durable import DurableReader
 from .load.resumer import Reader
-from .root.commit import CommitStrategy
+from .root.commit import FileCommit
 from .root.source import CheckpointSource
 from .save.durable import DurableRoute
 from .save.route import SaveRoute
@@ -34,8 +35,8 @@ from .train.state import TrainState
 
 __all__ = ["DURABLE", "MEMORY", "Tier", "durable_tier"]
 
-DURABLE = "durable"
-MEMORY = "memory"
+DURABLE: Final = "durable"
+MEMORY: Final = "memory"
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def durable_tier(
     *,
     ctl: Comm,
     io: Comm,
-    strategy: CommitStrategy,
+    strategy: FileCommit,
     source: CheckpointSource,
     config: CheckpointConfig,
     state: TrainState,

@@ -222,6 +222,75 @@ def test_the_manager_and_the_cli_never_ask_which_kind_of_root_they_hold() -> Non
     assert len(kind_branches(planted, set())) == 2
 
 
+# The tiers' own modules: each is one tier's implementation of the seams, and names its tier.
+TIER_MODULES = {
+    "dckpt.save.durable", "dckpt.save.memory", "dckpt.load.durable", "dckpt.load.memory",
+}  # fmt: skip
+TIER_NAMES = {"durable", "memory", "memory tier", "root"}
+# save/ and load/ talk to the protocols in these (the commit strategy's, the layout's names).
+PROTOCOL_MAY = {"dckpt.root.layout", "dckpt.root.commit"}
+
+
+def _annotations(tree: ast.AST) -> set[int]:
+    """The ids of every node inside an annotation or a docstring (a ``Literal`` of the
+    public signature, a tier named in words), which name tiers without branching on one."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        parts: list[ast.AST | None] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            every = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            every += [a for a in (node.args.vararg, node.args.kwarg) if a is not None]
+            parts = [a.annotation for a in every] + [node.returns]
+        elif isinstance(node, ast.AnnAssign):
+            parts = [node.annotation]
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            parts.append(body[0])  # a docstring (or a bare expression: no branch either)
+        for part in parts:
+            if part is not None:
+                skipped.update(id(n) for n in ast.walk(part))
+    return skipped
+
+
+def tier_branches(path: Path) -> list[str]:
+    """Where ``path`` branches on a tier: a tier's name as a value (``tier == "memory"``),
+    an ``s3://`` test, or the config's ``remote`` (see ``kind_branches``)."""
+    found = kind_branches(path, PROTOCOL_MAY)
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = _annotations(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped or not isinstance(node, ast.Constant):
+            continue
+        # a URL's scheme as a value (words that mention s3:// roots are not a test of one)
+        if node.value in TIER_NAMES or (isinstance(node.value, str) and node.value == "s3://"):
+            found.append(f"line {node.lineno}: {node.value!r}")
+    return found
+
+
+def test_save_load_and_the_manager_never_ask_which_tier_they_run() -> None:
+    """The save protocol, the resume protocol and the manager hold tiers as values
+    (dckpt.tier): no tier's name compared, no root kind, no s3:// or ``remote`` test. Only a
+    tier's own modules name it, and the manager's public ``save(tier=...)`` signature."""
+    checked = [PACKAGE / "manager.py"]
+    for folder in ("save", "load"):
+        checked += [
+            p for p in sorted((PACKAGE / folder).glob("*.py"))
+            if module_name(p) not in TIER_MODULES
+        ]  # fmt: skip
+    branches = {module_name(p): b for p in checked if (b := tier_branches(p))}
+    assert not branches, f"a branch on the tier: {branches}"
+    # and the check can fail: what the resumer held before tiers were values is caught
+    planted = PACKAGE.parent / "build" / "planted_resumer.py"
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_text(
+        '"""A docstring may say memory."""\n'
+        'tier = "durable" if x is y else "memory"\n'
+        'if where.startswith("s3://"):\n    pass\n'
+        "if config.remote is None:\n    pass\n"
+    )
+    assert len(tier_branches(planted)) == 4, tier_branches(planted)
+
+
 def test_the_folders_are_the_layers_in_the_architecture_doc() -> None:
     doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
     folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
@@ -253,3 +322,54 @@ def test_root_and_cli_import_no_torch(what: str) -> None:
     )
     assert proc.stdout.strip() == "[]", f"importing dckpt.{what} pulled in {proc.stdout[:300]}"
     assert len(names) > 3
+
+
+EMPTY_BODIES = {"pass", "...", "return None", "return {}", "return []", "return ()"}
+
+
+def empty_bodies(path: Path) -> list[str]:
+    """The methods of ``path``'s concrete classes that do nothing (a body, past its
+    docstring, of ``pass``, ``...``, an empty value, or ``raise NotImplementedError``): a
+    seam member a tier implements only because another tier needs it."""
+    found: list[str] = []
+    for cls in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        bases = {getattr(b, "id", getattr(b, "attr", "")) for b in cls.bases}
+        if bases & {"Protocol", "ABC"}:
+            continue  # a declaration, not an implementation
+        for fn in cls.body:
+            if not isinstance(fn, ast.FunctionDef) or fn.name.startswith("__"):
+                continue
+            body = fn.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            text = [ast.unparse(b) for b in body]
+            if (
+                not text
+                or (len(text) == 1 and text[0] in EMPTY_BODIES)
+                or (len(text) == 1 and "NotImplementedError" in text[0])
+            ):
+                found.append(f"{cls.name}.{fn.name} (line {fn.lineno})")
+    return found
+
+
+def test_the_tiers_implement_the_seams_without_empty_bodies() -> None:
+    """Each root kind and tier implements what it uses: the seams (dckpt.root.protocol,
+    .commit, .source; dckpt.save.route; dckpt.load.resumer) are split so that no
+    implementation carries a member only another needs; an optional part is a value
+    (``uploads``, ``fetcher``, ``survey``: None), never a method that does nothing."""
+    checked = [p for folder in ("root", "tiers", "save", "load") for p in modules()
+               if p.parent.name == folder]  # fmt: skip
+    empty = {module_name(p): e for p in checked if (e := empty_bodies(p))}
+    assert not empty, f"empty bodies in tier implementations: {empty}"
+    planted = PACKAGE.parent / "build" / "planted_source.py"
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_text(
+        "class LocalSource:\n"
+        "    def fetch(self, step):\n        return None\n"
+        "    def digest_remote(self, step, name):\n"
+        "        '''read in place'''\n        raise NotImplementedError('in place')\n"
+        "    def steps(self):\n        return [1]\n"
+    )
+    assert len(empty_bodies(planted)) == 2, empty_bodies(planted)

@@ -49,7 +49,7 @@ from ..root.manifest import (
     check_layout,
     read_manifest,
 )
-from ..root.source import CheckpointSource, Fetched
+from ..root.source import Fetched, Fetcher
 from ..storage.safe_unpickle import public_version, torch_release
 from ..storage.verified_files import open_verified
 from ..storage.verifying_reader import READ_THREADS, VerifyingReader
@@ -112,13 +112,14 @@ class CandidateChecks:
 
 def fetch_candidate(
     comm: Comm,
-    source: CheckpointSource,
+    fetcher: Fetcher,
+    local: Path,
     step: int,
     report: CandidateReport | None,
     files: frozenset[str] | None = None,
 ) -> None:
-    """Every rank brings its share of ``step`` to where it is read (an object store's
-    mirror; nothing for a directory root); any rank's failure is raised on every rank.
+    """Every rank brings its share of ``step`` into ``local``, where it is read (an object
+    store's mirror); any rank's failure is raised on every rank.
 
     Each part (this rank's share, then what its mirror still lacks) ends in an agreement
     (``Comm.first_failure``) that every rank reaches whatever happened on its side: a
@@ -129,11 +130,11 @@ def fetch_candidate(
     the step; anything else (a ``StorageError``: the checkpoint is not known to be bad)
     refuses the resume on every rank.
 
-    ``files``: only those (a ``partial`` source: the files this rank's load reads).
+    ``files``: only those (the files this rank's load reads).
     ``report`` None: nothing is reported (a first fetch of ``.metadata`` alone).
     """
     done: list[Fetched] = []
-    for step_part in (source.fetch, source.complete):  # this rank's share, then any gaps
+    for step_part in (fetcher.fetch, fetcher.complete):  # this rank's share, then any gaps
         failure: CheckpointError | None = None
         try:
             got = step_part(step, files)
@@ -142,7 +143,7 @@ def fetch_candidate(
         except CheckpointError as exc:
             failure = exc
         except OSError as exc:  # the local mirror: a full disk, no permission
-            failure = StorageError(f"writing into the mirror {source.local}: {exc}")
+            failure = StorageError(f"writing into the mirror {local}: {exc}")
         except Exception as exc:  # unforeseen: still every rank's error, not this rank's hang
             failure = CheckpointError(f"{type(exc).__name__}: {exc}")
         failed = comm.first_failure(failure)

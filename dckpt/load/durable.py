@@ -1,10 +1,10 @@
 """Loading a durable candidate (a directory root, or an s3:// root through its mirror):
 ``DurableReader``, steps 2-5 of the resume protocol (dckpt.load.resumer) for one step.
 
-1. the source brings the step to where it is read (``checks.fetch_candidate``: nothing for a
-   directory; for an object store, ``.metadata`` first, then, once the load plan is made
-   (step 4), the files this rank reads, each object hashed as it arrives into the mirror:
-   a node holds what its ranks read, not the whole step);
+1. the source's fetcher brings the step to where it is read (``checks.fetch_candidate``; a
+   directory is read in place, without one): for an object store, ``.metadata`` first, then,
+   once the load plan is made (step 4), the files this rank reads, each object hashed as it
+   arrives into the mirror: a node holds what its ranks read, not the whole step;
 2. the manifest and the verified ``.metadata`` on every rank, the layout split over the
    ranks (each stats its share), then the ranks compare the manifest's digest of digests
    (one all-reduce of its hash);
@@ -75,10 +75,12 @@ class DurableReader:
         path, name, state = report.path, report.path.name, self.state
         # A source that can bring only what a rank reads (an object store) brings the
         # metadata first: the load plan made from it names the rest (step 4).
-        first = frozenset({METADATA_FILE}) if self.source.partial else None
+        fetcher = self.source.fetcher
+        first = frozenset({METADATA_FILE}) if fetcher is not None else None
         mark = self.ctl.mark  # what this rank is doing, for the others to name if it stalls
-        mark(f"fetching step {step}")
-        checks.fetch_candidate(self.ctl, self.source, step, None if first else report, first)
+        if fetcher is not None:
+            mark(f"fetching step {step}")
+            checks.fetch_candidate(self.ctl, fetcher, self.source.local, step, None, first)
         mark(f"reading step {step}'s manifest, layout and metadata")
         manifest, reader = checks.read_candidate(
             self.ctl, path, step, report, first, read_threads=self.read_threads
@@ -110,10 +112,10 @@ class DurableReader:
         same_world = manifest.world_size == self.world_size and "rng" in saved
         if same_world:
             state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
-        if first is not None:  # this rank's files, as DCP's own plan for its state names them
+        if fetcher is not None:  # this rank's files, as DCP's own plan for its state names them
             reads = self._planned(reader, state_dict, name)  # .metadata: here, verified
             mark(f"fetching the files of step {step} it reads")
-            checks.fetch_candidate(self.ctl, self.source, step, report, reads)
+            checks.fetch_candidate(self.ctl, fetcher, self.source.local, step, report, reads)
         mark(f"loading step {step} (reading and hashing its share of the files)")
         try:
             dcp_load(
@@ -131,7 +133,7 @@ class DurableReader:
             raise incompatible_torch(
                 manifest.versions, source, exc, format_errors_only=True
             ) or CheckpointError(f"loading {path} failed: {exc}") from None
-        elsewhere = None if first is None else functools.partial(self.source.digest_remote, step)
+        elsewhere = None if fetcher is None else functools.partial(fetcher.digest_remote, step)
         mark(f"agreeing on step {step}'s digests")
         files_verified, ranks_checked = checks.verify_rest(
             self.ctl, path, manifest, reader, elsewhere

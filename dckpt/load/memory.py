@@ -148,18 +148,13 @@ class MemorySource:
     def origin(self, step: int) -> str:
         return f"the memory tier ({self.memory_dir}, {step_dir_name(step)})"
 
-    partial = False  # a node proves what it holds and receives what it lacks, whole
+    fetcher = None
+    """The memory reader proves and moves a step itself (``fetch`` below): a node proves
+    what it holds and receives what it lacks, whole."""
 
-    def complete(self, step: int, files: frozenset[str] | None = None) -> None:
-        return None
-
-    def digest_remote(self, step: int, name: str) -> str:
-        raise NotImplementedError("every memory file is proven on the node that reads it")
-
-    def confirm_damage(self, step: int, exc: CheckpointError) -> None:
-        pass  # every copy was tried before a memory step is called damaged
-
-    def quarantine(self, step: int, reason: str) -> None:
+    def quarantine(self, step: int, reason: str, damage: CheckpointError | None = None) -> None:
+        """Every copy was tried before a memory step is called damaged: no damage to
+        confirm (``damage`` is the proof the resume already has)."""
         self.ledger.quarantine(step, reason)
 
     def quarantined_count(self) -> int:
@@ -168,9 +163,6 @@ class MemorySource:
     def save_id(self, step: int) -> str:
         """Rank 0: the save id of the ledger's manifest of ``step``."""
         return parse_manifest(self.ledger.read(step), self.ledger.where(step)).save_id
-
-    def resume_records(self) -> None:
-        return None  # a memory step's resumes are recorded in the root's records
 
     # --- step 1: the record ---------------------------------------------------------------------
 

@@ -6,9 +6,11 @@ in flight is drained; never on the training group, except the warmup all-reduce,
 purpose is to test that group. Every rank runs every step; a failure on any rank is raised on
 every rank.
 
-A checkpoint may live in more than one tier, under one lineage of steps. Each tier is a
-``CheckpointSource`` (where its candidates are, and how their files are brought to where they
-are proven) with a reader (how a proven candidate gets into the state), built by the manager:
+A checkpoint may live in more than one tier, under one lineage of steps. Each tier is one
+value (``LoadTier``; dckpt.tier builds them): a ``CheckpointSource`` (where its candidates
+are, and how their files are brought to where they are proven) with a reader (how a proven
+candidate gets into the state), its name (the id its resume records carry) and its words
+(how the report names it). The resumer never asks which tier it holds:
 
 - the memory tier, when on (``MemorySource``, ``MemoryReader``: dckpt.load.memory): the steps
   of the root's ledger, proven in the nodes' memory, a lost node's files sent by the node that
@@ -17,7 +19,7 @@ are proven) with a reader (how a proven candidate gets into the state), built by
   mirror, with ``DurableReader``: dckpt.load.durable).
 
 1. **candidates**: rank 0 lists every tier's committed steps (``CheckpointSource.steps``);
-   all ranks take its list, newest step first, the memory tier first on a tie (each reader's
+   all ranks take its list, newest step first, the memory tier first on a tie (each tier's
    ``survey`` adds what the report says beyond them: steps in memory without a record). In
    the same broadcast, rank 0's reading of the root's resume records
    (dckpt.root.resume_record): a candidate whose newest records, for its very save, are
@@ -598,9 +600,8 @@ class Resumer:
         error: str | None = None
         if self.rank == 0:
             try:
-                if exc is not None:  # damage: a local fault raises StorageError
-                    tier.source.confirm_damage(step, exc)
-                tier.source.quarantine(step, reason)
+                # with the damage as proof: a local fault raises StorageError
+                tier.source.quarantine(step, reason, exc)
             except (OSError, ValueError, CheckpointError) as failed:
                 error = f"could not quarantine step {step}: {failed}"
         error = self._ctl.broadcast(error)

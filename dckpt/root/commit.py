@@ -1,12 +1,16 @@
 """The commit: how a save's files become a checkpoint, atomically and durably, as a strategy.
 
-A ``CommitStrategy`` says where a save in flight lives (``tmp_location``), what each rank
-does with its files before the commit (``tee``, ``publish``), and how they become a
-checkpoint (``begin``, ``finalize``, ``retain``). The save pipeline only talks to this
+A ``CommitStrategy`` says where a save in flight lives (``tmp_location``, ``make_tmp``) and
+how it becomes a checkpoint (``finalize``, ``retain``). The save pipeline only talks to this
 protocol, so a second root kind (an object store, committed by a manifest written last) is a
-second strategy, not a fork of the pipeline. What *is* committed is the root's to say (its
-listing, dckpt.root.protocol.Root; for a directory ``layout.is_committed_dir``), once per
-kind. Upkeep (recovery, quarantine, deletes, pins) lives in dckpt.root.upkeep.
+second strategy, not a fork of the pipeline. A ``FileCommit`` is a strategy for DCP's files
+(the durable route's): it also says where a committed file is found to link into a later save
+(``committed_file``), and where the bytes go besides the tmp dir (``uploads``: one
+``Upload`` opened per save on each rank, which holds that save's state; None for a
+directory, whose tmp dir is where the commit needs the files). What *is* committed is the
+root's to say (its listing, dckpt.root.protocol.Root; for a directory
+``layout.is_committed_dir``), once per kind. Upkeep (recovery, quarantine, deletes, pins)
+lives in dckpt.root.upkeep.
 
 ``RenameCommit.finalize``, run by the coordinator (rank 0) once every rank's files and the
 manifest are written into ``step-XXXXXXXX.tmp-<hex>/``:
@@ -36,12 +40,13 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from ..errors import CheckpointError
 from ..faults import fault_point
+from ..owned import make_dir
 from ..phases import Phase, Trace
 from ..storage.records import FileRecord
 from ..storage.sink import Tee
@@ -52,7 +57,7 @@ from .manifest import MANIFEST_FILE, read_manifest
 from .retention import RetentionPolicy
 from .upkeep import apply_retention, quarantine
 
-__all__ = ["CommitStrategy", "Flag", "RenameCommit", "exchange"]
+__all__ = ["CommitStrategy", "FileCommit", "Flag", "RenameCommit", "Upload", "exchange"]
 
 log = logging.getLogger("dckpt")
 
@@ -66,13 +71,14 @@ class Flag(Protocol):
 class CommitStrategy(Protocol):
     """How a root turns a save in flight into a checkpoint; see the module docstring."""
 
-    shares_reused: bool
-    """Whether a file a save reuses (``committed_file``) is the same bytes on the storage as
-    the step it came from (a hard link), not a copy of its own (an object store's copy): then
-    one bad sector in it fails both steps."""
-
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         """Where one save of ``step`` writes before its commit (not created here)."""
+        ...
+
+    def make_tmp(self, root: Path, tmp: Path, step: int, *, coordinator: bool) -> None:
+        """Every rank, before any rank writes a byte of ``step``: make ``tmp``; the
+        coordinator (rank 0) also makes room for the step (an object store uncommits a step
+        saved again). Raises a CheckpointError in its own words, or an OSError."""
         ...
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
@@ -81,36 +87,49 @@ class CommitStrategy(Protocol):
         commit point."""
         ...
 
-    def begin(self, root: Path, step: int) -> None:
-        """Rank 0, before any rank writes a byte of ``step``: make room for it."""
-        ...
-
-    def tee(self, tmp: Path, step: int, trace: Trace) -> Tee | None:
-        """Every rank, before it writes: where else the bytes of its files go as they are
-        written (an object store's uploads), or None."""
-        ...
-
-    def publish(
-        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace,
-        reused: Mapping[str, int] | None = None,
-    ) -> float:  # fmt: skip
-        """Every rank, after its files are written to ``tmp``: make sure each is where the
-        commit needs it; returns the seconds it took. ``reused``: the files linked from a
-        committed step (``committed_file``) rather than written, each with that step."""
-        ...
-
     def where(self, root: Path, step: int) -> str:
         """Where a user finds the committed ``step`` (for logs)."""
         ...
 
-    def committed_file(self, root: Path, step: int, name: str) -> Path | None:
-        """Where any rank finds the file ``name`` of the committed ``step``, to link into a
-        later save (dckpt.storage.stable_file); None where a later save cannot link it (an
-        object store: each step's objects are its own)."""
-        ...
-
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
         """Carry out the retention policy (rank 0, after a commit)."""
+        ...
+
+
+class Upload(Protocol):
+    """One save's uploads on one rank, from its first byte to ``publish``."""
+
+    tee: Tee
+    """Where else the bytes of this rank's files go as they are written."""
+
+    def publish(
+        self, records: Sequence[FileRecord], *, reused: Mapping[str, int] | None = None
+    ) -> float:
+        """After this rank's files are written: make sure each is where the commit needs
+        it; returns the seconds it took. ``reused``: the files linked from a committed step
+        (``committed_file``) rather than written, each with that step."""
+        ...
+
+
+class FileCommit(CommitStrategy, Protocol):
+    """A commit strategy for DCP's files (the durable route's); see the module docstring."""
+
+    @property
+    def shares_reused(self) -> bool:
+        """Whether a file a save reuses (``committed_file``) is the same bytes on the storage
+        as the step it came from (a hard link), not a copy of its own (an object store's
+        copy): then one bad sector in it fails both steps."""
+        ...
+
+    def committed_file(self, root: Path, step: int, name: str) -> Path:
+        """Where any rank finds the file ``name`` of the committed ``step``, to link into a
+        later save (dckpt.storage.stable_file)."""
+        ...
+
+    @property
+    def uploads(self) -> Callable[[Path, int, Trace], Upload] | None:
+        """Opens one save's ``Upload`` on this rank (its tmp dir, its step, its trace); None:
+        the tmp dir is where the commit needs the files."""
         ...
 
 
@@ -154,6 +173,7 @@ class RenameCommit:
     """Commit by atomic rename, for POSIX file systems where rename(2) is atomic."""
 
     shares_reused = True  # a reused file is a hard link
+    uploads = None  # the tmp dir, renamed, is the checkpoint
 
     def __init__(self, fence: Fence | None = None) -> None:
         self.fence = fence or Fence()
@@ -163,22 +183,14 @@ class RenameCommit:
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return Path(root) / f"{step_dir_name(step)}.tmp-{save_id}"
 
-    def begin(self, root: Path, step: int) -> None:
-        pass  # a re-saved step is swapped in at the commit point: nothing to make room for
-
-    def tee(self, tmp: Path, step: int, trace: Trace) -> Tee | None:
-        return None
-
-    def publish(
-        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace,
-        reused: Mapping[str, int] | None = None,
-    ) -> float:  # fmt: skip
-        return 0.0  # the files are where the commit needs them (a link is a name in tmp)
+    def make_tmp(self, root: Path, tmp: Path, step: int, *, coordinator: bool) -> None:
+        """A re-saved step is swapped in at the commit point: no room to make."""
+        make_dir(tmp, parents=True)
 
     def where(self, root: Path, step: int) -> str:
         return str(Path(root) / step_dir_name(step))
 
-    def committed_file(self, root: Path, step: int, name: str) -> Path | None:
+    def committed_file(self, root: Path, step: int, name: str) -> Path:
         return Path(root) / step_dir_name(step) / name
 
     def retain(self, root: Path, policy: RetentionPolicy) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, LockError
 from ..owned import make_dir
-from .commit import CommitStrategy, RenameCommit
+from .commit import FileCommit, RenameCommit
 from .fence import Fence
 from .layout import (
     LOCK_FILE,
@@ -132,7 +132,7 @@ class DirectoryRoot:
         self.fence.start(committed_steps(self.path))  # what this job found: its to move
         return actions
 
-    def commit_strategy(self) -> CommitStrategy:
+    def commit_strategy(self) -> FileCommit:
         return RenameCommit(self.fence)
 
     def source(self) -> CheckpointSource:

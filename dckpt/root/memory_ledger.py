@@ -31,6 +31,7 @@ import contextlib
 import os
 import re
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -112,15 +113,17 @@ class MemoryLedger(Protocol):
         ...
 
 
-class Pruning:
+class Pruning(ABC):
     """The ledger's upkeep, the same for every store: what a ledger removes is found from its
-    listing (``steps``), and removed by its ``_remove``."""
+    listing (``steps``), and removed by its ``_remove`` (each store's own)."""
 
+    @abstractmethod
     def steps(self) -> list[int]:
-        raise NotImplementedError
+        """The steps that have a record, oldest first."""
 
+    @abstractmethod
     def _remove(self, steps: list[int]) -> list[int]:
-        raise NotImplementedError
+        """Remove the records of ``steps``; returns those removed."""
 
     def drop_above(self, step: int) -> list[int]:
         return self._remove([s for s in self.steps() if s > step])

@@ -15,7 +15,7 @@ What a root answers and does:
 - **its upkeep**: ``quarantine``, ``delete_steps`` (the manifest's commit undone first, so a
   half-deleted step is never whole), ``pin``/``unpin``, retention, ``recover`` (a crash's
   debris removed, at a job's start under its lock);
-- **a job's parts**: ``locks`` (the run lock, not yet taken), the ``CommitStrategy`` a save
+- **a job's parts**: ``locks`` (the run lock, not yet taken), the ``FileCommit`` a save
   commits with, the ``CheckpointSource`` a resume reads, the memory tier's ledger;
 - **a local copy** of committed steps for commands that read tensors (``local_steps``): the
   directory itself, or the steps fetched, each object hashed as it arrives.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .commit import CommitStrategy
+from .commit import FileCommit
 from .layout import Status
 from .manifest import Manifest
 from .memory_ledger import MemoryLedger
@@ -110,7 +110,7 @@ class Root(Protocol):
         committed step) and repoint ``latest``; one line per action."""
         ...
 
-    def commit_strategy(self) -> CommitStrategy:
+    def commit_strategy(self) -> FileCommit:
         """How a save commits into this root (after ``locks`` were taken, on the
         coordinator: the strategy checks the lock is still the job's before each commit)."""
         ...

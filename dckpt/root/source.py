@@ -1,15 +1,15 @@
 """Where a load finds its candidates: ``CheckpointSource``, and the local directory's.
 
 A load reads a step from a local directory (``source.local``). For a directory root that is
-the root itself; for an object store (dckpt.tiers.object_source) it is the root's local
-mirror, filled and verified by ``fetch`` before anything reads it: for a resume, with only
-the files each rank's load plan reads (``partial``), so a node downloads what its ranks
-read, not the whole step. The resume protocol
-(dckpt.load.resumer) talks to this protocol only, so every check after ``fetch`` is the same
-for both.
+the root itself, read in place (``fetcher`` None); for an object store
+(dckpt.tiers.object_source) it is the root's local mirror, filled and verified by its
+``Fetcher`` before anything reads it: for a resume, with only the files each rank's load plan
+reads, so a node downloads what its ranks read, not the whole step. The durable reader
+(dckpt.load.durable) talks to these two protocols only, so every check after the fetch is
+the same for both; the memory tier's source (dckpt.load.memory) is read by its own reader.
 
-Resumes are recorded in the root (``resume_records``: dckpt.root.resume_record), those of
-every tier: the durable source's records are the resume's.
+Resumes are recorded in the root, those of every tier (``Root.resume_records``:
+dckpt.root.resume_record), not by a source.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from typing import Protocol
 from ..errors import CheckpointError
 from .layout import committed_steps, list_checkpoints, step_dir_name
 from .manifest import read_manifest
-from .resume_record import DirectoryRecords, ResumeRecords
 from .upkeep import quarantine
 
-__all__ = ["CheckpointSource", "Fetched", "LocalSource"]
+__all__ = ["CheckpointSource", "Fetched", "Fetcher", "LocalSource"]
 
 
 class Fetched(Protocol):
@@ -51,10 +50,31 @@ class CheckpointSource(Protocol):
         """Where ``step`` lives, for the resume report ("" when it is read in place)."""
         ...
 
-    partial: bool
-    """Whether ``fetch`` can bring only the files a rank reads (``files``), the others left
-    where they live and hashed there (``digest_remote``): an object store's mirror. False
-    for a directory root, read in place."""
+    @property
+    def fetcher(self) -> Fetcher | None:
+        """What brings a step into ``local`` before it is read (an object store's mirror);
+        None: ``local`` is where the steps live, read in place."""
+        ...
+
+    def quarantine(self, step: int, reason: str, damage: CheckpointError | None = None) -> None:
+        """Rank 0: move a step that failed verification aside, with the reason. ``damage``:
+        the failure that condemns it; a source whose copy is a local one first checks it
+        where the step lives, and raises StorageError if that copy is intact (a local fault:
+        nothing is quarantined)."""
+        ...
+
+    def quarantined_count(self) -> int: ...
+
+    def save_id(self, step: int) -> str:
+        """Rank 0: the save id in ``step``'s manifest where it lives (which checkpoint of that
+        step it is), before anything is fetched. Raises (OSError, CheckpointError) when the
+        manifest cannot be read."""
+        ...
+
+
+class Fetcher(Protocol):
+    """Brings a committed step from where it lives into the source's ``local`` directory,
+    verified, only the files a rank reads (the others hashed where they live)."""
 
     def fetch(self, step: int, files: frozenset[str] | None = None) -> Fetched | None:
         """Every rank: make ``local/step-N`` hold this rank's share of ``step`` (with
@@ -67,37 +87,15 @@ class CheckpointSource(Protocol):
         ...
 
     def digest_remote(self, step: int, name: str) -> str:
-        """The digest of ``step``'s file ``name`` where it lives, nothing written locally (a
-        ``partial`` source: for the files no rank brought)."""
-        ...
-
-    def confirm_damage(self, step: int, exc: CheckpointError) -> None:
-        """Rank 0, before a quarantine: raise StorageError if the failure was local (the
-        checkpoint where it lives is intact), so it is not quarantined."""
-        ...
-
-    def quarantine(self, step: int, reason: str) -> None:
-        """Rank 0: move a step that failed verification aside, with the reason."""
-        ...
-
-    def quarantined_count(self) -> int: ...
-
-    def save_id(self, step: int) -> str:
-        """Rank 0: the save id in ``step``'s manifest where it lives (which checkpoint of that
-        step it is), before anything is fetched. Raises (OSError, CheckpointError) when the
-        manifest cannot be read."""
-        ...
-
-    def resume_records(self) -> ResumeRecords | None:
-        """Where resumes of this source's steps are recorded; None: in the root's (a tier
-        that is not the root)."""
+        """The digest of ``step``'s file ``name`` where it lives, nothing written locally
+        (for the files no rank brought)."""
         ...
 
 
 class LocalSource:
     """A directory root: its step directories are read in place."""
 
-    partial = False
+    fetcher = None
 
     def __init__(self, root: Path) -> None:
         self.local = Path(root)
@@ -111,19 +109,8 @@ class LocalSource:
     def origin(self, step: int) -> str:
         return ""
 
-    def fetch(self, step: int, files: frozenset[str] | None = None) -> Fetched | None:
-        return None
-
-    def complete(self, step: int, files: frozenset[str] | None = None) -> Fetched | None:
-        return None
-
-    def digest_remote(self, step: int, name: str) -> str:
-        raise NotImplementedError("a directory root is read in place")
-
-    def confirm_damage(self, step: int, exc: CheckpointError) -> None:
-        pass  # read in place: what failed is the checkpoint itself
-
-    def quarantine(self, step: int, reason: str) -> None:
+    def quarantine(self, step: int, reason: str, damage: CheckpointError | None = None) -> None:
+        """Read in place: what failed is the checkpoint itself (no copy to confirm)."""
         quarantine(self.local, self.local / step_dir_name(step), reason)
 
     def quarantined_count(self) -> int:
@@ -133,6 +120,3 @@ class LocalSource:
 
     def save_id(self, step: int) -> str:
         return read_manifest(self.local / step_dir_name(step)).save_id
-
-    def resume_records(self) -> ResumeRecords:
-        return DirectoryRecords(self.local)

@@ -55,10 +55,10 @@ from ..collective.progress import Progress, StopFlag
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, StorageError, describe_os_error
 from ..phases import Phase, Trace
-from ..root.commit import CommitStrategy
+from ..root.commit import FileCommit
 from ..storage.hashing_writer import HashingWriter
 from ..storage.sink import Sink, Tee
-from ..storage.stable_file import StableBase, StableFile
+from ..storage.stable_file import StableBase
 from ..train.state import TrainState
 from ..units import describe_staging, human_bytes
 from .coordinator import RankReport
@@ -92,13 +92,14 @@ class DurableRoute:
     soft = False
     """A failed durable save is raised by the next ``save()``, ``wait()`` or ``close()``."""
     reports_everywhere = False
-    """``settle`` needs no report, ``finish`` only the committed size: rank 0 gathers."""
+    """``settle`` reads the reports on rank 0 only (the incremental record), ``finish`` only
+    the committed size: rank 0 gathers."""
 
     def __init__(
         self,
         *,
         io: Comm,
-        strategy: CommitStrategy,
+        strategy: FileCommit,
         config: CheckpointConfig,
         state: TrainState,
         stager: Stager,
@@ -118,7 +119,7 @@ class DurableRoute:
         """The previous committed save's size: the next one's estimate."""
         self._snapshots = 0
         """Saves this route took a snapshot for (which replicas ``replica_sample`` compares)."""
-        self.links = config.incremental and strategy.committed_file(Path(), 0, "-") is not None
+        self.links = config.incremental
         """Whether saves split off and link frozen parameters (module docstring)."""
         self.copies = config.incremental_copies if strategy.shares_reused else 1
         """How many saves back a save links from: ``incremental_copies`` where a link shares
@@ -127,9 +128,6 @@ class DurableRoute:
         """This rank's stable files in its last committed saves, the newest last; a save links
         the oldest (``copies`` saves back): consecutive steps never share it when there are
         two."""
-        self._pending: tuple[StableFile, int, int] | None = None
-        """The save in flight's stable file, its bytes' step and how many steps share them
-        (this one included), until its commit."""
 
     def snapshot(
         self, state_dict: dict[str, Any], *, step: int, save_id: str, asynchronous: bool,
@@ -215,6 +213,8 @@ class DurableRoute:
         """Step 5 on this rank: DCP's save through the hashing writer; its report."""
         t_staging = time.perf_counter()
         uploads = _Uploads(self.progress.stop_flag(tmp.name))
+        opens = self.strategy.uploads  # an object store: this save's uploads, on this rank
+        upload = opens(tmp, ticket.step, trace) if opens is not None else None
         writer = HashingWriter(
             tmp,
             algorithm=self.config.digest,
@@ -222,12 +222,12 @@ class DurableRoute:
             thread_count=self.config.io_threads,
             direct=self.config.direct_io,
             trace=trace,
-            tee=uploads.tee(self.strategy.tee(tmp, ticket.step, trace)),
+            tee=uploads.tee(upload.tee if upload is not None else None),
             slim_return=True,  # the planner hands it a copy; dckpt never reads dcp.save's return
             stable_keys=snapshot.stable,
             base=self._reusable(ticket.step),
         )
-        self._pending = None
+        snapshot.frozen = None
         error: str | None = None
         try:  # one all-reduce: whether any rank's layout changed since DCP last planned
             key, cached = self.plans.key_for(snapshot.state_dict)
@@ -276,18 +276,16 @@ class DurableRoute:
                 origin, shared = base.origin, base.shared + 1
                 linked = {r.path: base.step for r in stable.records}
                 origins = {r.path: origin for r in stable.records}
-            self._pending = (stable, origin, shared)
+            snapshot.frozen = (stable, origin, shared)
         publish_s = 0.0
         if error is None:
             try:  # an object store: every file this rank wrote must be complete there
-                publish_s = self.strategy.publish(
-                    tmp, writer.records(), rank=self.rank, step=ticket.step, trace=trace,
-                    reused=linked,
-                )  # fmt: skip
+                if upload is not None:
+                    publish_s = upload.publish(writer.records(), reused=linked)
                 trace.passed(Phase.DCP_FINISH)
             except Exception as exc:
                 error = f"uploading shards failed: {self._describe(exc)}"
-                self._pending = None
+                snapshot.frozen = None
         return dataclasses.replace(
             report,
             route={"reused": origins} if origins else {},
@@ -350,24 +348,24 @@ class DurableRoute:
         """Every rank remembers its stable file as committed; the save line says which path
         the bytes took, and what was linked instead of written."""
         self.last_bytes = total_bytes
-        self._remember(job.step)
+        self._remember(job.step, job.snapshot)
         line = describe_staging(timings) if job.asynchronous else "live state written"
         reused = timings.get("reused_bytes", 0.0)
         if reused:
             line += f", {human_bytes(reused)} of frozen parameters linked, not written"
         return Finished(line)
 
-    def _remember(self, step: int) -> None:
-        pending, self._pending = self._pending, None
+    def _remember(self, step: int, snapshot: Snapshot) -> None:
+        pending, snapshot.frozen = snapshot.frozen, None
         if pending is None:
             return
         stable, origin, shared = pending
         path = self.strategy.committed_file(self.root, step, stable.name)
         try:
-            st = os.stat(path) if path is not None else None
+            st: os.stat_result | None = os.stat(path)
         except OSError:  # seen moved already (a rollback): the next save writes afresh
             st = None
-        if path is None or st is None:
+        if st is None:
             self._bases.clear()
             return
         file = StableBase(stable, path, (st.st_dev, st.st_ino), st.st_size, st.st_mtime_ns)
@@ -388,7 +386,10 @@ class DurableRoute:
         )
 
     def abandon(self, snapshot: Snapshot | None, step: int) -> None:
-        self._pending = None  # the tmp location, removed by rank 0, held all of it; the base stays
+        """The tmp location, removed by rank 0, held all of this save's files: its frozen
+        file is let go of, never remembered as a base; the committed bases stay."""
+        if snapshot is not None:
+            snapshot.frozen = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,8 @@
 ``save(step, tier=...)`` is called by every rank with the same step and tier, in the same
 order. Every tier takes the same steps; what differs is the tier's *route*
 (dckpt.save.route: ``DurableRoute`` for the root, ``MemoryRoute`` for the memory tier) and
-its commit strategy (``RenameCommit``, ``ObjectCommit``, ``MemoryCommit``), both chosen by
-the manager, never by a branch here.
+its commit strategy (``RenameCommit``, ``ObjectCommit``, ``MemoryCommit``), both built by
+the tier's factory (dckpt.tier), never chosen by a branch here.
 
 In the foreground (``dckpt.save.saver.Saver.save``, on the caller's thread):
 
@@ -23,36 +23,37 @@ In the foreground (``dckpt.save.saver.Saver.save``, on the caller's thread):
 In the background (``SavePipeline.run``, on the save thread, on dckpt's *io* group; steps
 4-10 below are its body, in this order; nothing calls back up into the manager):
 
-4. **agree**: rank 0 lets the strategy make room (``CommitStrategy.begin``: an object store
-   uncommits a step saved again), every rank makes the tmp location
-   (``CommitStrategy.tmp_location``) and all ranks learn whether any rank failed to prepare,
-   or was given another step or tier (``Coordinator.agree``);
+4. **agree**: every rank makes the tmp location (``CommitStrategy.tmp_location``,
+   ``make_tmp``; rank 0 first lets the strategy make room: an object store uncommits a step
+   saved again) and all ranks learn whether any rank failed to prepare, or was given another
+   step or tier (``Coordinator.agree``);
 5. **write** (``route.write``): this rank's files with their digests, computed as the bytes
    go out (DCP's save through the ``HashingWriter``; the memory file hashed where it lies),
    as its ``RankReport``;
 6. **gather**: every rank's report (files and digests, or its error) to rank 0, or to every
    rank for a route whose ``settle`` and ``finish`` need them there
    (``route.reports_everywhere``: the memory tier; an all-gather whose size grows with the
-   world); then ``route.settle`` (the memory tier: the ranks' files were written with one
-   layout);
+   world); then ``route.settle``, the route's verdict (``Settled``: the memory tier refuses
+   files written with two layouts; what the manifest records of the save);
 7. **commit**, rank 0 only: any report's error, or a refusal from step 6, refuses the save
    (the tmp location removed); so do the ranks' value checks (``dckpt.save.findings.judge``:
    copies of a replicated value that differ across ranks, unless ``replica_check="warn"``;
    a tensor holding NaN or Inf, unless ``allow_nonfinite``), what they let through being
-   marked in the manifest's ``integrity``; else rank 0 reads what the save cost the training loop
-   (``StepClock``), builds the manifest from every report (``route.mesh`` adds what the tier
-   records), writes it into the tmp location and runs the commit strategy
-   (``RenameCommit``: fsync, rename, ``latest``; ``ObjectCommit``: every object present,
-   the lock still held, the manifest PUT last; ``MemoryCommit``: the manifest into the
-   root's ledger), unless the ticket was cancelled;
+   marked in the manifest's ``integrity``; else rank 0 reads what the save cost the training
+   loop (``StepClock``), builds the manifest from every report (``Settled.mesh`` and
+   ``.incremental`` add what the tier records), writes it into the tmp location and runs the
+   commit strategy (``RenameCommit``: fsync, rename, ``latest``; ``ObjectCommit``: every
+   object present, the lock still held, the manifest PUT last; ``MemoryCommit``: the
+   manifest into the root's ledger), unless the ticket was cancelled;
 8. **mark decided**: rank 0's progress marker (past ``rename``: committed, or refused), so a
    rank that loses rank 0 now can say whether a commit may have happened;
 9. **broadcast**: rank 0's outcome; every rank returns the committed path or raises the same
    ``SaveError`` (nothing committed, older checkpoints intact; ``route.abandon`` tidies);
-10. **finish**: ``route.finish`` on every rank (the memory tier's replicas to the partner
-    node, over dckpt's group, each verified on arrival; a failed replica never fails the
-    committed save), rank 0's one-line log, then retention (``CommitStrategy.retain``, rank
-    0): a failure here is logged, never fails the committed save.
+10. **finish**: ``route.finish`` on every rank, with step 6's verdict (the memory tier's
+    replicas to the partner node, over dckpt's group, each verified on arrival; a failed
+    replica never fails the committed save), rank 0's one-line log, then retention
+    (``CommitStrategy.retain``, rank 0): a failure here is logged, never fails the committed
+    save.
 
 ``save()`` returns after step 3, or after step 10 for a synchronous save. A failure in 4-9 on
 any rank fails the save on every rank and commits nothing; a failed collective also marks
@@ -79,8 +80,7 @@ import xxhash
 from ..collective.comm import Comm
 from ..collective.progress import DECIDED, Progress, SaveTrace
 from ..config import CheckpointConfig
-from ..errors import SaveError, StorageError, describe_os_error
-from ..owned import make_dir
+from ..errors import CheckpointError, SaveError, StorageError, describe_os_error
 from ..phases import Phase
 from ..robust import same_level_margin
 from ..root.manifest import Manifest
@@ -100,10 +100,6 @@ from .step_clock import LoopCost, StepClock
 __all__ = ["SaveJob", "SavePipeline"]
 
 log = logging.getLogger("dckpt")
-
-
-class _PreparingError(Exception):
-    """The commit strategy could not make room for a save (its message says where)."""
 
 
 @dataclass(frozen=True)
@@ -312,15 +308,10 @@ class SavePipeline:
         if error is None:
             try:
                 trace.at(Phase.MAKE_TMP)
-                if self.rank == 0:  # e.g. uncommit a step saved again, before any byte lands
-                    try:
-                        strategy.begin(self.root, job.step)
-                    except Exception as exc:
-                        raise _PreparingError(
-                            f"cannot prepare {strategy.where(self.root, job.step)}: {exc}"
-                        ) from exc
-                make_dir(tmp, parents=True)  # every rank; DCP's mkdir finds it
-            except _PreparingError as exc:
+                # every rank (DCP's mkdir finds it); rank 0 first makes room for the step, before
+                # any byte lands (an object store uncommits a step saved again)
+                strategy.make_tmp(self.root, tmp, job.step, coordinator=self.rank == 0)
+            except CheckpointError as exc:  # the strategy's own words
                 error = str(exc)
             except Exception as exc:  # reported to every rank by the agreement below
                 error = f"cannot make {tmp}: {describe_os_error(exc, self.root)}"

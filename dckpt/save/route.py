@@ -103,7 +103,12 @@ class SaveRoute(Protocol):
     soft: bool
     """Whether a failure every rank agreed on fails its handle only (logged, training goes
     on) instead of being raised by the next ``save()``."""
-    strategy: CommitStrategy
+
+    @property
+    def strategy(self) -> CommitStrategy:
+        """How a save of this route becomes a checkpoint (dckpt.root.commit)."""
+        ...
+
     reports_everywhere: bool
     """Whether ``settle`` and ``finish`` need every rank's report on every rank (an
     all-gather whose size grows with the world); else rank 0 alone gathers them."""

@@ -72,6 +72,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..errors import SaveError
 from ..phases import Phase, Trace
+from ..storage.stable_file import StableFile
 from ..units import human_bytes
 from .findings import Findings
 from .value_checks import Inspection, replica_key
@@ -183,6 +184,10 @@ class Snapshot:
     replicas: dict[str, str] = field(default_factory=dict)
     """Tensor name → replica key, for the tensors other ranks hold copies of that DCP keeps
     once (plain tensors; DTensor shards with a Replicate placement): ``replica_key``."""
+    frozen: tuple[StableFile, int, int] | None = None
+    """Once written (an incremental save): this save's file of frozen parameters, its bytes'
+    step and how many steps share them (this one included); the route remembers it as a
+    base once the save commits."""
 
     def ready(self, device: torch.device) -> Any:
         mark = self.marks.get(device)

@@ -5,8 +5,9 @@ The bytes of a memory save are in the nodes' memory (each rank's own file, writt
 ``save()``, hashed in the background: dckpt.save.memory); what makes them a checkpoint is the
 manifest, built by rank 0 from every rank's digests (dckpt.save.pipeline, steps 6-7):
 
-1. ``tmp_location``: ``ROOT/memory/step-N.tmp-<id>/``, where rank 0 writes the manifest
-   (every rank makes the directory, as for any save; only rank 0's is used);
+1. ``tmp_location``, ``make_tmp``: ``ROOT/memory/step-N.tmp-<id>/``, where rank 0 writes the
+   manifest (every rank makes the directory, as for any save; only rank 0's is used; a
+   re-saved step replaces its record at the commit point: no room to make);
 2. ``finalize`` (rank 0, once every rank reported its file hashed): the manifest becomes
    ``ROOT/memory/step-N.json`` (dckpt.root.memory_ledger; one PUT on an s3:// root): the
    commit point. The run lock is read back first on an object store. Then any record above N
@@ -30,19 +31,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..faults import fault_point
-from ..phases import Phase, Trace
+from ..owned import make_dir
+from ..phases import Phase
 from ..root.commit import Flag
 from ..root.layout import TMP_RE, step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest
 from ..root.memory_ledger import LEDGER_DIR, MemoryLedger
 from ..root.retention import RetentionPolicy
-from ..storage.records import FileRecord
-from ..storage.sink import Tee
 
 __all__ = ["Lineage", "MemoryCommit"]
 
@@ -75,8 +74,6 @@ class Lineage:
 class MemoryCommit:
     """Commit a memory save by recording its manifest in the root's ledger."""
 
-    shares_reused = False  # nothing is reused
-
     def __init__(self, ledger: MemoryLedger, keep: int, where_held: str) -> None:
         self.ledger = ledger
         self.keep = keep
@@ -86,23 +83,11 @@ class MemoryCommit:
     def tmp_location(self, root: Path, step: int, save_id: str) -> Path:
         return Path(root) / LEDGER_DIR / f"{step_dir_name(step)}.tmp-{save_id}"
 
-    def begin(self, root: Path, step: int) -> None:
-        pass  # a re-saved memory step replaces its record at the commit point
-
-    def tee(self, tmp: Path, step: int, trace: Trace) -> Tee | None:
-        return None
-
-    def publish(
-        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace,
-        reused: Mapping[str, int] | None = None,
-    ) -> float:  # fmt: skip
-        return 0.0  # each rank's file is in its node's memory, hashed: where the commit needs it
+    def make_tmp(self, root: Path, tmp: Path, step: int, *, coordinator: bool) -> None:
+        make_dir(tmp, parents=True)
 
     def where(self, root: Path, step: int) -> str:
         return f"{self.where_held} ({self.ledger.where(step)})"
-
-    def committed_file(self, root: Path, step: int, name: str) -> Path | None:
-        return None  # a memory save's bytes live in its nodes' memory, never linked
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
         if TMP_RE.fullmatch(tmp.name) is None or tmp.parent != Path(root) / LEDGER_DIR:

@@ -5,12 +5,14 @@ rename. A save still writes into a local tmp dir first (the root's *mirror*, a l
 directory: DCP's writer, the digests computed while writing and the snapshot staging are
 unchanged), then:
 
-1. ``begin`` (rank 0, before any rank writes): if the step is already committed (a re-save),
-   its manifest is deleted first, since objects of a committed step are never overwritten
-   under its manifest; the older steps stay whole, but the step is gone until the re-save
-   commits (an object store cannot swap two copies; logged);
-2. ``tee`` (every rank, while DCP writes its files): every byte the hashing writer writes to
-   the local file also goes to ``step-N/<file>`` in the store, part by part as the parts
+1. ``make_tmp`` (every rank makes its tmp dir in its mirror; rank 0 first, before any rank
+   writes): if the step is already committed (a re-save), its manifest is deleted first,
+   since objects of a committed step are never overwritten under its manifest; the older
+   steps stay whole, but the step is gone until the re-save commits (an object store cannot
+   swap two copies; logged);
+2. ``uploads`` opens one ``ObjectUpload`` per save on each rank, which holds that save's
+   state; its ``tee`` (every rank, while DCP writes its files): every byte the hashing writer
+   writes to the local file also goes to ``step-N/<file>`` in the store, part by part as the parts
    fill, several in flight (``UploadStream``), hashed once for both: the digest in the
    manifest is of the bytes that went out. A file is complete in the store when it closes
    cleanly (its upload is aborted otherwise; rank 0's include ``.metadata``); ``publish``
@@ -42,6 +44,7 @@ from pathlib import Path
 
 from ..errors import IntegrityError, StorageError
 from ..faults import fault_point
+from ..owned import make_dir
 from ..phases import Phase, Trace
 from ..root.commit import Flag, RenameCommit
 from ..root.fence import Fence
@@ -53,7 +56,7 @@ from ..storage.sink import Sink, Tee
 from .bucket import Bucket
 from .s3_store import UploadStream
 
-__all__ = ["ObjectCommit", "keep_only"]
+__all__ = ["ObjectCommit", "ObjectUpload", "keep_only"]
 
 log = logging.getLogger("dckpt")
 
@@ -104,7 +107,6 @@ class ObjectCommit:
     def __init__(self, root: Bucket, fence: Fence | None = None) -> None:
         self.objects = root
         self._local = RenameCommit()  # names of the mirror's tmp dirs
-        self._uploaded: dict[str, int] = {}  # this rank's files sent by the tee: name -> bytes
         self.fence = fence or Fence()
         """Rank 0's claim on the root: the bucket's run lock, read right before each commit;
         which steps it may move aside or delete (dckpt.root.fence)."""
@@ -115,12 +117,21 @@ class ObjectCommit:
     def where(self, root: Path, step: int) -> str:
         return self.objects.url_of(step_dir_name(step))
 
-    def committed_file(self, root: Path, step: int, name: str) -> Path | None:
+    def committed_file(self, root: Path, step: int, name: str) -> Path:
         # The mirror's copy of the newest step (on rank 0's node: ``finalize``): a file
         # linked from it is not uploaded but copied in the store (``publish``)
         return Path(root) / step_dir_name(step) / name
 
-    def begin(self, root: Path, step: int) -> None:
+    def make_tmp(self, root: Path, tmp: Path, step: int, *, coordinator: bool) -> None:
+        if coordinator:
+            try:
+                self._make_room(root, step)
+            except Exception as exc:
+                raise StorageError(f"cannot prepare {self.where(root, step)}: {exc}") from exc
+        make_dir(tmp, parents=True)
+
+    def _make_room(self, root: Path, step: int) -> None:
+        """A step saved again is uncommitted first: its objects are about to be overwritten."""
         if self.objects.store.head(self.objects.key(step_dir_name(step), MANIFEST_FILE)) is None:
             return
         log.warning(
@@ -132,67 +143,9 @@ class ObjectCommit:
         self.objects.uncommit(step)
         self.objects.publish_latest()
 
-    def tee(self, tmp: Path, step: int, trace: Trace) -> Tee:
-        name = step_dir_name(step)
-        self._uploaded = {}
-        progress = _FirstPart(trace)
-
-        def upload(relative: str) -> Sink:
-            stream = self.objects.store.open_upload(self.objects.key(name, relative), progress)
-            return _Counted(stream, relative, self._uploaded)
-
-        return upload
-
-    def publish(
-        self, tmp: Path, records: Sequence[FileRecord], *, rank: int, step: int, trace: Trace,
-        reused: Mapping[str, int] | None = None,
-    ) -> float:  # fmt: skip
-        """Every file went up while it was written (``tee``). One linked from a committed
-        step (``reused``) is copied in the store from that step's object (server-side: no
-        byte crosses the network), its size checked; one that did not go up either way (a
-        writer that bypassed the tee, a copy the store refused) is uploaded now from the
-        local copy, re-hashed as it is sent."""
-        t0 = time.perf_counter()
-        name = step_dir_name(step)
-        for record in records:
-            if self._uploaded.get(record.path) == record.bytes:
-                continue
-            source = (reused or {}).get(record.path)
-            if source is not None and self._copy(source, step, record):
-                continue
-            algorithm = record.digest.split(":", 1)[0]
-            digest, sent = self.objects.store.upload_file(
-                tmp / record.path, self.objects.key(name, record.path), algorithm,
-                _FirstPart(trace),
-            )  # fmt: skip
-            if digest != record.digest or sent != record.bytes:
-                raise IntegrityError(
-                    str(tmp / record.path),
-                    f"{record.digest} ({record.bytes} bytes), as written",
-                    f"{digest} ({sent} bytes), as uploaded",
-                    detail="the staged file changed between its write and its upload",
-                )
-        return time.perf_counter() - t0
-
-    def _copy(self, source: int, step: int, record: FileRecord) -> bool:
-        """``record``'s object copied from the committed ``source`` step's; False (logged)
-        when the store could not, and the caller uploads it instead."""
-        src = self.objects.key(step_dir_name(source), record.path)
-        dst = self.objects.key(step_dir_name(step), record.path)
-        try:
-            self.objects.store.copy(src, dst)
-            size = self.objects.store.head(dst)
-        except StorageError as exc:
-            log.warning("dckpt: %s; uploading it instead", exc)
-            return False
-        if size != record.bytes:
-            log.warning(
-                "dckpt: a copy of %s has %s bytes, not %d; uploading it instead",
-                self.objects.url_of(step_dir_name(source), record.path), size, record.bytes,
-            )  # fmt: skip
-            return False
-        self._uploaded[record.path] = record.bytes
-        return True
+    def uploads(self, tmp: Path, step: int, trace: Trace) -> ObjectUpload:
+        """One save's uploads on this rank."""
+        return ObjectUpload(self.objects, tmp, step, trace)
 
     def finalize(self, root: Path, tmp: Path, step: int, *, cancelled: Flag | None = None) -> Path:
         if TMP_RE.fullmatch(tmp.name) is None or tmp.parent != Path(root):
@@ -261,3 +214,73 @@ class ObjectCommit:
     def retain(self, root: Path, policy: RetentionPolicy) -> None:
         if policy.enabled:
             self.objects.apply_retention(policy, fence=self.fence)
+
+
+class ObjectUpload:
+    """One save's uploads on one rank (``ObjectCommit.uploads``): its tee while DCP writes,
+    then ``publish``; what went up is this save's, never another's."""
+
+    def __init__(self, objects: Bucket, tmp: Path, step: int, trace: Trace) -> None:
+        self.objects = objects
+        self.tmp = tmp
+        self.step = step
+        self.trace = trace
+        self._uploaded: dict[str, int] = {}  # this rank's files sent: name -> bytes
+        name, progress = step_dir_name(step), _FirstPart(trace)
+
+        def tee(relative: str) -> Sink:
+            stream = objects.store.open_upload(objects.key(name, relative), progress)
+            return _Counted(stream, relative, self._uploaded)
+
+        self.tee: Tee = tee
+
+    def publish(
+        self, records: Sequence[FileRecord], *, reused: Mapping[str, int] | None = None
+    ) -> float:
+        """Every file went up while it was written (``tee``). One linked from a committed
+        step (``reused``) is copied in the store from that step's object (server-side: no
+        byte crosses the network), its size checked; one that did not go up either way (a
+        writer that bypassed the tee, a copy the store refused) is uploaded now from the
+        local copy, re-hashed as it is sent."""
+        t0 = time.perf_counter()
+        tmp, step, trace = self.tmp, self.step, self.trace
+        name = step_dir_name(step)
+        for record in records:
+            if self._uploaded.get(record.path) == record.bytes:
+                continue
+            source = (reused or {}).get(record.path)
+            if source is not None and self._copy(source, step, record):
+                continue
+            algorithm = record.digest.split(":", 1)[0]
+            digest, sent = self.objects.store.upload_file(
+                tmp / record.path, self.objects.key(name, record.path), algorithm,
+                _FirstPart(trace),
+            )  # fmt: skip
+            if digest != record.digest or sent != record.bytes:
+                raise IntegrityError(
+                    str(tmp / record.path),
+                    f"{record.digest} ({record.bytes} bytes), as written",
+                    f"{digest} ({sent} bytes), as uploaded",
+                    detail="the staged file changed between its write and its upload",
+                )
+        return time.perf_counter() - t0
+
+    def _copy(self, source: int, step: int, record: FileRecord) -> bool:
+        """``record``'s object copied from the committed ``source`` step's; False (logged)
+        when the store could not, and the caller uploads it instead."""
+        src = self.objects.key(step_dir_name(source), record.path)
+        dst = self.objects.key(step_dir_name(step), record.path)
+        try:
+            self.objects.store.copy(src, dst)
+            size = self.objects.store.head(dst)
+        except StorageError as exc:
+            log.warning("dckpt: %s; uploading it instead", exc)
+            return False
+        if size != record.bytes:
+            log.warning(
+                "dckpt: a copy of %s has %s bytes, not %d; uploading it instead",
+                self.objects.url_of(step_dir_name(source), record.path), size, record.bytes,
+            )  # fmt: skip
+            return False
+        self._uploaded[record.path] = record.bytes
+        return True

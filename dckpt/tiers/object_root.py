@@ -38,10 +38,16 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    StorageError,
+)
 from ..owned import make_dir
 from ..root import upkeep
-from ..root.commit import CommitStrategy
+from ..root.commit import FileCommit
 from ..root.fence import Fence
 from ..root.layout import (
     FOREIGN_LISTED,
@@ -107,7 +113,13 @@ class ObjectRoot:
         return str(self.url)
 
     def expect_checkpoints(self) -> None:
-        pass  # a missing bucket or refused credentials fail the first listing, by name
+        """One listing (a missing bucket or refused credentials fail it, by name): a prefix
+        holding nothing dckpt wrote is refused, as a directory that is not a root is."""
+        if not any(is_ours(head.split("/")[0]) for head in self._grouped()):
+            raise CheckpointNotFoundError(
+                f"{self.url} is not a dckpt checkpoint root (no step-* prefixes, no latest, "
+                "no .dckpt-lock under it); pass the s3:// root a training run used"
+            )
 
     # --- a job's parts ----------------------------------------------------------------------
 
@@ -145,7 +157,7 @@ class ObjectRoot:
         return [RunLock(mirror, run_id, lease_s, name=f"{self} (its local mirror {mirror})"),
                 lock]  # fmt: skip
 
-    def commit_strategy(self) -> CommitStrategy:
+    def commit_strategy(self) -> FileCommit:
         from .object_commit import ObjectCommit
 
         return ObjectCommit(self, self.fence)

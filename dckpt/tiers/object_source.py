@@ -40,7 +40,7 @@ from ..errors import CheckpointError, IntegrityError, StorageError
 from ..owned import file_mode, make_dir, write_atomic
 from ..root.layout import step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
-from ..root.resume_record import ResumeRecords
+from ..root.source import Fetcher
 from ..storage.records import FileRecord
 from ..storage.verified_files import open_verified
 from ..units import human_bytes, plural
@@ -104,6 +104,8 @@ class ObjectSource:
         self.keep_one = keep_one  # the mirror keeps only the step fetched last
         self.session = _session()  # a stamp vouches for a file within one attempt of a job
         self._read: tuple[int, bytes, Manifest] | None = None  # the last manifest read
+        self.fetcher: Fetcher | None = self
+        """A step is brought into the mirror before it is read: by this source itself."""
 
     def __str__(self) -> str:
         return str(self.objects.url)
@@ -113,8 +115,6 @@ class ObjectSource:
 
     def origin(self, step: int) -> str:
         return f"{self.objects.url_of(step_dir_name(step))} (via the mirror {self.local})"
-
-    partial = True
 
     def fetch(
         self,
@@ -244,7 +244,11 @@ class ObjectSource:
             "quarantined and the mirror's copy was removed; start the job again."
         )
 
-    def quarantine(self, step: int, reason: str) -> None:
+    def quarantine(self, step: int, reason: str, damage: CheckpointError | None = None) -> None:
+        """Rank 0: moved aside in the bucket, once ``damage`` (the failure that condemns the
+        step) is confirmed there (``confirm_damage``: a local fault raises StorageError)."""
+        if damage is not None:
+            self.confirm_damage(step, damage)
         self.objects.quarantine(step, reason)
         shutil.rmtree(self.local / step_dir_name(step), ignore_errors=True)
 
@@ -253,10 +257,6 @@ class ObjectSource:
 
     def save_id(self, step: int) -> str:
         return self.objects.read_manifest(step).save_id
-
-    def resume_records(self) -> ResumeRecords:
-        """In the bucket, not the mirror: every node's next start reads them."""
-        return self.objects.resume_records()
 
 
 class _Turn:
