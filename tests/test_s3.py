@@ -231,6 +231,43 @@ def test_peek_reads_one_manifest_from_the_bucket(
     assert dckpt.read_config(root) == {}
 
 
+def test_a_fresh_start_names_foreign_objects_and_the_cli_refuses_a_prefix_that_is_no_root(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Both sides for an s3:// root, as for a directory (tests/test_replay.py): what the
+    prefix holds that dckpt did not write is listed by a fresh start's report, dckpt's own
+    objects never; ``dckpt ls`` refuses a prefix that holds nothing of dckpt's, in words."""
+    import subprocess
+    import sys
+
+    import dckpt
+
+    bucket = s3.bucket()
+    client = s3.client()
+    for key in ("run/model.pt", "run/other-run/step_100/x.distcp"):
+        client.put_object(Bucket=bucket, Key=key, Body=b"not dckpt's")
+    model = nn.Linear(2, 2)
+    config = dckpt.CheckpointConfig(root=f"s3://{bucket}/run", mirror=tmp_path / "mirror")
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model)) as mgr:
+        report = mgr.resume()
+        mgr.save(1).result()
+    assert not report.resumed
+    assert report.foreign == [f"s3://{bucket}/run/model.pt", f"s3://{bucket}/run/other-run"]
+    env = {**os.environ, **s3_env}
+    listed = subprocess.run(
+        [sys.executable, "-m", "dckpt.cli", "ls", f"s3://{bucket}/nothing-here"],
+        check=False, capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert listed.returncode == 2, listed
+    assert "is not a dckpt checkpoint root" in listed.stderr, listed.stderr
+    # the run's prefix holds its step now: a root, listed
+    listed = subprocess.run(
+        [sys.executable, "-m", "dckpt.cli", "ls", f"s3://{bucket}/run"],
+        check=False, capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+
+
 @pytest.mark.faults
 def test_a_damaged_object_is_named_and_resume_falls_back_to_the_previous_step(
     s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, fault_trials: Any

@@ -213,8 +213,14 @@ class ObjectRoot:
         return groups
 
     def foreign(self) -> list[str]:
-        """The names under the prefix dckpt did not write (one listing, on a fresh start)."""
-        names = sorted(head for head in self._grouped() if not is_ours(head.split("/")[0]))
+        """The names under the prefix dckpt did not write (one listing, on a fresh start); a
+        listing that fails names nothing: this is a courtesy of the report, never a refusal."""
+        try:
+            heads = self._grouped()
+        except (OSError, CheckpointError) as exc:
+            log.warning("dckpt: cannot list %s for what it holds besides dckpt's: %s", self, exc)
+            return []
+        names = sorted(head for head in heads if not is_ours(head.split("/")[0]))
         shown = [f"{self.url_of(n)}" for n in names[:FOREIGN_LISTED]]
         if len(names) > FOREIGN_LISTED:
             shown.append(f"and {len(names) - FOREIGN_LISTED} more")
