@@ -17,8 +17,17 @@ Invariants checked:
 - the Trainer writes no ``checkpoint-*`` folder of its own, in any of these runs;
 - ``import dckpt`` does not import transformers; without it the module says what to install.
 
-The runs are shared (module-scoped): the uninterrupted run and the three interrupted ones
-start side by side, then the four restarts (each job alone keeps the 2 cores about half busy).
+The runs are shared (module-scoped) and chained, six torchrun launches for the four
+scenarios (each launch costs every rank seconds of importing torch and transformers):
+
+    fresh, killed in epoch 0 ──> restart (epoch 0's) killed in epoch 1 ──> restart (epoch 1's)
+                                  └─ a copy, its newest shard flipped ──> restart (the bit
+                                     flip's) SIGTERMed ──> restart (the SIGTERM's)
+
+so a restart is also the next scenario's interrupted run: the epoch 0 restart is exact up to
+the epoch 1 kill, the bit flip's up to the step the SIGTERM stopped it at, and the restarts after
+them are exact from there to the end. The uninterrupted run goes beside the chain (each job
+alone keeps the 2 cores about half busy), and so do the two branches after the copy.
 """
 
 from __future__ import annotations
@@ -27,10 +36,10 @@ import importlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,49 +107,46 @@ def _flip_a_bit(step_dir: Path) -> Path:
     return shard
 
 
-def _parallel(*jobs: Callable[[], Run]) -> list[Run]:
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return [f.result() for f in [pool.submit(job) for job in jobs]]
-
-
 @dataclass
 class Runs:
     full: Run
-    killed: dict[str, Run]
-    restarts: dict[str, Run]
+    killed: dict[str, Run]  # each scenario's interrupted run
+    restarts: dict[str, Run]  # each scenario's restart (the same Run as the next one's killed)
+    ends: dict[str, int]  # the step each restart ran to: STEPS, or where the next scenario's
+    # SIGKILL or SIGTERM stopped it
     flipped: Path
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     base = tmp_path_factory.mktemp("hf_trainer")
-    dirs = {n: base / n for n in ("full", "epoch0", "epoch1", "bitflip", "sigterm")}
-    for d in dirs.values():
+    full_dir, chain, flip = base / "full", base / "chain", base / "bitflip"
+    for d in (full_dir, chain, flip):
         d.mkdir()
-    full, k0, k1, term = _parallel(
-        lambda: _train(dirs["full"], "run", dirs["full"] / "root"),
-        lambda: _train(
-            dirs["epoch0"], "killed", dirs["epoch0"] / "root", "--kill-at", str(KILL_EPOCH0)
-        ),
-        lambda: _train(
-            dirs["epoch1"], "killed", dirs["epoch1"] / "root", "--kill-at", str(KILL_EPOCH1)
-        ),
-        lambda: _train(
-            dirs["sigterm"], "killed", dirs["sigterm"] / "root", "--term-at", str(TERM_AT)
-        ),
+    with ThreadPoolExecutor(2) as pool:  # the uninterrupted run, beside the chain
+        full_job = pool.submit(_train, full_dir, "run", full_dir / "root")
+        k0 = _train(chain, "killed", chain / "root", "--kill-at", str(KILL_EPOCH0))
+        # epoch 0's restart, killed in epoch 1: the epoch 1 scenario's interrupted run
+        r0 = _train(chain, "restart0", chain / "root", "--kill-at", str(KILL_EPOCH1))
+        # The bit flip: a copy of the root as the epoch 1 kill left it, its newest damaged.
+        shutil.copytree(chain / "root", flip / "root", symlinks=True)
+        flipped = _flip_a_bit(max((flip / "root").glob("step-*")))
+        r1_job = pool.submit(_train, chain, "restart1", chain / "root")
+        # the bit flip's restart, rank 1 SIGTERMed: the SIGTERM scenario's interrupted run
+        rf = _train(flip, "restart", flip / "root", "--term-at", str(TERM_AT))
+        rt = _train(flip, "restart-term", flip / "root")
+        full, r1 = full_job.result(), r1_job.result()
+    # where the SIGTERM ended the bit flip's restart: the step the ranks agreed on (the last
+    # step if they agreed on none: the SIGTERM scenario's test fails then, not this one)
+    agreed = re.search(r"the ranks agreed on step (\d+),", rf.err)
+    stopped = int(agreed[1]) if agreed else STEPS
+    return Runs(
+        full,
+        killed={"epoch0": k0, "epoch1": r0, "sigterm": rf},
+        restarts={"epoch0": r0, "epoch1": r1, "bitflip": rf, "sigterm": rt},
+        ends={"epoch0": KILL_EPOCH1, "epoch1": STEPS, "bitflip": stopped, "sigterm": STEPS},
+        flipped=flipped,
     )
-    # The bit flip: a copy of epoch 1's killed run, its newest checkpoint damaged.
-    shutil.copytree(dirs["epoch1"] / "root", dirs["bitflip"] / "root", symlinks=True)
-    newest = max((dirs["bitflip"] / "root").glob("step-*"))
-    flipped = _flip_a_bit(newest)
-    r0, r1, rf, rt = _parallel(
-        lambda: _train(dirs["epoch0"], "restart", dirs["epoch0"] / "root"),
-        lambda: _train(dirs["epoch1"], "restart", dirs["epoch1"] / "root"),
-        lambda: _train(dirs["bitflip"], "restart", dirs["bitflip"] / "root"),
-        lambda: _train(dirs["sigterm"], "restart", dirs["sigterm"] / "root"),
-    )
-    killed = {"epoch0": k0, "epoch1": k1, "sigterm": term}
-    return Runs(full, killed, {"epoch0": r0, "epoch1": r1, "bitflip": rf, "sigterm": rt}, flipped)
 
 
 def _resumed_from(run: Run) -> int:
@@ -148,12 +154,28 @@ def _resumed_from(run: Run) -> int:
     return int(line.split()[3])
 
 
-def _assert_exact_after(run: Run, full: Run, resumed: int) -> None:
+def _assert_exact_after(run: Run, full: Run, resumed: int, end: int = STEPS) -> None:
     """Every loss logged after the restart is the uninterrupted run's, bit for bit, and the
-    restart logged every step from the one after the checkpoint to the end."""
-    assert list(run.losses) == list(range(resumed + 1, STEPS + 1)), (run.losses, run.err[-3000:])
+    restart logged every step from the one after the checkpoint to ``end`` (where it ended:
+    the last step, or where the chain's next scenario stopped it)."""
+    assert list(run.losses) == list(range(resumed + 1, end + 1)), (run.losses, run.err[-3000:])
     differ = {s: (v, full.losses[s]) for s, v in run.losses.items() if v != full.losses[s]}
-    assert not differ, f"losses after resuming step {resumed} differ (now, then): {differ}"
+    assert not differ, (
+        f"losses after resuming step {resumed} differ (now, then): {differ}; the chain: a "
+        "restart after the first resumes what earlier restarts saved, so an earlier scenario "
+        "that failed may be the cause (epoch0, then epoch1 and bitflip, then sigterm)"
+    )
+
+
+def _assert_ran_to_its_end(run: Run, end: int, scenario: str) -> None:
+    """The restart ran without an error to ``end``: the last step, exit 0; or, as the next
+    scenario's interrupted run, every step logged until rank 1's SIGKILL after step ``end``."""
+    if end == STEPS:
+        assert run.proc.returncode == 0, f"{scenario}'s restart: {run.err[-5000:]}"
+    else:
+        assert "Signal 9 (SIGKILL)" in run.err and max(run.losses, default=0) == end, (
+            f"{scenario}'s restart did not run to the kill after step {end}: {run.err[-5000:]}"
+        )
 
 
 @pytest.mark.multiproc
@@ -173,7 +195,7 @@ def test_a_sigkilled_run_restarts_verified_and_exact(runs: Runs, epoch: str) -> 
     kill = KILL_EPOCH0 if epoch == "epoch0" else KILL_EPOCH1
     assert killed.proc.returncode != 0 and "Signal 9 (SIGKILL)" in killed.err, killed.err[-3000:]
     assert max(killed.losses) == kill  # rank 1 died right after step `kill` was logged
-    assert restart.proc.returncode == 0, restart.err[-5000:]
+    _assert_ran_to_its_end(restart, runs.ends[epoch], epoch)
     resumed = _resumed_from(restart)
     assert resumed == kill - kill % SAVE_STEPS, restart.err  # the newest save before the kill
     err = restart.err
@@ -181,7 +203,7 @@ def test_a_sigkilled_run_restarts_verified_and_exact(runs: Runs, epoch: str) -> 
     span = f"steps {resumed + 1}..{kill}" if kill > resumed + 1 else f"step {kill}"
     assert f"[ok  ] replay: {span} identical to the run that stopped" in err, err
     assert "[FAIL]" not in err and "[warn]" not in err, err
-    _assert_exact_after(restart, runs.full, resumed)
+    _assert_exact_after(restart, runs.full, resumed, runs.ends[epoch])
 
 
 @pytest.mark.multiproc
@@ -195,7 +217,8 @@ def test_a_flipped_bit_in_the_newest_checkpoint_falls_back_and_stays_exact(runs:
     resumed = _resumed_from(restart)
     assert resumed == newest - SAVE_STEPS
     assert "[ok  ] digests:" in err and "[FAIL]" not in err
-    _assert_exact_after(restart, runs.full, resumed)
+    # exact to the step the SIGTERM of the next scenario stopped it at (exit 0, as checked)
+    _assert_exact_after(restart, runs.full, resumed, runs.ends["bitflip"])
 
 
 @pytest.mark.multiproc

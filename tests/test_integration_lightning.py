@@ -16,6 +16,12 @@ Invariants checked, each against one uninterrupted run of the same seeded script
 - a flipped bit in the newest checkpoint's shard file: the restart quarantines it, falls back
   to the one before, and is exact from there.
 
+The runs are shared (one module fixture, six torchrun launches, each costing every rank
+seconds of importing torch and Lightning) and chained on one root: killed with nothing
+committed -> restarted fresh, killed in epoch 0 -> resumed under FSDP2, killed in epoch 1 ->
+resumed to the end; each restart is the next scenario's killed run. The uninterrupted run goes
+beside the chain, and the flipped copy's restart beside the last resume.
+
 ``DCKPT_LIGHTNING_TEST_STRATEGY=ddp`` runs the script with Lightning's plain ``DDPStrategy``:
 every test then fails (checked once by hand: the proof that they test the strategy).
 """
@@ -28,6 +34,7 @@ import random
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,13 +126,100 @@ def _newest_before(kill: int) -> int:
     return (kill - 1) // EVERY * EVERY
 
 
+@dataclass
+class Chain:
+    """One root killed three times: as step 4 ends, with nothing committed yet; in epoch 0
+    (under DDP), then, restarted under FSDP2, in epoch 1; restarted under DDP again to the
+    end. A copy of it as the epoch 1 kill left it, its newest checkpoint's shard flipped,
+    restarted to the end beside it."""
+
+    nothing: Run  # killed as step 4 ends: nothing committed, last.ckpt a link to the root
+    first: Run  # DckptStrategy (DDP), starts fresh as without the link, killed in epoch 0
+    second: Run  # the first resume, DckptModelParallelStrategy (FSDP2), killed later
+    third: Run  # the second resume, DckptStrategy, to the end
+    after: Run  # the restart of the copy with a flipped bit, to the end
+    kills: tuple[int, int]
+    at_second_kill: Path  # a copy of the root as the second kill left it, then flipped
+    last_link_after_nothing: bool  # checkpoints/last.ckpt a link once `nothing` was killed
+    committed: dict[str, list[int]]  # the steps committed once each killed run ended
+
+
+@dataclass
+class Runs:
+    reference: Run
+    chain: Chain
+
+
+def _committed(root: Path) -> list[int]:
+    """The steps committed in the dckpt root under ``root`` (none where it was never made: the
+    fixture runs every launch, whatever an earlier one did; the tests judge)."""
+    return committed_steps(root / "dckpt") if (root / "dckpt").is_dir() else []
+
+
+def _flip_newest(root: Path, newest: int) -> None:
+    shard = max((root / "dckpt" / step_dir_name(newest)).glob("*.distcp"), key=os.path.getsize)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The uninterrupted run (saving in the background, dckpt's default)."""
-    run = _run(tmp_path_factory.mktemp("lightning") / "reference", "all")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every launch of the file, six: the uninterrupted run (saving in the background, dckpt's
+    default) beside a chain of runs on one root, each restart the next scenario's killed run;
+    the restart of the flipped copy beside the chain's last. Saves commit before training goes
+    on (``--sync``) in the runs that are killed, so which step each restart resumes is known;
+    the last restarts run as a user's would."""
+    base = tmp_path_factory.mktemp("lightning")
+    root = base / "killed"
+    kills = (_kill_step(0), _kill_step(1))
+    committed: dict[str, list[int]] = {}
+    with ThreadPoolExecutor(2) as pool:  # each job alone keeps the 2 cores about half busy
+        reference_job = pool.submit(_run, base / "reference", "all")
+        nothing = _run(root, "nothing", "--sync", "--kill-at", str(EVERY))
+        last_link = (root / "checkpoints" / "last.ckpt").is_symlink()
+        # the restart of `nothing`, killed in epoch 0
+        first = _run(root, "first", "--sync", "--kill-at", str(kills[0]))
+        committed["first"] = _committed(root)
+        # FSDP2 (fully_shard over both ranks) resumes what DDP saved and saves shards itself;
+        # on the CPU its averaged gradient shards are DDP's averaged gradients, bit for bit,
+        # so the one reference serves every strategy. (Lightning's FSDPStrategy, FSDP1,
+        # refuses accelerator="cpu" in Lightning 2.6.)
+        fsdp2 = "fsdp2" if STRATEGY == "dckpt" else STRATEGY
+        second = _run(root, "second", "--sync", "--kill-at", str(kills[1]), "--strategy", fsdp2)
+        committed["second"] = _committed(root)
+        copy = base / "at-second-kill"
+        if root.is_dir():
+            shutil.copytree(root, copy, symlinks=True)
+        if committed["second"]:
+            _flip_newest(copy, committed["second"][-1])
+        after_job = pool.submit(_run, copy, "after")
+        third = _run(root, "third")
+        reference, after = reference_job.result(), after_job.result()
+    chain = Chain(nothing, first, second, third, after, kills, copy, last_link, committed)
+    return Runs(reference, chain)
+
+
+@pytest.fixture(scope="module")
+def reference(runs: Runs) -> Run:
+    """The uninterrupted run."""
+    run = runs.reference
     assert run.rc == 0, run.output[-4000:]
     assert sorted(run.losses) == list(range(1, MAX_STEPS + 1)), run.losses
     return run
+
+
+@pytest.fixture(scope="module")
+def chain(runs: Runs) -> Chain:
+    """The chain, each killed run killed where it was to be, with the newest step committed
+    that the next restart is to resume."""
+    chain, kills = runs.chain, runs.chain.kills
+    first, second = chain.first, chain.second
+    assert first.rc != 0 and max(first.losses) == kills[0], first.output[-4000:]
+    assert chain.committed["first"][-1:] == [_newest_before(kills[0])], chain.committed
+    assert second.rc != 0 and max(second.losses) == kills[1], second.output[-4000:]
+    assert chain.committed["second"][-1:] == [_newest_before(kills[1])], chain.committed
+    return chain
 
 
 @pytest.mark.multiproc
@@ -142,41 +236,6 @@ def test_model_checkpoint_cadence_writes_dckpt_checkpoints_and_no_pickles(
     step8 = (reference.root / "dckpt" / step_dir_name(8)).resolve()
     assert (links / "epoch=0-step=8.ckpt").resolve() == step8
     _no_pickles(reference.root)
-
-
-@dataclass
-class Chain:
-    """One root killed twice: in epoch 0 (under DDP), then, restarted under FSDP2, in epoch 1;
-    restarted under DDP again to the end."""
-
-    first: Run  # DckptStrategy (DDP), killed in epoch 0
-    second: Run  # the first restart, DckptModelParallelStrategy (FSDP2), killed later
-    third: Run  # the second restart, DckptStrategy, to the end
-    kills: tuple[int, int]
-    at_second_kill: Path  # a copy of the root as the second kill left it
-
-
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
-    """Saves commit before training goes on (``--sync``) in the runs that are killed, so
-    which step each restart resumes is known; the last restart runs as a user's would."""
-    base = tmp_path_factory.mktemp("lightning")
-    root = base / "killed"
-    kills = (_kill_step(0), _kill_step(1))
-    first = _run(root, "first", "--sync", "--kill-at", str(kills[0]))
-    assert first.rc != 0 and max(first.losses) == kills[0], first.output[-4000:]
-    assert committed_steps(root / "dckpt")[-1] == _newest_before(kills[0])
-    # FSDP2 (fully_shard over both ranks) resumes what DDP saved and saves shards itself;
-    # on the CPU its averaged gradient shards are DDP's averaged gradients, bit for bit, so
-    # the one reference serves every strategy. (Lightning's FSDPStrategy, FSDP1, refuses
-    # accelerator="cpu" in Lightning 2.6.)
-    fsdp2 = "fsdp2" if STRATEGY == "dckpt" else STRATEGY
-    second = _run(root, "second", "--sync", "--kill-at", str(kills[1]), "--strategy", fsdp2)
-    assert second.rc != 0 and max(second.losses) == kills[1], second.output[-4000:]
-    assert committed_steps(root / "dckpt")[-1] == _newest_before(kills[1])
-    shutil.copytree(root, base / "at-second-kill", symlinks=True)
-    third = _run(root, "third")
-    return Chain(first, second, third, kills, base / "at-second-kill")
 
 
 @pytest.mark.multiproc
@@ -211,14 +270,8 @@ def test_sigkill_in_a_later_epoch_resumes_last_exactly(reference: Run, chain: Ch
 
 @pytest.mark.multiproc
 def test_flipped_bit_in_the_newest_falls_back_and_stays_exact(reference: Run, chain: Chain) -> None:
-    root = chain.at_second_kill
+    restart = chain.after  # the copy at the second kill, its newest shard flipped
     newest = _newest_before(chain.kills[1])
-    shard = max((root / "dckpt" / step_dir_name(newest)).glob("*.distcp"), key=os.path.getsize)
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    shard.write_bytes(bytes(data))
-
-    restart = _run(root, "after")
     before = newest - EVERY
     assert f"skipped step {newest} (quarantined): IntegrityError" in restart.output, restart.output[
         -4000:
@@ -229,18 +282,21 @@ def test_flipped_bit_in_the_newest_falls_back_and_stays_exact(reference: Run, ch
 
 @pytest.mark.multiproc
 def test_last_link_with_nothing_committed_starts_fresh_as_without_it(
-    reference: Run, tmp_path: Path
+    reference: Run, runs: Runs
 ) -> None:
     """Killed as step 4 ends: ModelCheckpoint named ``last.ckpt`` (a link to the root) and
     asked for a save that was to be taken as step 5 started. The restart resumes nothing and
-    is the fresh run, step for step (no RNG of a resume put back)."""
-    root = tmp_path / "nothing"
-    killed = _run(root, "first", "--sync", "--kill-at", str(EVERY), "--max-steps", "6")
-    assert killed.rc != 0 and (root / "checkpoints" / "last.ckpt").is_symlink()
-    restart = _run(root, "second", "--max-steps", "6")
-    assert restart.rc == 0, restart.output[-4000:]
+    is the fresh run, step for step (no RNG of a resume put back), up to where the chain's
+    epoch 0 scenario kills it (step 8: past step 6, where this scenario's own run once ended)."""
+    chain = runs.chain  # not the `chain` fixture: its checks are of the later scenarios
+    killed, restart = chain.nothing, chain.first
+    assert killed.rc != 0 and chain.last_link_after_nothing, killed.output[-4000:]
+    assert max(killed.losses) == EVERY, killed.losses  # killed as step 4 ended
     assert "dckpt resume: no committed checkpoint; starting from scratch" in restart.output
-    assert restart.losses == {s: reference.losses[s] for s in range(1, 7)}
+    # it ran, with no error, to its kill: every step logged up to it, the fresh run's losses
+    kill = chain.kills[0]
+    assert kill >= 6 and max(restart.losses) == kill, restart.output[-4000:]
+    assert restart.losses == {s: reference.losses[s] for s in range(1, kill + 1)}
 
 
 def test_dckpt_imports_no_lightning_and_a_missing_one_names_the_extra(

@@ -29,7 +29,9 @@ def _loop(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
 
 
-def _eval_after_save(tmp_path: Path) -> None:
+def _crash_with_eval_after_save(tmp_path: Path) -> None:
+    """The loop with its eval after ``save()``, SIGKILLed after step 6 (step 4 committed, steps
+    5 and 6 journaled); a copy of its root, taken before the restart, is the raising one's."""
     root = tmp_path / "after"
     crashed = _loop(root, "--eval", "after", "--kill-after", "6")
     assert crashed.returncode != 0 and committed_steps(root) == [4]  # SIGKILLed after step 6
@@ -38,6 +40,9 @@ def _eval_after_save(tmp_path: Path) -> None:
     assert journal.save_id == read_manifest(root / "step-00000004").save_id
     shutil.copytree(root, tmp_path / "raising", symlinks=True)
 
+
+def _eval_after_save(tmp_path: Path) -> None:
+    root = tmp_path / "after"
     restart = _loop(root, "--eval", "after")
     assert restart.returncode == 0, restart.stderr
     err = restart.stderr
@@ -54,26 +59,35 @@ def _eval_after_save(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert "[FAIL] replay: step 5 differs from the run that stopped" in again.stderr
 
-    # With loss_watch="raise" the difference raises LossDeviationError on rank 0 (the loop
-    # exits 3; torchrun stops the other rank).
+
+def _eval_after_save_raising(tmp_path: Path) -> None:
+    """With loss_watch="raise" the difference raises LossDeviationError on rank 0 (the loop
+    exits 3; torchrun stops the other rank)."""
     raising = _loop(tmp_path / "raising", "--eval", "after", "--loss-watch", "raise")
     assert raising.returncode != 0 and "exitcode  : 3" in raising.stderr, raising.stderr
 
 
-def _eval_before_save(tmp_path: Path) -> None:
+def _crash_with_eval_before_save(tmp_path: Path) -> None:
+    """The loop with its eval before ``save()``, SIGKILLed after step 6 (step 4 committed);
+    two copies of its root, taken before the restart, are the LR change's roots."""
     root = tmp_path / "before"
     crashed = _loop(root, "--eval", "before", "--kill-after", "6")
     assert crashed.returncode != 0 and committed_steps(root) == [4]
-    restart = _loop(root, "--eval", "before")
+    for copy in ("lr", "lr-applied"):
+        shutil.copytree(root, tmp_path / copy, symlinks=True)
+
+
+def _eval_before_save(tmp_path: Path) -> None:
+    restart = _loop(tmp_path / "before", "--eval", "before")
     assert restart.returncode == 0, restart.stderr
     assert "[ok  ] replay: steps 5..6 identical to the run that stopped" in restart.stderr
     assert "[FAIL] replay" not in restart.stderr
 
 
 def _lr_change(tmp_path: Path) -> None:
+    """Resumed from step 4 (a copy of the eval-before run's root: lr 0.1 in its run config and
+    its optimizer) with lr 0.05 allowed, once as is and once with the LR set after resume()."""
     root = tmp_path / "lr"
-    assert _loop(root, "--steps", "4").returncode == 0
-    shutil.copytree(root, tmp_path / "lr-applied", symlinks=True)
     changed = _loop(root, "--steps", "6", "--lr", "0.05", "--allow", "lr")
     assert changed.returncode == 0, changed.stderr
     err = changed.stderr
@@ -94,8 +108,13 @@ def _lr_change(tmp_path: Path) -> None:
 def test_replay_names_the_step_an_eval_after_save_shifts_and_passes_an_eval_before_it(
     tmp_path: Path,
 ) -> None:
-    """The issue's checks, three scenarios side by side (each job leaves a core half idle)."""
+    """The issue's checks: the two crashed runs side by side, then the five restarts, three at a
+    time (each job leaves a core half idle); the LR change resumes copies of the eval-before
+    run's crashed root (eight launches in all)."""
     with ThreadPoolExecutor(3) as pool:
-        jobs = [pool.submit(f, tmp_path) for f in (_eval_after_save, _eval_before_save, _lr_change)]
-        for job in jobs:
+        crash_after = pool.submit(_crash_with_eval_after_save, tmp_path)
+        _crash_with_eval_before_save(tmp_path)
+        crash_after.result()
+        restarts = (_eval_after_save, _eval_after_save_raising, _eval_before_save, _lr_change)
+        for job in [pool.submit(f, tmp_path) for f in restarts]:
             job.result()
