@@ -113,8 +113,11 @@ class ObjectRoot:
         return str(self.url)
 
     def expect_checkpoints(self) -> None:
-        """One listing (a missing bucket or refused credentials fail it, by name): a prefix
-        holding nothing dckpt wrote is refused, as a directory that is not a root is."""
+        """A prefix holding nothing dckpt wrote is refused, as a directory that is not a root
+        is. One HEAD of ``latest`` answers for a root that committed a step; without it, one
+        listing (a missing bucket or refused credentials fail it, by name)."""
+        if self.store.head(self.key(LATEST_FILE)) is not None:
+            return
         if not any(is_ours(head.split("/")[0]) for head in self._grouped()):
             raise CheckpointNotFoundError(
                 f"{self.url} is not a dckpt checkpoint root (no step-* prefixes, no latest, "
