@@ -292,6 +292,8 @@ class CheckpointManager:
             )
 
     def _on_optimizer_step(self) -> None:
+        if self.state.in_torch_state_dict:  # DCP initialising a stateless optimizer: no step
+            return
         self._resumer.touched()
         self._watch.touched()
         self._saver.on_optimizer_step()

@@ -152,3 +152,39 @@ def test_verify_of_a_file_the_storage_cannot_read_is_a_storage_error(tmp_path: P
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert clean.returncode == 0, clean.stdout + clean.stderr
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw-before-its-first-step"])
+def test_torchs_own_optimizer_step_inside_a_save_is_no_training_step(
+    tmp_path: Path, optimizer: str
+) -> None:
+    """DCP's state-dict helpers call ``optimizer.step()`` themselves on an optimizer that holds
+    no state (torch's ``_init_optim_state``: zero grads, lr 0): a stateless SGD at every save
+    and every load, Adam before its first step. dckpt's step pre-hook must not count it as a
+    training step: the step clock (what a save costs the loop, async "auto") would time a
+    phantom step inside ``save()``, and a resume's "nothing trained since" would be broken."""
+    torch.manual_seed(0)
+    net = nn.Linear(8, 8)
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(net.parameters(), lr=0.1)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(net.parameters(), lr=0.1)
+    )
+    fired: list[int] = []
+    opt.register_step_pre_hook(lambda *_: fired.append(1))  # every step(), torch's own too
+    config = dckpt.CheckpointConfig(root=tmp_path / "ckpt", async_save=False)
+    with dckpt.CheckpointManager(config, dckpt.TrainState(net, opt)) as mgr:
+        clock = mgr._saver._clock
+        trained = 0 if optimizer != "sgd" else 3
+        for _ in range(trained):
+            net(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        mgr.save(trained).result()
+        assert len(fired) > trained, "torch no longer steps the optimizer: drop this guard"
+        assert clock._seen == trained, (clock._seen, trained)
+        # and the resume's own load steps it again: still no training step, so saving the
+        # step just resumed from is skipped as nothing trained since
+        mgr.load()
+        assert clock._seen == trained
+        assert mgr.save(trained).skipped

@@ -103,6 +103,11 @@ class TrainState:
         self.epoch = 0
         self.samples_seen = 0
         self._options = StateDictOptions(strict=True)
+        self.in_torch_state_dict = False
+        """True while DCP's state-dict helpers run: they call ``optimizer.step()`` themselves
+        on an optimizer that holds no state (torch's ``_init_optim_state``: zero grads, lr 0;
+        a stateless SGD at every save, Adam before its first step). Such a step is no
+        training step: a step pre-hook reads this to tell them apart."""
 
     def at(self, step: int, epoch: int | None = None) -> None:
         """The progress the next ``state_dict`` records: ``step`` (and ``epoch``, when given);
@@ -130,7 +135,11 @@ class TrainState:
         if self.optimizer is None:
             sd: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
         else:
-            msd, osd = get_state_dict(self.model, self.optimizer, options=self._options)
+            self.in_torch_state_dict = True
+            try:
+                msd, osd = get_state_dict(self.model, self.optimizer, options=self._options)
+            finally:
+                self.in_torch_state_dict = False
             sd = {"model": msd, "optimizer": osd}
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
@@ -158,13 +167,17 @@ class TrainState:
         if self.optimizer is None:
             set_model_state_dict(self.model, state_dict["model"], options=self._options)
         else:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state_dict["model"],
-                optim_state_dict=state_dict["optimizer"],
-                options=self._options,
-            )
+            self.in_torch_state_dict = True
+            try:
+                set_state_dict(
+                    self.model,
+                    self.optimizer,
+                    model_state_dict=state_dict["model"],
+                    optim_state_dict=state_dict["optimizer"],
+                    options=self._options,
+                )
+            finally:
+                self.in_torch_state_dict = False
         for i, sched in enumerate(self.schedulers):
             _restore(f"scheduler {i}", sched, state_dict["scheduler"][str(i)])
         if self.scaler is not None:
