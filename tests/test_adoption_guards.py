@@ -188,3 +188,34 @@ def test_torchs_own_optimizer_step_inside_a_save_is_no_training_step(
         mgr.load()
         assert clock._seen == trained
         assert mgr.save(trained).skipped
+
+
+@pytest.mark.parametrize("saved_with", ["sampler", "loader"])
+def test_another_kind_of_data_object_is_refused_in_its_own_words(
+    tmp_path: Path, saved_with: str
+) -> None:
+    """A GlobalBatchSampler's checkpoint resumed with a DataLoader as ``data=``, or the
+    reverse: refused before any tensor is read, naming the data object (the words once said
+    the model or optimizer had parts the checkpoint lacked)."""
+    from torch.utils.data import DataLoader
+
+    def data(kind: str) -> Any:
+        if kind == "sampler":
+            return dckpt.GlobalBatchSampler(64, 8, seed=1)
+        return DataLoader(list(range(64)), batch_size=8, shuffle=True)
+
+    net = nn.Linear(4, 4)
+    root = tmp_path / "ckpt"
+    state = dckpt.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1), data=data(saved_with))
+    with dckpt.CheckpointManager(root, state) as mgr:
+        mgr.save(1).result()
+    other = "loader" if saved_with == "sampler" else "sampler"
+    state = dckpt.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1), data=data(other))
+    with (
+        dckpt.CheckpointManager(root, state) as mgr,
+        pytest.raises(dckpt.StateMismatchError) as refused,
+    ):
+        mgr.resume()
+    words = str(refused.value)
+    assert "the data object is another kind than the one the run that saved it" in words, words
+    assert "the model has parts" not in words, words

@@ -54,7 +54,7 @@ from ..storage.safe_unpickle import public_version, torch_release
 from ..storage.verified_files import open_verified
 from ..storage.verifying_reader import READ_THREADS, VerifyingReader
 from ..train.precision import PrecisionPolicy, check_scaler
-from ..train.state import TrainState
+from ..train.state import DATA_ORDER, TrainState
 from ..units import plural
 from ..version import __version__
 from .config_check import ConfigPolicy
@@ -404,9 +404,17 @@ def check_state_kinds(
     saved = set(manifest.state)
     missing = [c for c in state.categories() if c not in saved]
     if missing:
+        # a DataLoader as data= keeps its order in extra: the one extra a GlobalBatchSampler's
+        # checkpoint lacks is that, and the words say which object differs
+        loader_only = missing == ["extra"] and set(state.extra) == {DATA_ORDER}
+        why = (
+            _MISSING_WHY["data"]
+            if loader_only
+            else f"it was saved by a run set up differently ({_why_missing(missing)})"
+        )
         raise StateMismatchError(
             f"{name} holds no {', '.join(missing)} state (it holds "
-            f"{', '.join(manifest.state)}): it was saved by a run set up differently"
+            f"{', '.join(manifest.state)}): {why}"
         )
     unused = sorted(saved - set(state.categories()) - {"rng"})
     if unused:
@@ -460,6 +468,33 @@ def resolve_per_rank(
     )
 
 
+_MISSING_WHY = {
+    "model": "the model has parts the run that saved it did not have (check the config)",
+    "optimizer": "the optimizer has state or groups the run that saved it did not have "
+    "(another optimizer, or other parameter groups: check the config)",
+    "scheduler": "this run has a scheduler the run that saved it did not have",
+    "scaler": "this run has a GradScaler the run that saved it did not have",
+    "data": "the data object is another kind than the one the run that saved it passed (a "
+    "DataLoader for a GlobalBatchSampler's checkpoint, or the reverse): pass the same kind "
+    "as data=",
+    "extra": "this run has an extra object (TrainState(extra=...)) the run that saved it did "
+    "not have",
+    "progress": "the progress counters are another dckpt's",
+}
+"""Why a category's keys are missing from a checkpoint, in words (``check_shapes``)."""
+
+
+def _why_missing(parts: list[str]) -> str:
+    return "; ".join(
+        _MISSING_WHY.get(part, f"{part} holds parts the run that saved it did not have")
+        for part in sorted(parts, key=_missing_order)
+    )
+
+
+def _missing_order(part: str) -> int:
+    return [*_MISSING_WHY, part].index(part)
+
+
 def check_shapes(state_dict: dict[str, Any], reader: VerifyingReader, name: str) -> None:
     """Every tensor to restore has the shape and dtype the checkpoint's metadata records,
     checked before any tensor is read. (The reader's own comparison per chunk only guards the
@@ -468,11 +503,11 @@ def check_shapes(state_dict: dict[str, Any], reader: VerifyingReader, name: str)
     flat, _ = flatten_state_dict(state_dict)
     missing = sorted(k for k in flat if k not in saved)
     if missing:
+        parts = sorted({k.split(".", 1)[0] for k in missing})
         raise StateMismatchError(
             f"{name} has no value for {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            + ": the model or optimizer has parts the run that saved it did not have "
-            "(check the config); the checkpoint is not damaged."
+            + f": {_why_missing(parts)}; the checkpoint is not damaged."
         )
     for fqn, value in flat.items():
         meta = saved.get(fqn)
