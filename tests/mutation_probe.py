@@ -311,7 +311,7 @@ MUTANTS = (
     Mutant(
         "memory: a save of a step saved before retires the committed copy before it commits",
         "dckpt/save/memory.py",
-        "os.replace(staged.final, _aside(staged))",
+        "self.slots.rename(staged.final, _aside(staged))",
         'self.slots.retire(staged.final, "replaced")',
         (f"{ML}::test_a_failed_save_of_a_step_saved_before_keeps_its_committed_copy",),
     ),
@@ -360,7 +360,7 @@ MUTANTS = (
     Mutant(
         "comm: a meeting the first to arrive gave up on is not marked abandoned",
         "dckpt/collective/comm.py",
-        'if store.compare_set(f"{key}/second", "", _GONE).decode() == _GONE:',
+        'if call(store.compare_set, f"{key}/second", "", _GONE).decode() == _GONE:',
         "if True:",
         (
             "tests/test_comm.py::test_ranks_meet_through_the_store_and_a_late_peer_is_named_on_both_ends",
@@ -458,7 +458,7 @@ MUTANTS = (
     Mutant(
         "incremental: the writer truncates a name that is there (a link to a committed file)",
         "dckpt/storage/direct_file.py",
-        'return open(path, "xb", buffering=1 << 20)',
+        'return os.fdopen(create_new(path), "wb", buffering=1 << 20)',
         'return open(path, "wb", buffering=1 << 20)',
         (f"{IN}::test_the_writer_never_opens_an_existing_name",),
     ),
@@ -559,8 +559,8 @@ MUTANTS = (
     Mutant(
         "one pass: the file's digest is not compared",
         "dckpt/storage/one_pass.py",
-        "        if actual != self.record.digest:\n            raise IntegrityError(",
-        "        if False:\n            raise IntegrityError(",
+        "        if actual != self.record.digest:\n            raise self._mismatch(",
+        "        if False:\n            raise self._mismatch(",
         (f"{OP}::test_a_flipped_bit_anywhere_fails_the_load_and_commits_no_value",),
     ),
     Mutant(
