@@ -45,6 +45,7 @@ RS = "tests/test_resume_share.py"
 IN = "tests/test_incremental.py"
 OP = "tests/test_one_pass.py"
 LP = "tests/test_loader_position.py"
+AG = "tests/test_adoption_guards.py"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,34 @@ class Mutant:
 
 
 MUTANTS = (
+    Mutant(
+        "tiers: torch's own optimizer step inside a save counts as a training step",
+        "dckpt/manager.py",
+        "        if self.state.in_torch_state_dict:",
+        "        if False:",
+        (f"{AG}::test_torchs_own_optimizer_step_inside_a_save_is_no_training_step",),
+    ),
+    Mutant(
+        "tiers: an older dckpt's resume record keeps the report's words as its tier",
+        "dckpt/root/resume_record.py",
+        'tier=_OLD_TIER_NAMES[t] if (t := obj["tier"]) in _OLD_TIER_NAMES else t,',
+        'tier=obj["tier"],',
+        ("tests/test_restart_loop.py::test_the_rule_counts_starts_and_a_pass_breaks_the_row",),
+    ),
+    Mutant(
+        "tiers: an s3:// quarantine does not confirm the damage in the bucket first",
+        "dckpt/tiers/object_source.py",
+        "        if damage is not None:\n            self.confirm_damage(step, damage)",
+        "        if False:\n            self.confirm_damage(step, damage)",
+        (f"{S3}::test_damage_found_only_in_the_mirror_is_not_blamed_on_the_bucket",),
+    ),
+    Mutant(
+        "tiers: a memory save's commit moves the lineage's anchor",
+        "dckpt/tiers/memory_commit.py",
+        "        if anchor:\n            self.anchor = step",
+        "        if True:\n            self.anchor = step",
+        (f"{ML}::test_a_memory_save_below_the_newest_removes_the_branch_above_it",),
+    ),
     Mutant(
         "resume: the cross-rank manifest agreement always passes",
         "dckpt/load/checks.py",
@@ -489,7 +518,7 @@ MUTANTS = (
         "        else:\n"
         "            self.anchor = manifest.step",
         "        self.anchor = manifest.step",
-        (f"{ML}::test_a_run_resumed_from_a_memory_step_saves_memory_steps_a_resume_can_use",),
+        (f"{ML}::test_a_memory_save_below_the_newest_removes_the_branch_above_it",),
     ),
     Mutant(
         "plan cache: a plain tensor cast to another dtype keeps the cached plan",

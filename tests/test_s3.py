@@ -434,6 +434,11 @@ def test_damage_found_only_in_the_mirror_is_not_blamed_on_the_bucket(
         source.confirm_damage(3, local_damage)
     assert not local.exists()  # the mirror's copy is dropped, the bucket's kept
     assert "m/step-00000003/manifest.json" in s3.keys(bucket)
+    # the resume's way: a quarantine with that damage as its proof refuses the same
+    with pytest.raises(StorageError, match="matches its digest: the local copy was damaged"):
+        source.quarantine(3, "a digest mismatch in the mirror", local_damage)
+    assert "m/step-00000003/manifest.json" in s3.keys(bucket)  # nothing moved aside
+    assert not [k for k in s3.keys(bucket) if "/quarantine/" in k]
     # Damage found while downloading is the bucket's: confirmed, so it is quarantined.
     source.confirm_damage(3, IntegrityError(f"{root}/step-00000003/x", "a", "b"))
     key = "m/step-00000003/__1_0.distcp"
