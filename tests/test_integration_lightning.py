@@ -314,3 +314,22 @@ def test_dckpt_imports_no_lightning_and_a_missing_one_names_the_extra(
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install dckpt\[lightning\]"):
         importlib.import_module("dckpt.integrations.lightning")
+
+
+def test_a_link_is_made_under_a_name_of_its_own(tmp_path: Path) -> None:
+    """ModelCheckpoint's file becomes a link to the dckpt step through a temporary link
+    renamed over it. That name is a fresh one each time: a name fixed in advance can be taken
+    first by something ``unlink`` cannot remove (a directory; in a shared directory, another
+    user's file), which stopped the save."""
+    from dckpt.integrations.lightning import _link
+
+    target = tmp_path / "ckpt" / step_dir_name(7)
+    target.mkdir(parents=True)
+    links = tmp_path / "checkpoints"
+    links.mkdir()
+    (links / ".last.ckpt.dckpt-link").mkdir()  # the name the link once took, taken
+    _link(links / "last.ckpt", target)
+    _link(links / "last.ckpt", target)  # and over an existing link
+    assert (links / "last.ckpt").resolve() == target.resolve()
+    assert os.readlink(links / "last.ckpt") == os.path.join("..", "ckpt", step_dir_name(7))
+    assert sorted(p.name for p in links.iterdir()) == [".last.ckpt.dckpt-link", "last.ckpt"]

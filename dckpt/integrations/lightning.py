@@ -44,6 +44,7 @@ import itertools
 import logging
 import os
 import pickle
+import secrets
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -398,12 +399,18 @@ def _epoch(fit: Any) -> int:
 
 
 def _link(path: Path, target: Path) -> None:
-    """``path`` -> ``target``, relative, replacing what is there in one rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.dckpt-link")
-    tmp.unlink(missing_ok=True)
+    """``path`` -> ``target``, relative, replacing what is there in one rename. The link is
+    made under a name of its own (random: nothing there to remove first, which another user
+    of a shared directory could have put there, and which would stop the save) and renamed
+    over ``path``; neither step follows a link."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # the user's directory, the user's mode
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.dckpt-link")
     tmp.symlink_to(os.path.relpath(target.resolve(), path.parent.resolve()))
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class _DckptHooks(pl.strategies.Strategy):
