@@ -367,9 +367,9 @@ class LostNode:
     memory: Path
     step: int  # the newest memory step node A alone holds every file of (B's as a replica)
     older: int | None
-    """The memory step before ``step`` that node A alone still holds every file of, if any: a
-    kill that lands after the next memory save, before that save retired the one before it,
-    leaves it restorable (the ledger keeps two records)."""
+    """The newest memory step before ``step`` that node A alone still holds every file of, if
+    any (the ledger keeps two records): restorable, and newer than the durable step 6 when
+    the kill landed after the memory save of step 10, before it retired step 8."""
     requeue: tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]
     requeue_log: Path
     copies: dict[str, Job]
@@ -508,11 +508,16 @@ def test_flipped_bit_in_replica_falls_back_to_durable(
     root, log = job.root, _arg(job, "--loss-log")
     line = _resume_line(text)
     durable = root / step_dir_name(DURABLE_BEFORE)
-    resumed = DURABLE_BEFORE if lost_node.older is None else lost_node.older
-    if lost_node.older is None:  # the usual case: no older memory step is left whole
+    # The newest step still whole: the durable step 6, or a memory step node A still holds
+    # whole that is not older (a tie goes to the memory tier), when node B was lost after the
+    # next memory save but before it retired the one before
+    older = lost_node.older
+    if older is None or older < DURABLE_BEFORE:
+        resumed = DURABLE_BEFORE
         assert line == f"dckpt resume: step {DURABLE_BEFORE} from {durable}", text
-    else:  # the kill came before the memory save after it retired it: the newest intact step
-        want = f"dckpt resume: step {lost_node.older} from the memory tier (ranks [1] from other"
+    else:
+        resumed = older
+        want = f"dckpt resume: step {older} from the memory tier (ranks [1] from other"
         assert line.startswith(want), text
     # No intact copy of the step is left anywhere: its record is quarantined, the damage named.
     skipped = next(
