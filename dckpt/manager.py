@@ -518,7 +518,7 @@ class CheckpointManager:
             settled = self._pipeline.last_was_anchor and self._saver.stuck is None
             for tier in self._tiers:
                 if tier.close is not None:
-                    _tidy(f"the {tier.words}'s tier", functools.partial(tier.close, settled))
+                    _tidy(f"the {tier.name} tier", functools.partial(tier.close, settled))
             _tidy("dckpt's groups", self._io.close)
             _tidy("dckpt's groups", self._ctl.close)
         self._saver.raise_if_failed()

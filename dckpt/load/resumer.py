@@ -187,7 +187,6 @@ class Resumer:
         self._lost_peers: list[WorldError] = []
         """Said in every resume's report (the same on every rank): a tier off this start."""
         self._config = config
-        self.root = config.directory
         self.tiers = list(tiers)
         """In the order a tie is broken (the memory tier before the root)."""
         self.anchor = next(t for t in tiers if t.anchor)

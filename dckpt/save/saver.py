@@ -56,6 +56,8 @@ class Saver:
         self._pipeline = pipeline
         self._tiers = {tier.name: tier for tier in tiers}
         """Every tier this start saves to, by its name (``save(tier=...)``)."""
+        self._anchor = next((t.name for t in tiers if t.anchor), None)
+        """The name of the tier the run's lineage rests on (the root's)."""
         self._progress = progress
         self._config = config
         self._clock = clock
@@ -83,8 +85,7 @@ class Saver:
     def last_committed_step(self) -> int | None:
         """The step of the last committed save to the tier the run's lineage rests on (the
         root's)."""
-        anchor = next((t.name for t in self._tiers.values() if t.anchor), None)
-        return None if anchor is None else self._pipeline.last_committed.get(anchor)
+        return None if self._anchor is None else self._pipeline.last_committed.get(self._anchor)
 
     @property
     def asynchronous(self) -> bool:
