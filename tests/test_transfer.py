@@ -13,7 +13,10 @@ receives it into its memory directory, hashing every chunk as it lands:
   not hang (dckpt's group connects lazily, and a message to a peer that never touched the
   pair can block in gloo's connect for a minute: the exchange meets its peers through the
   store first); so does one whose sender trickles (each chunk in time, the whole file not): the
-  deadline is the exchange's, not each chunk's.
+  deadline is the exchange's, not each chunk's;
+- files that arrive into a ``Taker`` (a lost node's file going straight into its state) come
+  through the staging ring in order, every byte once, more chunks than the ring has buffers
+  and across two files, nothing made in the node's memory; the digest judges each.
 """
 
 from __future__ import annotations
@@ -159,3 +162,87 @@ def test_a_sender_that_trickles_is_given_up_on_at_the_exchanges_deadline(tmp_pat
     assert "the whole exchange's deadline passed" in received["transfer_error"], received
     assert "each chunk came within 8 s" in received["transfer_error"], received
     assert received["seconds"] >= 13, received
+
+
+def _into_sinks(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Two files into sinks, through the staging ring (more chunks than its buffers, and
+    the second file's first chunks posted while the first's last are consumed): the first
+    with its writer's digest, the second with another."""
+    import torch
+
+    from dckpt.collective.comm import Comm
+    from dckpt.collective.transfer import CHUNK, RING, Incoming, Outgoing, move
+    from dckpt.storage.digest import format_digest, new_hasher
+    from dckpt.tiers.memory_layout import Slots
+
+    sizes = (5 * CHUNK + 100, 2 * CHUNK + 7)
+    assert sum(-(-s // CHUNK) for s in sizes) > RING
+    comm = Comm(60.0)
+    node = Path(base) / f"node-{rank}"
+    slots = Slots(node)
+    payloads = [
+        torch.randint(0, 256, (s,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+        for i, s in enumerate(sizes)
+    ]
+    digests = []
+    for p in payloads:
+        hasher = new_hasher("xxh3_128")
+        hasher.update(p.numpy().tobytes())
+        digests.append(format_digest("xxh3_128", hasher))
+    out: dict[str, Any] = {}
+    try:
+        if rank == 0:
+            files = []
+            for i, p in enumerate(payloads):
+                mm = slots.open(node / "own" / f"f{i}.mem", sizes[i]).buffer
+                mm[:] = p.numpy().tobytes()
+                files.append(Outgoing(mm, 1, sizes[i], tag=i))
+            move(comm, files, [], slots, timeout_s=60.0)
+        else:
+
+            class Collect:
+                def __init__(self) -> None:
+                    self.pieces: list[tuple[int, bytes]] = []
+
+                def take(self, offset: int, chunk: torch.Tensor) -> None:
+                    self.pieces.append((offset, chunk.numpy().tobytes()))
+
+            sinks = [Collect(), Collect()]
+            wrong = "xxh3_128:" + "0" * 32
+            got = move(
+                comm,
+                [],
+                [
+                    Incoming(0, node / "in" / f"f{i}.mem", sizes[i], d, tag=i, taker=sinks[i])
+                    for i, d in enumerate([digests[0], wrong])
+                ],
+                slots,
+                timeout_s=60.0,
+            )
+            out["errors"] = [g.error for g in got]
+            out["offsets"] = [[o for o, _ in s.pieces] for s in sinks]
+            out["exact"] = [
+                b"".join(b for _, b in s.pieces) == p.numpy().tobytes()
+                for s, p in zip(sinks, payloads, strict=True)
+            ]
+            out["made"] = sorted(str(p.relative_to(node)) for p in node.rglob("*") if p.is_file())
+    finally:
+        slots.close()
+    comm.barrier()
+    return out
+
+
+def test_files_into_sinks_arrive_in_order_through_the_ring_and_are_judged(
+    tmp_path: Path,
+) -> None:
+    from dckpt.collective.transfer import CHUNK
+
+    _, received = run_world(_into_sinks, 2, str(tmp_path))
+    assert received["exact"] == [True, True], received  # every byte, in order, once
+    assert received["offsets"] == [
+        [i * CHUNK for i in range(6)],
+        [i * CHUNK for i in range(3)],
+    ], received
+    assert received["errors"][0] is None, received
+    assert "digest mismatch" in received["errors"][1], received  # the verdict is the sink's
+    assert received["made"] == [], received  # nothing was made in the node's memory

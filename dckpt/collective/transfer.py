@@ -22,6 +22,13 @@ whom, its size and the writer's digest):
    hanging. After that gloo has closed the pair: the group is unusable, as after any failed
    collective.
 
+A file can instead arrive into a ``Taker`` (``Incoming.taker``): no part file is made, each chunk
+lands in one of ``RING`` reused staging buffers (so the receive's memory is bounded and no page
+is allocated), is hashed there, and is handed to the taker, which puts its bytes where they
+belong (dckpt.storage.memory_file.StreamFill: straight into the live state); the next chunk's
+receive is posted into the buffer just freed. The taker learns the verdict from the result:
+nothing is named, and the caller decides what a mismatch undoes.
+
 Both ends always post every chunk of the plan, whatever goes wrong on their side, so no peer
 waits on a chunk that was never sent: a receiver that cannot hold a file takes its bytes into
 one reused chunk and drops them (``Received.refused``); a sender that cannot read its file
@@ -49,9 +56,13 @@ from ..phases import Phase, Trace
 from ..storage.digest import format_digest, new_hasher
 from .comm import Comm
 
-__all__ = ["CHUNK", "Incoming", "Outgoing", "Targets", "TransferError", "move"]
+__all__ = ["CHUNK", "RING", "Incoming", "Outgoing", "Taker", "Targets", "TransferError", "move"]
 
 CHUNK = 16 << 20
+RING = 4
+"""Staging buffers of ``CHUNK`` bytes for the files that arrive into a ``Taker``: the receive's
+whole memory (64 MiB), however large the files; while one is hashed and handed on, the next
+three are arriving."""
 _CHUNKS_PER_FILE = 1 << 20  # tags: (file of this pair) << 20 | chunk; 16 TiB per file
 
 
@@ -79,6 +90,17 @@ class Targets(Protocol):
 
     def rename(self, src: Path, dst: Path, *, key: tuple[int, int] | None = None) -> None:
         """Give the file ``key`` at ``src`` the name ``dst`` (checked to be that file)."""
+        ...
+
+
+class Taker(Protocol):
+    """Where a file's bytes go when it is not made in memory (``Incoming.taker``)."""
+
+    def take(self, offset: int, chunk: torch.Tensor) -> None:
+        """Bytes ``[offset, offset + len(chunk))`` of the file, in order, already hashed into
+        the running digest (not yet proven: the verdict comes after the last chunk). The
+        chunk's buffer is reused once this returns. An exception stops the taker (the rest of
+        the file is still received, and the file is reported refused)."""
         ...
 
 
@@ -113,6 +135,9 @@ class Incoming:
     """A spare of this name is reused for the part file (its pages already allocated)."""
     claim: Claim | None = None
     """The part file, claimed ahead by the caller (its pages perhaps being allocated by then)."""
+    taker: Taker | None = None
+    """Not made in memory: its chunks go through the staging ring to this taker, and nothing
+    is named (``into`` only names the file in messages)."""
 
 
 @dataclass(frozen=True)
@@ -170,10 +195,14 @@ def move(
                 f"rank(s) {', '.join(map(str, late))} did not reach the exchange within "
                 f"{timeout_s:.0f} s (timeout_s) of this rank, or gave up on it; no byte moved"
             )
+        ring = _Ring(comm)
         for item in incoming:
             part = item.into.with_name(f".{item.into.name}.part{part_suffix}")
             got = _Posted(item, part)
             posted.append(got)  # before a chunk is posted: a failure below still drops it
+            if item.taker is not None:  # its chunks are posted as the ring's buffers free up
+                ring.plan(got)
+                continue
             try:
                 claim = item.claim or slots.claim(part, item.size, spare_of=item.spare_of)
                 got.mm, got.key = claim.buffer, claim.key
@@ -194,6 +223,7 @@ def move(
                         scratch = torch.empty(CHUNK, dtype=torch.uint8)
                     target = scratch[: b - a]
                 got.works.append(_post(dist.irecv, target, item.src, comm, item.tag, i))
+        ring.start()
         for out in outgoing:
             buf = _view(out.data, out.size) if out.data is not None else None
             works = []
@@ -208,6 +238,18 @@ def move(
             item = got.item
             algorithm = item.digest.split(":", 1)[0]
             hasher = new_hasher(algorithm)
+            if item.taker is not None:
+                for a, b in _chunks(item.size):
+                    what = f"the bytes {a}-{b} of {item.into.name} from rank {item.src}"
+                    chunk = ring.next(deadline, what)
+                    hasher.update(chunk.numpy().data)
+                    got.feed(a, chunk)
+                    ring.release()
+                    if not fired and trace is not None:
+                        fired = True
+                        trace.at(Phase.REPLICATE)
+                results.append(_settle(got, algorithm, hasher, slots, time.perf_counter() - t0))
+                continue
             view = memoryview(got.mm) if got.mm is not None and got.refused is None else None
             for (a, b), work in zip(_chunks(item.size), got.works, strict=True):
                 deadline.wait(work, f"the bytes {a}-{b} of {item.into.name} from rank {item.src}")
@@ -242,18 +284,76 @@ class _Posted:
     refused: str | None = None
     works: list[Any] = field(default_factory=list)
 
+    def feed(self, offset: int, chunk: torch.Tensor) -> None:
+        """Hand a hashed chunk to the taker; a taker that fails is stopped, and said."""
+        taker = self.item.taker
+        if taker is None or self.refused is not None:
+            return
+        try:
+            taker.take(offset, chunk)
+        except Exception as exc:  # the rest still arrives (the sender is never hung)
+            self.refused = f"{self.item.into.name} could not be taken in: {exc}"
+
+
+class _Ring:
+    """The staging buffers of the files that arrive into a taker: every chunk of them, in the
+    order they are consumed, is received into one of ``RING`` buffers, each posted as soon
+    as the chunk before it in that buffer was consumed."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.pending: list[tuple[_Posted, int, int, int]] = []  # file, chunk number, a, b
+        self.buffers: list[torch.Tensor] = []
+        self.works: list[tuple[Any, torch.Tensor]] = []  # posted, oldest first
+        self.posted = 0
+
+    def plan(self, got: _Posted) -> None:
+        for i, (a, b) in enumerate(_chunks(got.item.size)):
+            self.pending.append((got, i, a, b))
+
+    def start(self) -> None:
+        for _ in range(min(RING, len(self.pending))):
+            self.buffers.append(torch.empty(CHUNK, dtype=torch.uint8))
+            self._post(self.buffers[-1])
+
+    def _post(self, buffer: torch.Tensor) -> None:
+        got, i, a, b = self.pending[self.posted]
+        self.posted += 1
+        target = buffer[: b - a]
+        work = _post(dist.irecv, target, got.item.src, self.comm, got.item.tag, i)
+        self.works.append((work, target))
+
+    def next(self, deadline: _Deadline, what: str) -> torch.Tensor:
+        """The next chunk, waited for (within the deadline)."""
+        work, target = self.works[0]
+        deadline.wait(work, what)
+        return target
+
+    def release(self) -> None:
+        """The chunk ``next`` returned was consumed: its buffer takes the next one."""
+        _, target = self.works.pop(0)
+        if self.posted < len(self.pending):
+            self._post(self._buffer_of(target))
+
+    def _buffer_of(self, target: torch.Tensor) -> torch.Tensor:
+        for buffer in self.buffers:
+            if buffer.data_ptr() == target.data_ptr():
+                return buffer
+        raise AssertionError("a staging chunk outside the ring")
+
 
 def _settle(got: _Posted, algorithm: str, hasher: Any, slots: Targets, seconds: float) -> Received:
     """Every chunk of ``got`` arrived: name it if it hashed to its writer's digest."""
     item = got.item
     error, refused = got.refused, got.refused is not None
+    if item.taker is not None:  # nothing was made in memory: the verdict is all there is
+        if error is None and (actual := format_digest(algorithm, hasher)) != item.digest:
+            error = _mismatch(item, actual)
+        return Received(item.into, seconds, error, refused)
     if error is None:
         actual = format_digest(algorithm, hasher)
         if actual != item.digest:
-            error = (
-                f"{item.into.name} from rank {item.src}: {item.size} bytes hashing to "
-                f"{actual}, the writer recorded {item.digest} (digest mismatch)"
-            )
+            error = _mismatch(item, actual)
     if error is None:
         try:
             slots.drop(item.into)  # a damaged or older copy at the target goes
@@ -263,6 +363,13 @@ def _settle(got: _Posted, algorithm: str, hasher: Any, slots: Targets, seconds: 
     if error is not None:
         slots.drop(got.part)
     return Received(item.into, seconds, error, refused)
+
+
+def _mismatch(item: Incoming, actual: str) -> str:
+    return (
+        f"{item.into.name} from rank {item.src}: {item.size} bytes hashing to {actual}, the "
+        f"writer recorded {item.digest} (digest mismatch)"
+    )
 
 
 @dataclass(frozen=True)
