@@ -34,7 +34,9 @@ Unset, it costs one cached lookup per phase. Phases (dckpt.phases.Phase), in sav
   ``read_manifest``, ``read_metadata``, ``read_shard`` (inside the read of a manifest, of
   ``.metadata``, of each shard file: an ``eio`` there is what the storage's EIO would be),
   ``verify`` (this rank's digests of the files it read, before the ranks compare them),
-  ``warmup`` (before this rank joins the warmup collective);
+  ``warmup`` (before this rank joins the warmup collective); after a memory resume, on a rank
+  whose files arrived from another node straight into its state, ``memory_refill`` (in the
+  thread that puts them back into its node's memory, before it copies a byte);
 - in a memory save (``save(step, tier="memory")``): on every rank ``memory_copy`` (in
   ``save()``, its state copied into the node's memory, before the file is complete),
   ``memory_hash`` (background, its file hashed, before the ranks gather their reports) and

@@ -383,6 +383,7 @@ class CheckpointManager:
             raise ValueError(
                 f"save(tier={tier!r}) needs the {tier} tier: CheckpointConfig({tier}=True)"
             )
+        self._resumer.settle()  # a memory copy the resume left running is done first
         handle = self._saver.save(
             step,
             epoch=epoch,
@@ -502,6 +503,7 @@ class CheckpointManager:
             return
         self._closed = True
         try:
+            self._resumer.settle()
             self._watch.finish()
             self._saver.drain()
         finally:

@@ -46,6 +46,9 @@ class Phase(str, Enum):
     READ_SHARD = "read_shard"
     VERIFY = "verify"
     WARMUP = "warmup"
+    # After a memory resume, on a rank whose files arrived straight into its state: the
+    # thread that puts them back into its node's memory, before it copies anything.
+    MEMORY_REFILL = "memory_refill"
     # A memory save (``save(step, tier="memory")``): every rank, but ``memory_commit`` (rank 0).
     MEMORY_COPY = "memory_copy"
     MEMORY_HASH = "memory_hash"
@@ -91,6 +94,7 @@ _SIDE = {
             Phase.READ_SHARD,
             Phase.VERIFY,
             Phase.WARMUP,
+            Phase.MEMORY_REFILL,
         ),
         "resume",
     ),
@@ -119,6 +123,7 @@ _WHAT = {
     Phase.READ_SHARD: "reading a shard file",
     Phase.VERIFY: "verifying the files",
     Phase.WARMUP: "the warmup collective",
+    Phase.MEMORY_REFILL: "putting the files it received back into its node's memory",
     Phase.MEMORY_COPY: "copying the state into the node's memory",
     Phase.MEMORY_HASH: "hashing its memory file",
     Phase.MEMORY_COMMIT: "the memory commit (the manifest into the root's ledger)",

@@ -187,8 +187,8 @@ MUTANTS = (
     Mutant(
         "memory: a node that lacks a copy is not noticed (the exchange is skipped)",
         "dckpt/load/memory.py",
-        'if not manifest.mesh.get("shared") and not self.ctl.any(bool(bad)):',
-        'if not manifest.mesh.get("shared"):',
+        "if not rounds and not shared and not self.ctl.any(bool(bad)):",
+        "if not rounds and not shared:",
         (f"{RS}::test_a_damaged_memory_copy_no_node_can_replace_is_not_used",),
     ),
     Mutant(
@@ -654,6 +654,34 @@ MUTANTS = (
         (
             "tests/test_integration_accelerate.py::test_prepared_objects_resume_exact_in_every_epoch",
         ),
+    ),
+    Mutant(
+        "stream: a file that arrived into the state is not judged by its digest",
+        "dckpt/collective/transfer.py",
+        "if error is None and (actual := format_digest(algorithm, hasher)) != item.digest:",
+        "if False and (actual := format_digest(algorithm, hasher)) != item.digest:",
+        (
+            "tests/test_memory_stream.py::test_a_flipped_byte_on_the_way_leaves_nothing_of_that"
+            "_step_in_the_state",
+        ),
+    ),
+    Mutant(
+        "stream: the copy put back behind the resume is named without its digest",
+        "dckpt/load/memory.py",
+        "        if format_digest(algorithm, hasher) != record.digest:\n"
+        "            self.slots.drop",
+        "        if False:\n            self.slots.drop",
+        (
+            "tests/test_memory_stream.py::test_a_state_changed_before_the_copy_behind_the_resume"
+            "_is_not_kept",
+        ),
+    ),
+    Mutant(
+        "stream: an arriving header of other shapes still routes its bytes into the state",
+        "dckpt/storage/memory_file.py",
+        "            if live.dtype != dtype or list(live.shape) != shape:",
+        "            if False:",
+        ("tests/test_memory_stream.py::test_a_header_that_does_not_fit_the_state_writes_nothing",),
     ),
 )
 

@@ -526,8 +526,11 @@ def test_flipped_bit_in_replica_falls_back_to_durable(
     )
     assert skipped is not None, text
     assert "IntegrityError: no copy of memory step" in skipped, skipped
-    assert "rank-00001.mem on node 0" in skipped and "digest mismatch" in skipped, skipped
-    assert "node-0/replica/node-1" in skipped, skipped  # node A's replica, named
+    # Node B took the bytes straight into its state as they came (the digest known at the
+    # end); the damaged copy they came from is named: node A's replica.
+    assert "rank-00001.mem from rank 0" in skipped and "digest mismatch" in skipped, skipped
+    assert "node 0's copy" in skipped and "node-0/replica/node-1" in skipped, skipped
+    assert "rank(s) [1] had taken the arriving bytes into their tensors" in skipped, skipped
     quarantined = root / "memory" / "quarantine" / f"{step_dir_name(lost_node.step)}.json"
     assert quarantined.is_file(), text
     assert re.search(r"\[ok  \] digests: (\d+) of \1 files hashed and matched", text), text

@@ -4,35 +4,56 @@ The resume protocol (dckpt.load.resumer) tries every candidate of every source n
 a memory candidate is a step in the root's ledger (dckpt.root.memory_ledger), and trying it
 takes these steps, on every rank, each failure said on every rank:
 
-1. **the record** (``MemorySource.fetch``): rank 0 reads the step's manifest from the root's
+1. **the record** (``MemorySource.record``): rank 0 reads the step's manifest from the root's
    ledger (where only the job writes: a step found in memory without a record there is
    never read) and lists the root's durable steps; every rank gets both (one broadcast) and
    checks the manifest: its self-digest, a memory manifest of this world on these nodes, and
    its durable anchor (``mesh["after"]``, required): the newest durable step at or before it
-   must be the one it followed, else it belongs to a branch the run left;
-2. **proof in place**: each node proves the files its ranks read (their own; every rank's
-   when the save shares replicated tensors, ``mesh["shared"]``), each once, split among the
-   node's ranks: a copy in the node's memory (its own, or the replica it keeps for the node
-   before it on the ring) is hashed where it lies against the manifest's digest;
-3. **exchange**: one all-reduce says whether every rank proved its own file; then nothing
-   moves (a save whose ranks share replicated tensors excepted: each rank reads its mates'
-   files too, so learns their proofs). Otherwise every rank learns every proof (an
-   all-gather, with what each node holds);
-   each file no copy of which proved on a node that needs it is sent by a rank of a node
-   that holds one, over dckpt's gloo group (dckpt.collective.transfer), into the node's memory
-   (its ``own/`` or ``replica/`` place, so a replaced node gets its memory back), hashed as
-   it arrives and renamed in only if it matched; a node that holds no copy makes the step
+   must be the one it followed, else it belongs to a branch the run left. The config and the
+   state's kinds are checked on it next (dckpt.load.checks): a refusal moves no byte;
+2. **proof in place** (``MemorySource.fetch``): each node proves the files its ranks read
+   (their own; every rank's when the save shares replicated tensors, ``mesh["shared"]``),
+   each once, split among the node's ranks: a copy in the node's memory (its own, or the
+   replica it keeps for the node before it on the ring) is hashed where it lies against the
+   manifest's digest;
+3. **exchange**: one all-reduce says whether any rank's node lacks a file it needs (a
+   replaced node lacks them all). If one does, the files lacking move first, while every rank
+   proves what its node holds (step 2, in a thread): every rank learns what each node lacks
+   and holds (an all-gather), and each file lacking is sent by a rank of a node that holds
+   it, over dckpt's gloo group (dckpt.collective.transfer), hashed as it arrives. A file that
+   only the receiving rank reads (its own, unshared; any, on a node of one rank) arrives
+   through the transfer's staging buffers straight into that rank's live tensors
+   (``StreamFill``: no page of the node's memory, no copy after); any other arrives into the
+   node's memory (its ``own/`` or ``replica/`` place), renamed in only if it matched. Then,
+   or when nothing was lacking, one all-reduce says whether every rank proved its files;
+   if so, and nothing moved and nothing is shared, nothing more happens. Otherwise every
+   rank learns every proof (an all-gather) and a second round moves the files whose copy
+   was damaged or unreadable where it lies. A node that holds no copy makes the step
    unavailable (``CheckpointNotFoundError``: the resume goes on with the next candidate and
-   says why), a copy that arrives damaged is damage (``IntegrityError``: every copy failed);
-4. **config and state** (``MemoryReader.load``): the same checks as a durable checkpoint's
-   (dckpt.load.checks), then each rank matches every live tensor to its bytes by name, shape
-   and dtype (``StateFill``, writing nothing), the ranks agree, and only then does each copy
-   its tensors in, restore its non-tensor values and its RNG. A proven file whose header
-   does not describe it (a span past its end, a length its shape does not have) is damage
-   (``ManifestError``), not a changed state.
+   says why); a copy that arrives damaged is damage (``IntegrityError``: every copy failed);
+4. **state** (``MemoryReader.load``): each rank matches every live tensor to its bytes by
+   name, shape and dtype (``StateFill``, writing nothing), the ranks agree, and only then
+   does each copy its tensors in (but those that arrived in place), restore its non-tensor
+   values and its RNG. A proven file whose header does not describe it (a span past its end,
+   a length its shape does not have) is damage (``ManifestError``), not a changed state;
+5. **the node's memory back** (``MemorySource.refill``): a rank that took files into its
+   state writes them back into its node's memory in a thread, behind the resume, from the
+   bytes the transfer kept (header, non-tensor values, padding) and its live tensors, hashed
+   through the mapping it wrote and named only if that matched; the first optimizer step, a
+   save, a resume and ``close`` wait for it first (``LoadResult.behind``). A state that
+   changed before (a write through ``.data``, a buffer a forward pass updates) hashes
+   otherwise: that copy is not kept, and said; the next memory save writes it.
 
-Invariants: no byte of a memory file is interpreted before its digest matched the manifest
-from the root's ledger; ranks never mix steps or tiers (every choice is a collective).
+Invariants: no byte of a memory file is used before its digest matched the manifest from
+the root's ledger, and no byte of a file in the node's memory is interpreted before then.
+The one exception is the header of a file arriving into the state, which routes its bytes
+as they arrive (into the live tensor of each name, checked first to have its shape and dtype:
+a header that does not fit writes nothing). Those tensors hold bytes not yet proven until
+the last chunk hashed: nothing reads them before, and a file that did not match fails the
+candidate on every rank, naming the ranks whose tensors took bytes in; the next
+candidate's load replaces every tensor, and if none loads the resume stops ("the model may
+be partly overwritten"), never a fresh start from them. Ranks never mix steps or tiers
+(every choice is a collective).
 """
 
 from __future__ import annotations
@@ -40,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import mmap
 import os
@@ -49,6 +71,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.tensor import DTensor
 
 from ..collective.comm import Comm
 from ..collective.transfer import CHUNK, Incoming, Outgoing, TransferError, move
@@ -60,12 +86,14 @@ from ..errors import (
     StateMismatchError,
     WorldError,
 )
+from ..faults import fault_point
 from ..owned import owner_name, write_atomic
+from ..phases import Phase
 from ..root.layout import step_dir_name
 from ..root.manifest import Manifest, parse_manifest
 from ..root.memory_ledger import MemoryLedger
-from ..storage.digest import format_digest, new_hasher
-from ..storage.memory_file import FlatFile, MemoryFileError, StateFill
+from ..storage.digest import READ_CHUNK, format_digest, new_hasher
+from ..storage.memory_file import FlatFile, MemoryFileError, StateFill, StreamFill
 from ..storage.records import FileRecord
 from ..storage.verified_files import NotRegularFileError, open_regular
 from ..tiers import memory_layout as layout
@@ -78,7 +106,14 @@ from .report import CandidateReport, LoadResult
 
 __all__ = ["MemoryFetched", "MemoryReader", "MemorySource"]
 
+log = logging.getLogger("dckpt")
+
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+Told = tuple[dict[str, int] | None, dict[str, Any], dict[str, tuple[str, str]]]
+"""What a rank tells the others before a round of moves: what its node holds (its first
+rank), the files it proved (name -> path and identity), and those it lacks and why."""
+Into = Callable[[str, int], StreamFill]
+"""Makes the sink a file (by name, of its size) arrives into: this rank's live state."""
 _TROUBLE = {"damaged": "did not match the writer's digest", "unreadable": "could not be read"}
 _LOCAL = "local memory"
 _LISTED = 16  # ranks the report's memory line lists one by one when all came alike
@@ -100,12 +135,26 @@ class MemoryFetched:
     """The mappings this rank made to prove its files, kept for its reads (closed after)."""
     held: dict[str, mmap.mmap] = field(default_factory=dict)
     """The files this rank received, mapped by its ``Slots`` (which keep them mapped)."""
+    streamed: dict[str, StreamFill] = field(default_factory=dict)
+    """The files this rank received straight into its state (proven as they arrived)."""
+    wrote: list[int] = field(default_factory=list)
+    """The ranks whose live tensors took arriving bytes (the same on every rank)."""
     reread: tuple[str, ...] = ()  # a damaged memory copy is replaced from another, not re-read
 
     def line(self) -> str:
         if len(self.hows) > _LISTED and len(set(self.hows)) == 1:  # one line, not thousands
             return f"all {len(self.hows)} ranks: {self.hows[0]}"
         return "; ".join(f"rank {r}: {h}" for r, h in enumerate(self.hows))
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One round of moves: its plan, and per rank what arrived (name -> path and identity,
+    None for a file that went into the state), in how many seconds, and whether into the
+    state."""
+
+    plan: list[tuple[int, int, int, str]]
+    outcomes: list[tuple[dict[str, Any], float, bool]]
 
 
 class MemorySource:
@@ -166,36 +215,50 @@ class MemorySource:
 
     # --- step 1: the record ---------------------------------------------------------------------
 
-    def fetch(self, step: int, files: frozenset[str] | None = None) -> MemoryFetched:
-        manifest = self._record(step)
+    def fetch(self, step: int, manifest: Manifest, into: Into | None = None) -> MemoryFetched:
+        """Steps 2 and 3 for ``manifest`` (``record``'s): this node's files proven, those it
+        lacks moved in. ``into``: the files only this rank reads arrive straight into its
+        state (``StreamFill``s it makes), not into the node's memory."""
         needed = self._needed(manifest)
         records = manifest.file_map()
         duty = [n for i, n in enumerate(needed) if self.mates[i % len(self.mates)] == self.rank]
         fetched = MemoryFetched(manifest, {}, [])
-        bad: dict[str, tuple[str, str]] = {}  # name -> (missing|damaged|unreadable, why)
-        # The files this node lacks will arrive from another: allocate their memory now, while
-        # the ranks prove what they hold and as the bytes arrive (fresh pages are what a
-        # replaced node waits on: 0.13 s for 256 MiB here, longer than the transfer).
-        ahead = {
-            n: self._claim_ahead(step, n, records[n].bytes)
-            for n in duty
-            if not self._place(step, n).exists()
-        }
+        shared = manifest.mesh.get("shared")
+        # The files this rank's node lacks (a replaced node's, all of them): they move
+        # first, while every rank proves the copies its node holds (a sender's copy needs
+        # no proof of its own: the receiver hashes every byte as it arrives).
+        early = {n: ("missing", "") for n in duty if not self._place(step, n).exists()}
+        # Those that arrive into memory, not into the state: their memory is allocated now,
+        # while the ranks prove what they hold and as the bytes arrive (fresh pages are what
+        # a replaced node waits on: 0.13 s for 256 MiB here, longer than the transfer).
+        streams = self._streams(manifest) if into is not None else frozenset()
+        ahead = {n: self._claim_ahead(step, n, records[n].bytes) for n in early if n not in streams}
         room = threading.Thread(target=_allocate, args=(list(ahead.values()),), daemon=True)
         room.start()
-        for name in duty:  # 2: this rank's share of its node's files, where they lie
-            path = self._place(step, name)
-            try:
-                fetched.maps[name], identity = _prove(path, records[name])
-                fetched.proofs[name] = (str(path), identity)
-            except FileNotFoundError:
-                bad[name] = ("missing", "")
-            except IntegrityError as exc:  # evidence: other bytes than the writer's
-                bad[name] = ("damaged", str(exc))
-            except (OSError, ValueError) as exc:  # this node could not read it: no evidence
-                bad[name] = ("unreadable", f"{path}: {exc}")
+        sinks = (into, streams) if into is not None else None
+        bad: dict[str, tuple[str, str]] = {}  # name -> (missing|damaged|unreadable, why)
+        present = [n for n in duty if n not in early]
+        rounds: list[_Round] = []
+        first_told: list[Told] = []
         try:
-            if not manifest.mesh.get("shared") and not self.ctl.any(bool(bad)):
+            if self.ctl.any(bool(early)):  # 3, first round: what is missing, beside 2
+                proving = threading.Thread(
+                    target=self._prove_all,
+                    args=(step, records, present, fetched, bad, False),
+                    name="dckpt-memory-proof",
+                    daemon=True,
+                )
+                proving.start()
+                try:
+                    first_told = self.ctl.all_gather((self._listing(step), {}, early))
+                    rounds.append(
+                        self._move(step, manifest, first_told, {}, fetched, ahead, room, sinks)
+                    )
+                finally:
+                    proving.join()
+            else:
+                self._prove_all(step, records, present, fetched, bad)  # 2
+            if not rounds and not shared and not self.ctl.any(bool(bad)):
                 # Each rank proved its own file in place (its node's files are split by
                 # rank, the i-th to the i-th rank), the one it reads, and one all-reduce
                 # says every rank did: nothing moves, and no rank needs another's proofs
@@ -204,15 +267,51 @@ class MemorySource:
                 # learns their proofs), goes through the exchange.
                 fetched.hows = [_LOCAL] * len(self.node_of)
                 return fetched
-            listing = layout.held(self.dir, step) if self.mates[0] == self.rank else None
-            told = self.ctl.all_gather((listing, fetched.proofs, bad))
-            self._exchange(step, manifest, told, fetched, ahead, room)  # 3
+            told = self.ctl.all_gather((self._listing(step), fetched.proofs, bad))
+            # 3, (second) round: the copies found damaged or unreadable where they lie
+            rounds.append(
+                self._move(step, manifest, told, fetched.proofs, fetched, ahead, room, sinks)
+            )
+            if first_told:  # what each rank lacked at first, for the report
+                told = [
+                    (listing, proofs, {**first[2], **why})
+                    for (listing, proofs, why), first in zip(told, first_told, strict=True)
+                ]
+            self._describe(rounds, manifest.file_map(), told, fetched)
         finally:
             room.join()
             for name, claim in ahead.items():  # claimed, and never received into
                 if claim is not None and name not in fetched.held:
                     self.slots.drop(self._place(step, name).with_name(f".{name}.part-in"))
         return fetched
+
+    def _listing(self, step: int) -> dict[str, int] | None:
+        """What this node holds of ``step`` (its first rank says, for the plan)."""
+        return layout.held(self.dir, step) if self.mates[0] == self.rank else None
+
+    def _prove_all(
+        self,
+        step: int,
+        records: dict[str, FileRecord],
+        names: list[str],
+        fetched: MemoryFetched,
+        bad: dict[str, tuple[str, str]],
+        populate: bool = True,
+    ) -> None:
+        """Step 2: this rank's share of its node's files, hashed where they lie."""
+        for name in names:
+            path = self._place(step, name)
+            try:
+                fetched.maps[name], identity = _prove(path, records[name], populate=populate)
+                fetched.proofs[name] = (str(path), identity)
+            except FileNotFoundError:
+                bad[name] = ("missing", "")
+            except IntegrityError as exc:  # evidence: other bytes than the writer's
+                bad[name] = ("damaged", str(exc))
+            except (OSError, ValueError) as exc:  # this node could not read it: no evidence
+                bad[name] = ("unreadable", f"{path}: {exc}")
+            except Exception as exc:  # in a thread: never lost, never evidence
+                bad[name] = ("unreadable", f"{path}: {exc!r}")
 
     def _claim_ahead(self, step: int, name: str, size: int) -> Claim | None:
         """The part file ``name`` will arrive into, made and mapped now (``move`` receives
@@ -223,7 +322,16 @@ class MemorySource:
         except OSError:
             return None
 
-    def _record(self, step: int) -> Manifest:
+    def _streams(self, manifest: Manifest) -> frozenset[str]:
+        """The files whose bytes only this rank reads (its own, unshared; every file, when
+        its node has no other rank): those may arrive straight into its state."""
+        own = layout.file_name(self.rank)
+        if len(self.mates) == 1:
+            return frozenset(self._needed(manifest))
+        return frozenset() if manifest.mesh.get("shared") else frozenset({own})
+
+    def record(self, step: int) -> Manifest:
+        """Step 1: the manifest of ``step`` from the root's ledger, checked, on every rank."""
         raw: bytes | None = None
         durable: list[int] = []
         why: CheckpointError | None = None
@@ -290,23 +398,28 @@ class MemorySource:
 
     # --- step 3: the exchange ---------------------------------------------------------------
 
-    def _exchange(
+    def _move(
         self,
         step: int,
         manifest: Manifest,
-        told: list[tuple[dict[str, int] | None, dict[str, Any], dict[str, tuple[str, str]]]],
+        told: list[Told],
+        proven: dict[str, tuple[str, tuple[int, int, int]]],
         fetched: MemoryFetched,
         ahead: dict[str, Claim | None],
         room: threading.Thread,
-    ) -> None:
+        sinks: tuple[Into, frozenset[str]] | None,
+    ) -> _Round:
+        """One round of step 3: who sends which file to whom (from what each rank lacks),
+        the transfer, and its outcome on every rank; raises, on every rank, when a file
+        could not be moved or no copy of it arrived intact. ``proven``: the files this rank
+        proved by now (it sends those through the mapping it hashed)."""
         records = manifest.file_map()
         plan = self._plan(step, records, told)
         if not plan:  # the same on every rank: nothing moves, so there is nothing to tell
-            room.join()
-            self._describe(plan, records, told, [([], [], [], {}, 0.0)] * len(told), fetched)
-            return
+            return _Round(plan, [({}, 0.0, False)] * len(told))
         outgoing: list[Outgoing] = []
         incoming: list[Incoming] = []
+        copies: list[Path] = []  # where each incoming file was sent from (for the words)
         borrowed: list[mmap.mmap] = []  # mappings of files this rank sends but does not keep
         pairs: dict[tuple[int, int], int] = {}
         sent_bad: list[str] = []
@@ -317,10 +430,12 @@ class MemorySource:
                 path = self._place(step, name, holder)
                 data: Any = None
                 try:
-                    if fetched.proofs.get(name, ("", None))[0] == str(path):
+                    if proven.get(name, ("", None))[0] == str(path):
                         data = fetched.maps[name]  # proven by this rank: that mapping
                     else:
-                        data, _ = _map_sized(path, records[name].bytes)  # the receiver hashes it
+                        # the receiver hashes it; its pages are mapped as gloo reads them
+                        # (populating 128 MiB of page tables first took 17 ms here)
+                        data, _ = _map_sized(path, records[name].bytes, populate=False)
                         borrowed.append(data)
                 except (OSError, ValueError) as exc:  # zeros go: the receiver refuses them
                     sent_bad.append(f"rank {self.rank} could not read {path}: {exc}")
@@ -329,7 +444,10 @@ class MemorySource:
                 into = self._place(step, name)
                 spare = name if name in self.names else None
                 size, digest = records[name].bytes, records[name].digest
-                incoming.append(Incoming(sender, into, size, digest, tag, spare, ahead.get(name)))
+                taker = sinks[0](name, size) if sinks is not None and name in sinks[1] else None
+                claim = ahead.get(name)
+                incoming.append(Incoming(sender, into, size, digest, tag, spare, claim, taker))
+                copies.append(self._place(step, name, holder))
         t0 = time.perf_counter()
         try:
             got = move(self.ctl, outgoing, incoming, self.slots, timeout_s=self.timeout_s)
@@ -340,30 +458,43 @@ class MemorySource:
             room.join()  # no allocation runs on a file past this point
         damaged: list[str] = []
         refused: list[str] = []
-        arrived: dict[str, tuple[str, tuple[int, int, int]]] = {}
-        for item, result in zip(incoming, got, strict=True):
-            if result.error is not None:
-                (refused if result.refused else damaged).append(f"rank {self.rank}: {result.error}")
+        arrived: dict[str, tuple[str, tuple[int, int, int] | None]] = {}
+        wrote = any(isinstance(i.taker, StreamFill) and i.taker.wrote for i in incoming)
+        for item, result, copy in zip(incoming, got, copies, strict=True):
+            if result.refused:
+                refused.append(f"rank {self.rank}: {result.error}")
+                continue
+            if result.error is not None:  # the copy it came from, named: that is the damage
+                holder = self.node_of[item.src]
+                damaged.append(f"rank {self.rank}: {result.error}; node {holder}'s copy, {copy}")
+                continue
+            if isinstance(item.taker, StreamFill):  # in this rank's state, proven: no file
+                fetched.streamed[item.into.name] = item.taker
+                arrived[item.into.name] = (str(item.into), None)
                 continue
             held = self.slots.mapped_at(item.into)  # the mapping it arrived into, hashed
             arrived[item.into.name] = (str(item.into), _identity(os.lstat(item.into)))
             fetched.held[item.into.name] = held
         outcomes = self.ctl.all_gather(
-            (damaged, refused, sent_bad, arrived, time.perf_counter() - t0)
+            (damaged, refused, sent_bad, arrived, time.perf_counter() - t0, wrote)
         )
+        fetched.wrote = sorted({*fetched.wrote, *(r for r, o in enumerate(outcomes) if o[5])})
         if any(o[2] for o in outcomes) or any(o[1] for o in outcomes):
             # A sender that could not read its copy, or a receiver that could not hold it:
             # the step cannot be restored here, and nothing says its bytes are bad.
             why = [w for o in outcomes for w in (*o[2], *o[1])]
-            raise CheckpointNotFoundError(f"its files could not be moved: {'; '.join(why)}")
+            raise CheckpointNotFoundError(
+                f"its files could not be moved: {'; '.join(why)}{taken_in(fetched.wrote)}"
+            )
         if any(o[0] for o in outcomes):
             raise IntegrityError(
                 str(self.memory_dir),
                 "a copy that hashes to the writer's digest",
                 "; ".join(w for o in outcomes for w in o[0]),
-                detail=f"no copy of memory step {step} that a node needs arrived intact",
+                detail=f"no copy of memory step {step} that a node needs arrived intact"
+                + taken_in(fetched.wrote),
             )
-        self._describe(plan, records, told, outcomes, fetched)
+        return _Round(plan, [(o[3], o[4], o[5]) for o in outcomes])
 
     def _plan(
         self,
@@ -412,14 +543,21 @@ class MemorySource:
 
     def _describe(
         self,
-        plan: list[tuple[int, int, int, str]],
+        rounds: list[_Round],
         records: dict[str, FileRecord],
-        told: list[tuple[dict[str, int] | None, dict[str, Any], dict[str, tuple[str, str]]]],
-        outcomes: list[tuple[list[str], list[str], list[str], dict[str, Any], float]],
+        told: list[Told],
         fetched: MemoryFetched,
     ) -> None:
         """Each rank's part for the report, and this node's proofs for its reads."""
-        for r, (_, _, _, got_here, seconds) in enumerate(outcomes):
+        plan = [p for r in rounds for p in r.plan]
+        for r in range(len(told)):
+            got_here: dict[str, Any] = {}
+            seconds, into_state = 0.0, False
+            for one in rounds:
+                arrived, took, wrote = one.outcomes[r]
+                got_here.update(arrived)
+                seconds += took
+                into_state = into_state or wrote
             _, proofs, bad = told[r]
             parts = []
             if proofs:
@@ -428,9 +566,10 @@ class MemorySource:
                 fetched.remote.append(r)
                 size = sum(records[n].bytes for n in got_here)
                 origin = sorted({h for _s, rcv, h, _n in plan if rcv == r})
+                how = "hashed as it arrived" + (" into the state" if into_state else "")
                 parts.append(
                     f"from node {', '.join(map(str, origin))} ({human_bytes(size)} in "
-                    f"{seconds:.3f} s, hashed as it arrived)"
+                    f"{seconds:.3f} s, {how})"
                 )
                 for name in sorted(got_here):
                     kind, why = bad.get(name, ("missing", ""))
@@ -445,7 +584,98 @@ class MemorySource:
             )
             if self.node_of[r] == self.node:
                 fetched.proofs.update(told[r][1])
-                fetched.proofs.update(got_here)
+                fetched.proofs.update({n: v for n, v in got_here.items() if v[1] is not None})
+
+    # --- after the load: the node's memory gets back what arrived into the state -------------
+
+    def refill(
+        self, step: int, manifest: Manifest, streamed: dict[str, StreamFill]
+    ) -> Callable[[float], None]:
+        """Write the files that arrived straight into this rank's state back into this node's
+        memory (its ``own/`` or ``replica/`` place, as a file received into memory would be),
+        in a thread, behind the resume: each from the bytes the transfer kept and the live
+        tensors it filled, hashed through the mapping it was written into and named only if
+        that matched the writer's digest. A state that changed before its copy was taken
+        hashes otherwise: that copy is dropped, and said (the next memory save writes it).
+
+        Returns the wait (its deadline in seconds) that must end before the state changes or
+        the node's memory is used again: the first optimizer step, a save, a resume, close."""
+        records = manifest.file_map()
+        done, cancel = threading.Event(), threading.Event()
+        said: list[str] = []
+        t0 = time.perf_counter()
+
+        def run() -> None:
+            try:
+                fault_point(Phase.MEMORY_REFILL, self.rank, step)
+                for name, sink in streamed.items():
+                    said.append(self._refill_one(step, name, sink, records[name], cancel))
+            except Exception as exc:  # never past this thread: the resume is done
+                said.append(f"failed: {exc}")
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name="dckpt-memory-refill", daemon=True)
+        thread.start()
+
+        def wait(timeout_s: float) -> None:
+            t_wait = time.perf_counter()
+            if not done.wait(timeout_s):
+                cancel.set()  # it stops between two pieces, and drops its part file
+                done.wait(timeout_s)
+            waited = time.perf_counter() - t_wait
+            what = ", ".join(f"{n} {w}" for n, w in zip(streamed, said, strict=False))
+            line = (
+                f"dckpt: memory tier: rank {self.rank} put memory step {step}'s files back "
+                f"into node {self.node}'s memory behind the resume ({what}; "
+                f"{time.perf_counter() - t0:.2f} s, of which the state waited {waited:.2f} s)"
+            )
+            if all(w == "kept" for w in said) and len(said) == len(streamed):
+                log.info("%s", line)
+            else:
+                log.warning("%s: the next memory save writes them", line)
+
+        return wait
+
+    def _refill_one(
+        self, step: int, name: str, sink: StreamFill, record: FileRecord, cancel: threading.Event
+    ) -> str:
+        """One file back into this node's memory: "kept", or why not."""
+        path = self._place(step, name)
+        part = path.with_name(f".{name}.part-in")
+        try:
+            claim = self.slots.open(
+                part, record.bytes, spare_of=name if name in self.names else None
+            )
+        except OSError as exc:
+            return f"not kept (this node's memory cannot hold it: {exc})"
+        buf = claim.buffer
+        for at, data in sink.image():
+            if cancel.is_set():
+                self.slots.drop(part)
+                return "not kept (the state was about to change first)"
+            if isinstance(data, torch.Tensor):
+                if data.numel():
+                    dst = torch.frombuffer(buf, dtype=torch.uint8, count=data.numel(), offset=at)
+                    dst.copy_(data)
+                    del dst  # the mapping cannot close while a tensor views it
+            else:
+                buf[at : at + len(data)] = data
+        algorithm = record.digest.split(":", 1)[0]
+        hasher = new_hasher(algorithm)
+        view = memoryview(buf)
+        hasher.update(view[: record.bytes])
+        del view
+        if format_digest(algorithm, hasher) != record.digest:
+            self.slots.drop(part)
+            return "not kept (the state changed before its copy was taken)"
+        try:
+            self.slots.drop(path)
+            self.slots.rename(part, path, key=claim.key)
+        except (OSError, CheckpointError) as exc:
+            self.slots.drop(part)
+            return f"not kept (cannot name {path}: {exc})"
+        return "kept"
 
     def unrecorded(self) -> list[str]:
         """Steps some node holds in memory that the root's ledger has no record of (a save
@@ -492,10 +722,26 @@ class MemoryReader:
 
     def load(self, step: int, report: CandidateReport, *, with_config: bool) -> LoadResult:
         t0 = time.perf_counter()
+        manifest = self.source.record(step)
+        report.world_size_saved = manifest.world_size
+        # Config and state kinds first, on the manifest alone: a refusal moves no byte.
+        self.ctl.mark(f"checking memory step {step}'s config and state")
+        self.checks.run(manifest, report, with_config=with_config)
+        state_dict = self.state.state_dict()
+        state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
+        flat, _ = flatten_state_dict(state_dict)
+        live = {k: _local(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        taken: dict[str, StreamFill] = {}
+        own = layout.file_name(self.rank)
+
+        def into(name: str, size: int) -> StreamFill:
+            source = f"{name} of memory step {step} (arriving)"
+            return StreamFill(size, source, live, taken, own=name == own)
+
         self.ctl.mark(f"proving memory step {step}'s files (and moving those a node lacks)")
-        fetched = self.source.fetch(step)
+        fetched = self.source.fetch(step, manifest, into)
         try:
-            return self._load(step, report, fetched, t0, with_config)
+            return self._load(step, report, fetched, t0, state_dict)
         finally:
             _close(list(fetched.maps.values()))
 
@@ -505,31 +751,33 @@ class MemoryReader:
         report: CandidateReport,
         fetched: MemoryFetched,
         t0: float,
-        with_config: bool,
+        state_dict: dict[str, Any],
     ) -> LoadResult:
         manifest = fetched.manifest
-        report.world_size_saved = manifest.world_size
         remote = fetched.remote
         where = "local memory" if not remote else f"ranks {remote} from other nodes' memory"
         report.origin = (
             f"the memory tier ({where}; {self.source.memory_dir}, {step_dir_name(step)})"
         )
-        self.ctl.mark(f"checking memory step {step}'s config and state, then filling it")
-        self.checks.run(manifest, report, with_config=with_config)
+        self.ctl.mark(f"filling memory step {step} into the state")
         maps = {**fetched.maps, **fetched.held}
         own = layout.file_name(self.rank)
-        wanted = fetched.proofs if manifest.mesh.get("shared") else {own: fetched.proofs[own]}
+        shared = manifest.mesh.get("shared")
+        wanted = fetched.proofs if shared else {own: fetched.proofs.get(own)}
         failure: CheckpointError | None = None
         fill: StateFill | None = None
         try:
-            for name, (path, identity) in wanted.items():
-                if name not in maps:  # proven by another rank of this node
-                    maps[name] = _map(path, identity)
-            fill = self._prepare(step, manifest, maps)
+            for name, proof in wanted.items():
+                if name not in maps and name not in fetched.streamed:  # another rank proved it
+                    assert proof is not None
+                    maps[name] = _map(*proof)
+            fill = self._prepare(step, manifest, maps, fetched.streamed, state_dict)
         except ManifestError as exc:  # a header that does not describe its file: damage
             failure = exc
         except (MemoryFileError, CheckpointError, OSError) as exc:
             failure = StateMismatchError(f"rank {self.rank}: {exc}")
+        if failure is not None:
+            failure = type(failure)(str(failure) + taken_in(fetched.wrote))
         try:
             raise_first(self.ctl, failure)  # every rank matched every tensor, or none copies
             assert fill is not None
@@ -553,15 +801,22 @@ class MemoryReader:
             ", CUDA)" if "cuda" in saved_rng else ")"
         )
         n = len(manifest.files)
+        into = (
+            f"; ranks {fetched.wrote} took the files they received into their state as they "
+            "arrived, and used them only once every file had matched"
+            if fetched.wrote
+            else ""
+        )
         report.check(
             "digests",
             True,
             f"{n} of {n} files hashed and matched ({manifest.digest_algorithm}) on every node "
-            "that reads them, before a byte of them was read, against the manifest in "
-            f"{self.source.ledger.where(step)}",
+            "that reads them, before a byte of them was used, against the manifest in "
+            f"{self.source.ledger.where(step)}{into}",
         )
         seconds = time.perf_counter() - t0
         self._record_restore(step, manifest, seconds, report.origin)
+        behind = self.source.refill(step, manifest, fetched.streamed) if fetched.streamed else None
         return LoadResult(
             step=step,
             path=report.path,
@@ -569,22 +824,39 @@ class MemoryReader:
             files_verified=n,
             seconds=seconds,
             manifest=manifest,
+            behind=behind,
         )
 
-    def _prepare(self, step: int, manifest: Manifest, maps: dict[str, mmap.mmap]) -> StateFill:
-        """Match every live tensor to its bytes (this rank's own file first); writes nothing."""
+    def _prepare(
+        self,
+        step: int,
+        manifest: Manifest,
+        maps: dict[str, mmap.mmap],
+        streamed: dict[str, StreamFill],
+        state_dict: dict[str, Any],
+    ) -> StateFill:
+        """Match every live tensor to its bytes (this rank's own file first); writes nothing
+        (a streamed file's tensors are in place already)."""
         own = layout.file_name(self.rank)
+        files: dict[str, FlatFile | StreamFill] = {}
+        for name, mm in maps.items():
+            where = f"rank {self.rank}'s memory file" if name == own else name
+            files[name] = _flat_file(mm, f"{where} of memory step {step}", self.rank)
+        for name, sink in streamed.items():
+            if sink.problem is None and not sink.complete:
+                sink.problem, sink.damaged = f"{sink.source}: its header is cut short", True
+            if sink.problem is not None:
+                if sink.damaged:  # it hashed right: every copy is this same wrong file
+                    raise ManifestError(
+                        f"rank {self.rank}: {sink.problem}: its bytes match the writer's "
+                        "digest, but its header does not describe them"
+                    )
+                raise MemoryFileError(sink.problem)
+            files[name] = sink
         if not manifest.mesh.get("shared"):  # this rank's own file holds all it needs
-            maps = {own: maps[own]}
-        state_dict = self.state.state_dict()
-        state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
-        mine = _flat_file(maps[own], f"rank {self.rank}'s memory file of step {step}", self.rank)
-        others = [
-            _flat_file(mm, f"{n} of memory step {step}", self.rank)
-            for n, mm in maps.items()
-            if n != own
-        ]
-        return StateFill(state_dict, mine, others)
+            files = {own: files[own]}
+        mine = files[own]
+        return StateFill(state_dict, mine, [f for n, f in files.items() if n != own])
 
     def _record_restore(self, step: int, manifest: Manifest, seconds: float, origin: str) -> None:
         """The node's first rank notes what this restore cost (``dckpt plan`` reads it)."""
@@ -601,6 +873,18 @@ class MemoryReader:
             write_atomic(
                 self.source.dir, layout.RESTORE_FILE, json.dumps(record).encode(), sync=False
             )
+
+
+def taken_in(ranks: list[int]) -> str:
+    """What a failed candidate left in the state of the ranks that took bytes in as they
+    arrived (empty when none did)."""
+    if not ranks:
+        return ""
+    return (
+        f"; rank(s) {ranks} had taken the arriving bytes into their tensors (hashed as they "
+        "came, the digest only known at the end): the next checkpoint's load replaces every "
+        "tensor, and if none loads the resume stops, never trains from them"
+    )
 
 
 def _flat_file(buf: mmap.mmap, source: str, rank: int) -> FlatFile:
@@ -628,6 +912,10 @@ def _flat_file(buf: mmap.mmap, source: str, rank: int) -> FlatFile:
     return flat
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def _allocate(claims: list[Claim | None]) -> None:
     """Allocate the claimed files' pages chunk by chunk, in the order they will arrive (the
     receive allocates each chunk too, just before it: whichever comes first does it)."""
@@ -642,7 +930,7 @@ def _allocate(claims: list[Claim | None]) -> None:
                 break  # the receive meets it again, and says so
 
 
-def _map_sized(path: Path, size: int) -> tuple[mmap.mmap, os.stat_result]:
+def _map_sized(path: Path, size: int, *, populate: bool = True) -> tuple[mmap.mmap, os.stat_result]:
     """A read-only mapping of ``path``, opened as every checkpoint file is
     (``storage.verified_files.open_regular``: ``NotRegularFileError`` unless a regular file
     of ``size`` bytes, before anything is mapped), owned by the job's user
@@ -651,16 +939,21 @@ def _map_sized(path: Path, size: int) -> tuple[mmap.mmap, os.stat_result]:
     fd, st = open_regular(str(path), size)
     try:
         _check_owner(path, st)
-        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ), st
+        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+        return mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ), st
     finally:
         os.close(fd)
 
 
-def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, int]]:
+def _prove(
+    path: Path, record: FileRecord, *, populate: bool = True
+) -> tuple[mmap.mmap, tuple[int, int, int]]:
     """Map ``path`` and hash it where it lies; IntegrityError unless it is exactly the
-    writer's bytes. Returns the mapping (kept for the reads) and the file's identity."""
+    writer's bytes. Returns the mapping (kept for the reads) and the file's identity.
+    ``populate`` False: the pages are mapped as the hash reads them (a little slower, but
+    the mapping call does not hold the GIL for the whole file, as a transfer runs beside)."""
     try:
-        mm, st = _map_sized(path, record.bytes)
+        mm, st = _map_sized(path, record.bytes, populate=populate)
     except NotRegularFileError as exc:
         raise IntegrityError(
             str(path), f"{record.bytes} bytes", exc.actual, "size mismatch"
@@ -668,7 +961,8 @@ def _prove(path: Path, record: FileRecord) -> tuple[mmap.mmap, tuple[int, int, i
     algorithm = record.digest.split(":", 1)[0]
     hasher = new_hasher(algorithm)
     view = memoryview(mm)
-    hasher.update(view)
+    for start in range(0, len(view), READ_CHUNK):  # pieces: the hasher holds the GIL, and a
+        hasher.update(view[start : start + READ_CHUNK])  # transfer may be running beside
     del view
     actual = format_digest(algorithm, hasher)
     if actual != record.digest:
@@ -708,6 +1002,13 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
 
 
 def _close(maps: list[mmap.mmap]) -> None:
+    """Unmap ``maps`` in a thread of their own: unmapping 256 MiB of mapped pages took 14 ms
+    here, on the resume's path (the files stay; only this rank's mappings go)."""
+    if maps:
+        threading.Thread(target=_unmap, args=(maps,), name="dckpt-unmap", daemon=True).start()
+
+
+def _unmap(maps: list[mmap.mmap]) -> None:
     for mm in maps:
         with contextlib.suppress(BufferError):  # a view still alive: the GC closes it
             mm.close()

@@ -9,6 +9,7 @@ its own line). Logged as one block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,9 @@ class LoadResult:
     times: dict[str, float] = field(default_factory=dict)
     """Where this rank's reading went (``read`` waiting on the storage, ``hash``, ``fill``
     deserializing and copying), when the reader measured it."""
+    behind: Callable[[float], None] | None = None
+    """Work the load left running (the memory tier's copy of what arrived into the state),
+    and the wait (its deadline in seconds) that must end before the state changes."""
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,8 @@ class Resumer:
         """Where every tier's resumes are recorded: the root's (dckpt.root.resume_record)."""
         self._state = state
         self._loaded: tuple[int, ...] = ()
+        self._behind: Callable[[float], None] | None = None
+        """What the last load left running (``LoadResult.behind``), until it is waited for."""
         self._untouched: tuple[int, str] | None = None
         """The step just loaded and its tier's name ("durable", "memory"), until the
         first optimizer step after it (or, for a state without an optimizer, ``observe()``):
@@ -215,13 +217,22 @@ class Resumer:
         seen)."""
         return self._untouched == (step, tier) and _versions(self._state) == self._loaded
 
-    def _mark_loaded(self, step: int, tier: str) -> None:
+    def _mark_loaded(self, step: int, tier: str, behind: Callable[[float], None] | None) -> None:
         self._untouched = (step, tier)
         self._loaded = _versions(self._state)
+        self._behind = behind
+
+    def settle(self) -> None:
+        """Wait (within ``timeout_s``) for what the last load left running: before the state
+        changes (``touched``), before a save, another resume, and at close."""
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind(self._config.timeout_s)
 
     def touched(self) -> None:
         """A step of training (the optimizer's step pre-hook), or, for a state without an
         optimizer, an ``observe()``: the loaded state is changing."""
+        self.settle()
         self._untouched = None
 
     def latest_step(self) -> int | None:
@@ -235,6 +246,7 @@ class Resumer:
     def load(self, step: int | None = None) -> LoadResult:
         """Steps 2-5 for the newest committed step of the root (or ``step``); no fallback,
         no config check. Raises CheckpointNotFoundError when there is nothing to load."""
+        self.settle()
         self._ctl.begin("load")
         try:
             return self._load(step)
@@ -285,7 +297,7 @@ class Resumer:
         report = CandidateReport(chosen, self._path(self.anchor, chosen))
         result = self.anchor.reader.load(chosen, report, with_config=False)
         self._lineage.resumed(result.manifest)
-        self._mark_loaded(result.step, self.anchor.name)
+        self._mark_loaded(result.step, self.anchor.name, result.behind)
         self.watch.reset()
         if self.rank == 0:
             log.info(
@@ -309,6 +321,7 @@ class Resumer:
         (so a script can exit without a traceback per rank: dckpt already said why)."""
         skipped: list[tuple[int, str]] = []
         looped: list[tuple[int, str]] = []
+        self.settle()
         self._ctl.begin("resume")
         try:
             try:
@@ -353,7 +366,7 @@ class Resumer:
             try:
                 result = tier.reader.load(step, candidate, with_config=True)  # 2-5
                 chosen = candidate
-                self._mark_loaded(step, tier.name)
+                self._mark_loaded(step, tier.name, result.behind)
                 self.watch.loaded(step, tier.name, result.manifest.save_id)
                 break
             except CheckpointNotFoundError as exc:  # 6: this tier cannot restore it here

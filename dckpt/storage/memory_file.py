@@ -17,10 +17,19 @@ The header is ``{"version": 1, "tensors": [[key, dtype, shape, offset, nbytes], 
 matches tensors by name, shape and dtype against the live state dict and fails (naming the
 first difference) rather than loading into the wrong tensor.
 
+A file can also be read as it arrives from another node (``StreamFill``, a transfer's taker):
+its header, parsed from the first bytes, routes each tensor's bytes straight into the live
+tensor of that name (checked first to have its dtype and shape), and keeps every other byte
+(the header, the non-tensor values, the padding, tensors this rank does not hold) in memory;
+so a lost node's file costs no page of its own, and no copy after it arrived.
+
 Invariants: ``write_into`` copies every tensor before it returns (the snapshot is the state at
 ``save()`` time); the reader trusts nothing in the file before its digest matched the
-manifest, and even then checks every offset against the buffer's length. Files and their
-mappings are dckpt.tiers.memory_layout's; this module only lays bytes out and reads them.
+manifest, and even then checks every offset against the buffer's length. A ``StreamFill``
+writes bytes into live tensors *before* the digest is known: nothing reads them until the
+whole file hashed right, and a file that did not leaves the candidate failed (the caller's
+rule: dckpt.load.memory). Files and their mappings are dckpt.tiers.memory_layout's; this
+module only lays bytes out and reads them.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ __all__ = [
     "FlatFile",
     "MemoryFileError",
     "StateFill",
+    "StreamFill",
     "plan_flat",
     "share_out",
     "signature",
@@ -179,29 +189,49 @@ _DTYPES = {
 }
 
 
+def header_length(view: Any, size: int, source: str) -> int:
+    """Where the header of a file of ``size`` bytes ends, from its first 16 bytes (``view``):
+    MemoryFileError unless they are a memory file's."""
+    if size < _HEAD.size or len(view) < _HEAD.size:
+        raise MemoryFileError(f"{source}: {size} bytes, too short for a memory file")
+    magic, hlen = _HEAD.unpack_from(view, 0)
+    if magic != MAGIC or hlen > _MAX_HEADER or _HEAD.size + hlen > size:
+        raise MemoryFileError(f"{source}: not a dckpt memory file (bad magic or header)")
+    return int(_HEAD.size + hlen)
+
+
+Row = tuple[str, torch.dtype, list[int], int, int]
+"""A tensor in a memory file: its key, dtype, shape, offset and length in bytes."""
+
+
+def parse_header(view: Any, size: int, source: str) -> tuple[list[Row], tuple[int, int]]:
+    """The rows and the non-tensor values' span of a memory file of ``size`` bytes whose first
+    bytes (at least the header) are ``view``; each span checked to lie inside the file."""
+    end = header_length(view, size, source)
+    if len(view) < end:
+        raise MemoryFileError(f"{source}: its header is cut short")
+    try:
+        header = json.loads(bytes(view[_HEAD.size : end]))
+        rows = [
+            (str(k), _DTYPES[str(d)], [int(x) for x in shape], int(off), int(n))
+            for k, d, shape, off, n in header["tensors"]
+        ]
+        objects_at = (int(header["objects"][0]), int(header["objects"][1]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MemoryFileError(f"{source}: unreadable header ({exc!r})") from None
+    for key, _d, _s, off, n in [*rows, ("objects", None, None, *objects_at)]:
+        if off < 0 or n < 0 or off + n > size:
+            raise MemoryFileError(f"{source}: {key} lies outside the file")
+    return rows, objects_at
+
+
 class FlatFile:
     """A verified memory file's contents, read from ``buf`` (an mmap or bytes) by name."""
 
     def __init__(self, buf: Any, source: str) -> None:
         self.buf, self.source = buf, source
         view = memoryview(buf)
-        if len(view) < _HEAD.size:
-            raise MemoryFileError(f"{source}: {len(view)} bytes, too short for a memory file")
-        magic, hlen = _HEAD.unpack_from(view, 0)
-        if magic != MAGIC or hlen > _MAX_HEADER or _HEAD.size + hlen > len(view):
-            raise MemoryFileError(f"{source}: not a dckpt memory file (bad magic or header)")
-        try:
-            header = json.loads(bytes(view[_HEAD.size : _HEAD.size + hlen]))
-            self.rows = [
-                (str(k), _DTYPES[str(d)], [int(x) for x in shape], int(off), int(n))
-                for k, d, shape, off, n in header["tensors"]
-            ]
-            self.objects_at = (int(header["objects"][0]), int(header["objects"][1]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise MemoryFileError(f"{source}: unreadable header ({exc!r})") from None
-        for key, _d, _s, off, n in [*self.rows, ("objects", None, None, *self.objects_at)]:
-            if off < 0 or n < 0 or off + n > len(view):
-                raise MemoryFileError(f"{source}: {key} lies outside the file")
+        self.rows, self.objects_at = parse_header(view, len(view), source)
 
     def objects(self) -> dict[str, Any]:
         off, n = self.objects_at
@@ -222,6 +252,199 @@ class FlatFile:
         return raw.view(dtype).view(shape)
 
 
+class StreamFill:
+    """One memory file arriving chunk by chunk from another node (a transfer's ``Taker``), its
+    tensors written straight into the live state as their bytes arrive.
+
+    ``live``: this rank's flat state (DCP's flattened keys, a DTensor as its local shard).
+    ``taken``: shared by the files this rank receives: which one wrote each key (its own file
+    first, else the first to arrive). The header, once its bytes are in, is parsed and each
+    row matched: a row of a live key with its dtype, shape and length, contiguous, is routed
+    into that tensor; a row of a key this rank does not hold (another rank's RNG) is kept.
+    A row of a live key that does not fit it, a key the own file has and the state has not,
+    or a header that does not parse stops the routing before any of its bytes is written
+    (``problem``): only the bytes are hashed from then on. Every byte not routed is kept, in
+    order (``kept``): the header, the non-tensor values, the padding, the rows kept.
+
+    After the digest matched, it serves ``StateFill`` as a ``FlatFile`` does (``rows``,
+    ``objects``, ``tensor`` of a kept row); ``placed`` are the keys already in place."""
+
+    def __init__(
+        self,
+        size: int,
+        source: str,
+        live: dict[str, torch.Tensor],
+        taken: dict[str, StreamFill],
+        *,
+        own: bool,
+    ) -> None:
+        self.size, self.source, self.own = size, source, own
+        self._live, self._taken = live, taken
+        self.rows: list[Row] = []
+        self.objects_at = (0, 0)
+        self.problem: str | None = None
+        """Why nothing more is routed: the header did not parse (damage, once the digest
+        matched) or does not fit the live state (a changed state)."""
+        self.damaged = False
+        """``problem`` is the header's own fault (it does not describe its file)."""
+        self.placed: set[str] = set()
+        self.kept: list[tuple[int, bytearray]] = []
+        self._route: list[tuple[int, int, torch.Tensor, str]] = []  # offset, end, bytes, key
+        self._next = 0  # the first route not yet passed (the bytes come in order)
+        self._parsed = False
+
+    @property
+    def wrote(self) -> bool:
+        """Whether any byte went into a live tensor."""
+        return bool(self.placed)
+
+    @property
+    def complete(self) -> bool:
+        """Whether its header arrived whole (and was parsed, or found wrong)."""
+        return self._parsed
+
+    def take(self, offset: int, chunk: torch.Tensor) -> None:
+        if self.problem is not None:
+            return  # only hashed from here on (by the transfer)
+        if self._parsed:
+            self._walk(offset, offset + chunk.numel(), chunk)
+            return
+        self._keep(offset, chunk)  # until the header is whole, every byte is kept
+        if self._parse():
+            # The bytes kept so far (from offset 0, in one piece) that belong to a routed row
+            # go into it now, the rest stay kept.
+            start, head = self.kept.pop()
+            self._walk(start, start + len(head), torch.frombuffer(head, dtype=torch.uint8))
+
+    def _parse(self) -> bool:
+        """Parse the header once its bytes are in, and plan the routes: whether it did, and
+        routes may be taken."""
+        head = self.kept[0][1]
+        try:
+            end = header_length(memoryview(head), self.size, self.source)
+        except MemoryFileError as exc:
+            if len(head) >= _HEAD.size:
+                self._stop(str(exc), damaged=True)
+            return False
+        if len(head) < end:
+            return False  # more of the header is still to come
+        self._parsed = True
+        try:
+            self.rows, self.objects_at = parse_header(memoryview(head), self.size, self.source)
+        except MemoryFileError as exc:
+            self._stop(str(exc), damaged=True)
+            return False
+        route = []
+        for key, dtype, shape, offset, nbytes in self.rows:
+            if (
+                offset < end
+                or min(shape, default=0) < 0
+                or nbytes != _numel(shape) * dtype.itemsize
+            ):
+                self._stop(
+                    f"{self.source}: {key} is recorded as {nbytes} bytes of {dtype}{shape} at "
+                    f"offset {offset}: its header does not describe its bytes",
+                    damaged=True,
+                )
+                return False
+            live = self._live.get(key)
+            if live is None:
+                if self.own:
+                    self._stop(f"{self.source} holds {key}, which this state does not have")
+                    return False
+                continue  # another rank's (its RNG): kept
+            if live.dtype != dtype or list(live.shape) != shape:
+                self._stop(
+                    f"{self.source}: {key} is {dtype}{shape} there, {live.dtype}"
+                    f"{list(live.shape)} here"
+                )
+                return False
+            holder = self._taken.get(key)
+            if not live.is_contiguous() or (holder is not None and (holder.own or not self.own)):
+                continue  # kept: StateFill copies it from here if this file is its source
+            route.append((offset, offset + nbytes, _bytes_of(live), key))
+        for *_, key in route:
+            self._taken[key] = self
+        self._route = sorted(route, key=lambda r: r[0])
+        return True
+
+    def _stop(self, why: str, *, damaged: bool = False) -> None:
+        """Route nothing more (nothing was routed yet: the header comes first)."""
+        self.problem, self.damaged, self._parsed = why, damaged, True
+        self._route = []
+        self.kept = []  # nothing of this file will be read
+
+    def _walk(self, offset: int, end: int, chunk: torch.Tensor) -> None:
+        """Route the rows that lie in ``[offset, end)``; keep every other byte."""
+        pos = offset
+        routes = self._route
+        while self._next < len(routes) and routes[self._next][1] <= pos:
+            self._next += 1
+        i = self._next
+        while pos < end and i < len(routes) and routes[i][0] < end:
+            row_at, row_end, dest, key = routes[i]
+            if row_at > pos:
+                self._keep(pos, chunk[pos - offset : row_at - offset])
+                pos = row_at
+            hi = min(row_end, end)
+            dest[pos - row_at : hi - row_at].copy_(chunk[pos - offset : hi - offset])
+            self.placed.add(key)
+            pos = hi
+            if hi == row_end:
+                i += 1
+        self._next = i
+        if pos < end:
+            self._keep(pos, chunk[pos - offset :])
+
+    def _keep(self, offset: int, data: torch.Tensor) -> None:
+        raw = data.numpy().data.cast("B")
+        if self.kept and self.kept[-1][0] + len(self.kept[-1][1]) == offset:
+            self.kept[-1][1].extend(raw)
+        else:
+            self.kept.append((offset, bytearray(raw)))
+
+    def _kept_span(self, offset: int, nbytes: int) -> memoryview:
+        for at, data in self.kept:
+            if at <= offset and offset + nbytes <= at + len(data):
+                return memoryview(data)[offset - at : offset - at + nbytes]
+        raise MemoryFileError(f"{self.source}: bytes {offset}-{offset + nbytes} were not kept")
+
+    def objects(self) -> dict[str, Any]:
+        off, n = self.objects_at
+        value = torch.load(io.BytesIO(bytes(self._kept_span(off, n))), weights_only=True)
+        if not isinstance(value, dict):
+            raise MemoryFileError(f"{self.source}: its non-tensor values are not a dict")
+        return value
+
+    def tensor(
+        self, dtype: torch.dtype, shape: list[int], offset: int, nbytes: int
+    ) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.frombuffer(self._kept_span(offset, nbytes), dtype=torch.uint8)
+        return raw.view(dtype).view(shape)
+
+    def image(self) -> list[tuple[int, Any]]:
+        """The whole file as (offset, bytes) pieces, in order: the kept bytes and each routed
+        row's live tensor (what it holds now: a changed tensor gives other bytes, which the
+        caller's digest refuses)."""
+        pieces: list[tuple[int, Any]] = [(at, data) for at, data in self.kept]
+        pieces += [(at, dest) for at, _end, dest, key in self._route if key in self.placed]
+        return sorted(pieces, key=lambda p: p[0])
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view of its storage (on its device)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
 class StateFill:
     """A restore matched and checked, not yet applied: ``prepare`` finds every live tensor in
     the files (this rank's own first) and checks names, shapes and dtypes, writing nothing;
@@ -229,11 +452,16 @@ class StateFill:
     every rank's state untouched."""
 
     def __init__(
-        self, state_dict: dict[str, Any], flat_file: FlatFile, shared: list[FlatFile]
+        self,
+        state_dict: dict[str, Any],
+        flat_file: FlatFile | StreamFill,
+        shared: list[FlatFile | StreamFill],
     ) -> None:
         self.state_dict = state_dict
         self.flat, self.mapping = flatten_state_dict(state_dict)
-        rows = {row[0]: (flat_file, row) for row in flat_file.rows}
+        rows: dict[str, tuple[FlatFile | StreamFill, Row]] = {
+            row[0]: (flat_file, row) for row in flat_file.rows
+        }
         for other in shared:
             for row in other.rows:
                 rows.setdefault(row[0], (other, row))  # this rank's own copy first
@@ -266,6 +494,8 @@ class StateFill:
         with torch.no_grad():  # the live tensors may be parameters that require grad
             for key in self.live:
                 source, (_, dtype, shape, offset, nbytes) = self.rows[key]
+                if isinstance(source, StreamFill) and key in source.placed:
+                    continue  # its bytes went into this very tensor as they arrived
                 _local(self.flat[key]).copy_(source.tensor(dtype, shape, offset, nbytes))
         for key, value in self.objects.items():
             set_element(self.state_dict, self.mapping[key], value)
