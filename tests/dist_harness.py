@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -144,6 +145,9 @@ def run_world(
             if p.is_alive():
                 p.kill()
                 p.join()
+        # Every rank is gone: its store file is no one's (a leftover directory per world
+        # had filled /tmp with thousands of them).
+        shutil.rmtree(store_dir, ignore_errors=True)
     missing = [r for r in range(world_size) if r not in results]
     for r in missing:
         results[r] = ("error", f"rank {r} produced no result (exit code {procs[r].exitcode})")

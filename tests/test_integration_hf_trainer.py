@@ -75,6 +75,8 @@ class Run:
     proc: subprocess.CompletedProcess[str]
     losses: dict[int, str]  # step -> float.hex, in the order logged
     out: Path
+    tmp: Path
+    """Its TMPDIR."""
 
     @property
     def err(self) -> str:
@@ -84,18 +86,21 @@ class Run:
 def _train(where: Path, name: str, root: Path, *args: str) -> Run:
     """The script under torchrun, 2 ranks on gloo; ``name`` names its loss log."""
     log, out = where / f"{name}.jsonl", where / "out"
+    tmp = where / f"tmp-{name}"  # its own TMPDIR: what it leaves there is seen
+    tmp.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(SCRIPT), "--root", str(root), "--out", str(out), "--loss-log", str(log),
            *args]  # fmt: skip
+    env = {**_env(), "TMPDIR": str(tmp)}
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, env=_env(), check=False, cwd=where
+        cmd, capture_output=True, text=True, timeout=240, env=env, check=False, cwd=where
     )
     losses: dict[int, str] = {}
     if log.exists():
         for line in log.read_text().splitlines():
             row = json.loads(line)
             losses[int(row["step"])] = str(row["loss"])
-    return Run(proc, losses, out)
+    return Run(proc, losses, out, tmp)
 
 
 def _flip_a_bit(step_dir: Path) -> Path:
@@ -247,6 +252,10 @@ def test_the_trainer_writes_no_checkpoint_folder_of_its_own(runs: Runs) -> None:
     for run in every:  # nor does anything else look for one
         assert "Can't find a valid checkpoint" not in run.err
         assert "missing keys" not in run.err
+    # The folder resume() writes for train() to read goes once read (or at close): none is
+    # left in any run's TMPDIR.
+    left = [p for run in every for p in run.tmp.glob("dckpt-hf-resume-*")]
+    assert left == [], left
 
 
 def test_import_dckpt_does_not_import_transformers_and_a_missing_one_names_the_extra(

@@ -254,8 +254,16 @@ class DckptCallback(TrainerCallback):
     def close(self) -> None:
         """Drain the save in flight and release dckpt's groups (done at ``on_train_end`` too);
         raises if any save failed."""
+        self._drop_folder()
         if self._manager is not None:
             self._manager.close()
+
+    def _drop_folder(self) -> None:
+        """The folder ``resume`` wrote for ``train()`` goes once read, or at ``close``: a
+        run that never began training (its start refused) does not leave it in /tmp."""
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
 
     # --- hooks -------------------------------------------------------------------------------
 
@@ -264,6 +272,7 @@ class DckptCallback(TrainerCallback):
     ) -> None:
         self.manager  # noqa: B018 - raises when resume() was not called
         scheduler = kwargs.get("lr_scheduler")
+        self._drop_folder()  # read by now: train() looks only for RNG files later
         if state.global_step != (self._resumed_step or 0):
             raise CheckpointError(
                 f"the Trainer starts at step {state.global_step}, dckpt resumed "
@@ -286,9 +295,6 @@ class DckptCallback(TrainerCallback):
             # start: the RNG is set again after the first fetch, as the Trainer's resume does.
             self._rng_at_step = steps is not None and state.global_step % steps != 0
         self._parts.attach(state, control, self._callbacks, scheduler)
-        if self._folder is not None:  # read by now: train() looks only for RNG files later
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
 
     def on_epoch_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
