@@ -333,9 +333,10 @@ def _rank_entry(
 ) -> None:
     try:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's checkpoint daemon needs it
+        tcp = store_path.startswith("tcp://")
         dist.init_process_group(
             "gloo",
-            init_method=f"file://{store_path}",
+            init_method=store_path if tcp else f"file://{store_path}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=1800),
@@ -351,15 +352,23 @@ def _rank_entry(
         raise SystemExit(1) from None
 
 
-def spawn(world_size: int, torch_threads: int, fn: RankFn, *args: Any) -> Any:
+def spawn(
+    world_size: int, torch_threads: int, fn: RankFn, *args: Any, tcp_store: bool = False
+) -> Any:
     """Run ``fn(*args)`` on ``world_size`` fresh ranks; return what rank 0 returned.
 
     ``fn`` runs with the default process group initialised (gloo) and
-    ``torch.set_num_threads(torch_threads)``; it must be a module-level function."""
+    ``torch.set_num_threads(torch_threads)``; it must be a module-level function.
+    ``tcp_store``: the ranks meet through a TCPStore on 127.0.0.1, as under torchrun (a
+    FileStore's ``wait`` polls the file: what waits on the store pays that poll)."""
     ctx = mp.get_context("spawn")
     out: Queue[tuple[str, Any]] = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="dckpt-bench-store-")
     store = os.path.join(store_dir, "store")
+    if tcp_store:
+        with socket.socket() as sock:  # a free port (rank 0's store binds it)
+            sock.bind(("127.0.0.1", 0))
+            store = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     os.environ["OMP_NUM_THREADS"] = str(torch_threads)  # inherited by the spawned ranks
     procs = [
         ctx.Process(
