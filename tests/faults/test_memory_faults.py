@@ -26,8 +26,10 @@ What each fault leaves:
   replica to node 1 fails and step 3 cannot be held there; both are said in the log, step 3 is
   not committed, training goes on; the restart resumes step 2 from local memory;
 - a full memory at a replaced node (node 1's memory wiped, then a tmpfs with no room for a
-  file): step 3 cannot be brought to node 1, which is no evidence against its bytes: it is
-  passed over, not quarantined, and the restart resumes durable step 1 (step 2 was retired);
+  file): node 1's rank is alone on its node, so step 3's files arrive straight into its
+  state, which needs none of that memory: the restart resumes memory step 3 bit for bit,
+  nothing is quarantined, and the copy it puts back behind the resume cannot be held there:
+  rank 1 says so, and that the next memory save writes it;
 - a partner that never answers (rank 1 sleeps in ``replicate`` past ``timeout_s``): rank 0's
   save of step 3 still returns committed within the bound, the log says the replicas failed
   and the group is lost, and rank 0's next save refuses (restart): the restart resumes step 3.
@@ -36,6 +38,7 @@ What each fault leaves:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -126,8 +129,11 @@ def resume_world(rank: int, world: int, bases: list[str]) -> list[dict[str, Any]
 
     os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     found: list[dict[str, Any]] = []
+    behind = _Said("behind the resume")
+    logging.getLogger("dckpt").addHandler(behind)
     for base in bases:
         model, opt, sched = build(rank)
+        behind.lines.clear()
         try:
             with _manager(base, model, opt, sched) as mgr:
                 report = mgr.resume()
@@ -140,10 +146,24 @@ def resume_world(rank: int, world: int, bases: list[str]) -> list[dict[str, Any]
                     train_step(model, opt, sched, report.step + 1, rank)
                     mgr.save(report.step + 1).result()
                     got["saved_next"] = True
+            got["behind"] = list(behind.lines)  # the copy put back behind the resume, said
         except Exception as exc:
             got = {"error": f"{type(exc).__name__}: {exc}"}
         found.append(got)
     return found
+
+
+class _Said(logging.Handler):
+    """The log lines of this rank that contain ``words``."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__(logging.INFO)
+        self.words = words
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.lines.append(record.getMessage())
 
 
 def _flip(path: Path) -> None:
@@ -182,7 +202,7 @@ CASES: list[tuple[str, str | None, int, str]] = [
     ("node lost mid-replication", "phase=replicate,rank=1,action=sigkill,step=3", 2, "memory"),
     ("rotted replica", None, 1, "durable"),
     ("full memory", None, 2, "memory"),
-    ("full memory at a replaced node", None, 1, "durable"),
+    ("full memory at a replaced node", None, 3, "memory"),
     ("partner never answers", f"phase=replicate,rank=1,action=sleep,seconds={3 * TIMEOUT_S}"
      ",step=3", 3, "memory"),
 ]  # fmt: skip
@@ -288,13 +308,12 @@ def test_memory_faults(tmp_path: Path, fault_trials: Trials) -> None:
                 why[name].append(f"restart on rank {r}: {json.dumps(got)[:1500]}")
         if name == "full memory at a replaced node":
             if list((bases[name] / "root" / "memory").glob("quarantine/*")):
-                why[name].append("a step that could not be held was quarantined")
-            if "memory tier: step 3 not used: its files could not be moved" not in resumed[0][
-                i
-            ].get("report", ""):
-                why[name].append(
-                    f"the report does not say why step 3 was passed over: {resumed[0][i]}"
-                )
+                why[name].append("a step whose copy could not be held was quarantined")
+            if "into the state" not in resumed[1][i].get("report", ""):
+                why[name].append(f"step 3 did not arrive into the state: {resumed[1][i]}")
+            said = " ".join(resumed[1][i].get("behind", []))
+            if "not kept (this node's memory cannot hold it" not in said:
+                why[name].append(f"rank 1 did not say its copy was not kept: {said!r}")
         if name == "rotted replica":
             if not (bases[name] / "root" / "memory" / "quarantine" / "step-00000003.json").exists():
                 why[name].append("the damaged step's record was not quarantined")
