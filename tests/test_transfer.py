@@ -204,6 +204,9 @@ def _into_sinks(rank: int, world: int, base: str) -> dict[str, Any]:
                 def __init__(self) -> None:
                     self.pieces: list[tuple[int, bytes]] = []
 
+                def place(self, offset: int, end: int) -> torch.Tensor | None:
+                    return None
+
                 def take(self, offset: int, chunk: torch.Tensor) -> None:
                     self.pieces.append((offset, chunk.numpy().tobytes()))
 
@@ -246,3 +249,93 @@ def test_files_into_sinks_arrive_in_order_through_the_ring_and_are_judged(
     assert received["errors"][0] is None, received
     assert "digest mismatch" in received["errors"][1], received  # the verdict is the sink's
     assert received["made"] == [], received  # nothing was made in the node's memory
+
+
+def _cut_in_place(first: memoryview, size: int) -> list[tuple[int, int]]:
+    """Both ends' cut (``transfer.Split``): what the first bytes say (here: a fixed region
+    ``[CHUNK + 4096, 3 * CHUNK + 4096)`` in two segments), the rest in pieces."""
+    from dckpt.collective.transfer import CHUNK
+
+    assert bytes(first[:4]) == b"CUT!"  # the very bytes the sender cut by
+    lo, hi = CHUNK + 4096, 3 * CHUNK + 4096
+    return [(CHUNK, lo), (lo, lo + CHUNK), (lo + CHUNK, hi), (hi, size)]
+
+
+def _into_place(rank: int, world: int, base: str) -> dict[str, Any]:
+    """One file, cut alike on both ends: the segments its taker places go straight into a
+    tensor of its own, the others through the staging buffers; hashed in order either way."""
+    import torch
+
+    from dckpt.collective.comm import Comm
+    from dckpt.collective.transfer import CHUNK, Incoming, Outgoing, move
+    from dckpt.storage.digest import format_digest, new_hasher
+    from dckpt.tiers.memory_layout import Slots
+
+    size = 4 * CHUNK + 99
+    lo, hi = CHUNK + 4096, 3 * CHUNK + 4096
+    payload = torch.randint(
+        0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+    )
+    payload[:4] = torch.tensor(list(b"CUT!"), dtype=torch.uint8)
+    hasher = new_hasher("xxh3_128")
+    hasher.update(payload.numpy().tobytes())
+    digest = format_digest("xxh3_128", hasher)
+    comm = Comm(60.0)
+    node = Path(base) / f"node-{rank}"
+    slots = Slots(node)
+    out: dict[str, Any] = {}
+    try:
+        if rank == 0:
+            mm = slots.open(node / "own" / "f.mem", size).buffer
+            mm[:] = payload.numpy().tobytes()
+            move(comm, [Outgoing(mm, 1, size, split=_cut_in_place)], [], slots, timeout_s=60.0)
+        else:
+            region = torch.zeros(hi - lo, dtype=torch.uint8)
+
+            class Place:
+                def __init__(self) -> None:
+                    self.pieces: list[tuple[int, int]] = []
+                    self.placed: list[tuple[int, int]] = []
+
+                def place(self, offset: int, end: int) -> torch.Tensor | None:
+                    if lo <= offset and end <= hi:
+                        self.placed.append((offset, end))
+                        return region[offset - lo : end - lo]
+                    return None
+
+                def take(self, offset: int, chunk: torch.Tensor) -> None:
+                    self.pieces.append((offset, offset + chunk.numel()))
+
+            taker = Place()
+            got = move(
+                comm,
+                [],
+                [
+                    Incoming(
+                        0, node / "in" / "f.mem", size, digest, taker=taker, split=_cut_in_place
+                    )
+                ],
+                slots,
+                timeout_s=60.0,
+            )
+            out["error"] = got[0].error
+            out["placed"] = taker.placed
+            out["taken"] = taker.pieces
+            out["exact"] = torch.equal(region, payload[lo:hi])
+    finally:
+        slots.close()
+    comm.barrier()
+    return out
+
+
+def test_segments_a_taker_places_arrive_straight_there_and_are_hashed_in_order(
+    tmp_path: Path,
+) -> None:
+    from dckpt.collective.transfer import CHUNK
+
+    _, received = run_world(_into_place, 2, str(tmp_path))
+    lo, hi = CHUNK + 4096, 3 * CHUNK + 4096
+    assert received["error"] is None, received  # every byte hashed, in the file's order
+    assert received["placed"] == [(lo, lo + CHUNK), (lo + CHUNK, hi)], received
+    assert received["exact"], received
+    assert received["taken"] == [(0, CHUNK), (CHUNK, lo), (hi, 4 * CHUNK + 99)], received

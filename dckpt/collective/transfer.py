@@ -22,12 +22,16 @@ whom, its size and the writer's digest):
    hanging. After that gloo has closed the pair: the group is unusable, as after any failed
    collective.
 
-A file can instead arrive into a ``Taker`` (``Incoming.taker``): no part file is made, each chunk
-lands in one of ``RING`` reused staging buffers (so the receive's memory is bounded and no page
-is allocated), is hashed there, and is handed to the taker, which puts its bytes where they
-belong (dckpt.storage.memory_file.StreamFill: straight into the live state); the next chunk's
-receive is posted into the buffer just freed. The taker learns the verdict from the result:
-nothing is named, and the caller decides what a mismatch undoes.
+A file can instead arrive into a ``Taker`` (``Incoming.taker``; dckpt.storage.memory_file.
+StreamFill puts its bytes straight into the live state): no part file is made. Its first
+chunk lands in a staging buffer (it holds the header the taker routes by); the rest comes in
+segments both ends cut alike from that chunk's bytes (``Split``: the sender cuts by a copy of
+the first chunk, which is what it sends), each segment straight into the tensor the taker
+``place``s it in, or else into one of ``RING`` reused 16 MiB staging buffers (so the
+receive's memory is bounded and no page is allocated) and handed to ``take``, the next
+segment's receive posted into the buffer just freed. Every segment is hashed where it landed,
+in the file's order. The taker learns the verdict from the result: nothing is named, and the
+caller decides what a mismatch undoes.
 
 Both ends always post every chunk of the plan, whatever goes wrong on their side, so no peer
 waits on a chunk that was never sent: a receiver that cannot hold a file takes its bytes into
@@ -43,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,7 +60,17 @@ from ..phases import Phase, Trace
 from ..storage.digest import format_digest, new_hasher
 from .comm import Comm
 
-__all__ = ["CHUNK", "RING", "Incoming", "Outgoing", "Taker", "Targets", "TransferError", "move"]
+__all__ = [
+    "CHUNK",
+    "RING",
+    "Incoming",
+    "Outgoing",
+    "Split",
+    "Taker",
+    "Targets",
+    "TransferError",
+    "move",
+]
 
 CHUNK = 16 << 20
 RING = 4
@@ -93,8 +107,22 @@ class Targets(Protocol):
         ...
 
 
+Split = Callable[[memoryview, int], list[tuple[int, int]]]
+"""How a file is cut after its first chunk: ``(its first chunk's bytes, its size)`` -> the
+segments ``[a, b)`` that cover the rest, in order, each at most ``CHUNK`` bytes. Both ends
+compute it from the same bytes (the sender from a copy of the first chunk it then sends), so
+they post the same messages; a receiver can then take a segment that lies inside one tensor
+straight into it (``Taker.place``)."""
+
+
 class Taker(Protocol):
     """Where a file's bytes go when it is not made in memory (``Incoming.taker``)."""
+
+    def place(self, offset: int, end: int) -> torch.Tensor | None:
+        """A host tensor of exactly ``end - offset`` bytes that these bytes may be received
+        straight into (they are then hashed there, and not handed to ``take``); None: they
+        come through the staging buffers to ``take``."""
+        ...
 
     def take(self, offset: int, chunk: torch.Tensor) -> None:
         """Bytes ``[offset, offset + len(chunk))`` of the file, in order, already hashed into
@@ -120,6 +148,8 @@ class Outgoing:
     size: int
     tag: int = 0
     """This file's number among the files going from this rank to ``to`` (both ends agree)."""
+    split: Split | None = None
+    """Cut after its first chunk as the receiver cuts it (``Incoming.split``); None: chunks."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +166,11 @@ class Incoming:
     claim: Claim | None = None
     """The part file, claimed ahead by the caller (its pages perhaps being allocated by then)."""
     taker: Taker | None = None
-    """Not made in memory: its chunks go through the staging ring to this taker, and nothing
-    is named (``into`` only names the file in messages)."""
+    """Not made in memory: its chunks go through the staging buffers (or, where ``place``
+    says, straight into a tensor) to this taker, and nothing is named (``into`` only names
+    the file in messages)."""
+    split: Split | None = None
+    """How the sender cuts it after its first chunk (a taker's file only; None: chunks)."""
 
 
 @dataclass(frozen=True)
@@ -195,13 +228,12 @@ def move(
                 f"rank(s) {', '.join(map(str, late))} did not reach the exchange within "
                 f"{timeout_s:.0f} s (timeout_s) of this rank, or gave up on it; no byte moved"
             )
-        ring = _Ring(comm)
+        buffers: list[torch.Tensor] = []  # the staging buffers, made at the first taker's file
         for item in incoming:
             part = item.into.with_name(f".{item.into.name}.part{part_suffix}")
             got = _Posted(item, part)
             posted.append(got)  # before a chunk is posted: a failure below still drops it
-            if item.taker is not None:  # its chunks are posted as the ring's buffers free up
-                ring.plan(got)
+            if item.taker is not None:  # its segments are posted as it is taken (below)
                 continue
             try:
                 claim = item.claim or slots.claim(part, item.size, spare_of=item.spare_of)
@@ -223,31 +255,40 @@ def move(
                         scratch = torch.empty(CHUNK, dtype=torch.uint8)
                     target = scratch[: b - a]
                 got.works.append(_post(dist.irecv, target, item.src, comm, item.tag, i))
-        ring.start()
         for out in outgoing:
             buf = _view(out.data, out.size) if out.data is not None else None
             works = []
-            for i, (a, b) in enumerate(_chunks(out.size)):
+            segments = _chunks(out.size)
+            first: torch.Tensor | None = None
+            if out.split is not None and out.size:
+                # The first chunk goes from a copy: the cut is computed from the very bytes
+                # the receiver gets, whatever the file does meanwhile.
+                a, b = segments[0]
+                first = (
+                    buf[a:b].clone() if buf is not None else torch.zeros(b - a, dtype=torch.uint8)
+                )
+                segments = [(a, b), *_cut(out.split, first, out.size)]
+            for i, (a, b) in enumerate(segments):
                 if buf is None and zeros is None:
                     zeros = torch.zeros(CHUNK, dtype=torch.uint8)
-                src = buf[a:b] if buf is not None else zeros[: b - a]  # type: ignore[index]
+                if i == 0 and first is not None:
+                    src = first
+                else:
+                    src = buf[a:b] if buf is not None else zeros[: b - a]  # type: ignore[index]
                 works.append(_post(dist.isend, src, out.to, comm, out.tag, i))
-            sends.append((out, buf, works))
+            sends.append((out, first if first is not None else buf, works))
         fired = False
         for got in posted:
             item = got.item
             algorithm = item.digest.split(":", 1)[0]
             hasher = new_hasher(algorithm)
             if item.taker is not None:
-                for a, b in _chunks(item.size):
-                    what = f"the bytes {a}-{b} of {item.into.name} from rank {item.src}"
-                    chunk = ring.next(deadline, what)
-                    hasher.update(chunk.numpy().data)
-                    got.feed(a, chunk)
-                    ring.release()
-                    if not fired and trace is not None:
-                        fired = True
-                        trace.at(Phase.REPLICATE)
+                if not buffers:
+                    buffers = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(RING)]
+                _take(got, comm, deadline, hasher, buffers)
+                if not fired and trace is not None:
+                    fired = True
+                    trace.at(Phase.REPLICATE)
                 results.append(_settle(got, algorithm, hasher, slots, time.perf_counter() - t0))
                 continue
             view = memoryview(got.mm) if got.mm is not None and got.refused is None else None
@@ -284,6 +325,25 @@ class _Posted:
     refused: str | None = None
     works: list[Any] = field(default_factory=list)
 
+    def place(self, offset: int, end: int) -> torch.Tensor | None:
+        """Where the taker takes ``[offset, end)`` straight in (None: staging)."""
+        taker = self.item.taker
+        if taker is None or self.refused is not None:
+            return None
+        try:
+            target = taker.place(offset, end)
+        except Exception as exc:  # the rest still arrives (the sender is never hung)
+            self.refused = f"{self.item.into.name} could not be taken in: {exc}"
+            return None
+        if target is not None and (
+            target.device.type != "cpu"
+            or target.dtype != torch.uint8
+            or target.numel() != end - offset
+            or not target.is_contiguous()
+        ):
+            return None  # gloo receives into host memory only, and exactly there
+        return target
+
     def feed(self, offset: int, chunk: torch.Tensor) -> None:
         """Hand a hashed chunk to the taker; a taker that fails is stopped, and said."""
         taker = self.item.taker
@@ -295,51 +355,81 @@ class _Posted:
             self.refused = f"{self.item.into.name} could not be taken in: {exc}"
 
 
-class _Ring:
-    """The staging buffers of the files that arrive into a taker: every chunk of them, in the
-    order they are consumed, is received into one of ``RING`` buffers, each posted as soon
-    as the chunk before it in that buffer was consumed."""
+def _cut(split: Split, first: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """The segments after ``first`` (``split``'s, checked: in order, covering the rest, each
+    at most ``CHUNK``; else plain chunks). Both ends run this on the same bytes."""
+    start = first.numel()
+    try:
+        cut = split(first.numpy().data, size)
+    except Exception:  # a cut that fails is no cut: plain chunks, on both ends alike
+        cut = []
+    at = start
+    for a, b in cut:
+        if a != at or not a < b <= size or b - a > CHUNK:
+            cut = []
+            break
+        at = b
+    if not cut or at != size:
+        cut = [(a, min(a + CHUNK, size)) for a in range(start, size, CHUNK)]
+    return cut
 
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
-        self.pending: list[tuple[_Posted, int, int, int]] = []  # file, chunk number, a, b
-        self.buffers: list[torch.Tensor] = []
-        self.works: list[tuple[Any, torch.Tensor]] = []  # posted, oldest first
-        self.posted = 0
 
-    def plan(self, got: _Posted) -> None:
-        for i, (a, b) in enumerate(_chunks(got.item.size)):
-            self.pending.append((got, i, a, b))
+def _take(
+    got: _Posted, comm: Comm, deadline: _Deadline, hasher: Any, buffers: list[torch.Tensor]
+) -> None:
+    """Receive one file into its taker: the first chunk through a staging buffer (it holds
+    the header the taker routes by), then each segment straight into the tensor the taker
+    places it in, or through the next free staging buffer; hashed in order, as it lands."""
+    item = got.item
+    src, name = item.src, item.into.name
+    first = _chunks(item.size)[0]
+    head = buffers[0][: first[1]]
+    work = _post(dist.irecv, head, src, comm, item.tag, 0)
+    deadline.wait(work, f"the bytes {first[0]}-{first[1]} of {name} from rank {src}")
+    hasher.update(head.numpy().data)
+    got.feed(0, head)
+    if item.size <= first[1]:
+        return
+    if item.split is not None:
+        segments = _cut(item.split, head, item.size)
+    else:
+        segments = [(a, min(a + CHUNK, item.size)) for a in range(first[1], item.size, CHUNK)]
+    direct = [got.place(a, b) for a, b in segments]
+    works: list[Any] = [None] * len(segments)
+    for i, target in enumerate(direct):
+        if target is not None:
+            works[i] = _post(dist.irecv, target, src, comm, item.tag, i + 1)
+    staged = [i for i, target in enumerate(direct) if target is None]
+    free = list(buffers)
+    held: dict[int, torch.Tensor] = {}
 
-    def start(self) -> None:
-        for _ in range(min(RING, len(self.pending))):
-            self.buffers.append(torch.empty(CHUNK, dtype=torch.uint8))
-            self._post(self.buffers[-1])
+    def post_next() -> None:
+        if staged and free:
+            i = staged.pop(0)
+            a, b = segments[i]
+            held[i] = free.pop()[: b - a]
+            works[i] = _post(dist.irecv, held[i], src, comm, item.tag, i + 1)
 
-    def _post(self, buffer: torch.Tensor) -> None:
-        got, i, a, b = self.pending[self.posted]
-        self.posted += 1
-        target = buffer[: b - a]
-        work = _post(dist.irecv, target, got.item.src, self.comm, got.item.tag, i)
-        self.works.append((work, target))
+    for _ in range(len(buffers)):
+        post_next()
+    for i, (a, b) in enumerate(segments):
+        deadline.wait(works[i], f"the bytes {a}-{b} of {name} from rank {src}")
+        target = direct[i]
+        if target is not None:
+            hasher.update(target.numpy().data)
+            continue
+        chunk = held.pop(i)
+        hasher.update(chunk.numpy().data)
+        got.feed(a, chunk)
+        free.append(_buffer_of(chunk, buffers))
+        post_next()
 
-    def next(self, deadline: _Deadline, what: str) -> torch.Tensor:
-        """The next chunk, waited for (within the deadline)."""
-        work, target = self.works[0]
-        deadline.wait(work, what)
-        return target
 
-    def release(self) -> None:
-        """The chunk ``next`` returned was consumed: its buffer takes the next one."""
-        _, target = self.works.pop(0)
-        if self.posted < len(self.pending):
-            self._post(self._buffer_of(target))
-
-    def _buffer_of(self, target: torch.Tensor) -> torch.Tensor:
-        for buffer in self.buffers:
-            if buffer.data_ptr() == target.data_ptr():
-                return buffer
-        raise AssertionError("a staging chunk outside the ring")
+def _buffer_of(chunk: torch.Tensor, buffers: list[torch.Tensor]) -> torch.Tensor:
+    for buffer in buffers:
+        if buffer.data_ptr() == chunk.data_ptr():
+            return buffer
+    raise AssertionError("a staging chunk outside the buffers")
 
 
 def _settle(got: _Posted, algorithm: str, hasher: Any, slots: Targets, seconds: float) -> Received:

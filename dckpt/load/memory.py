@@ -93,7 +93,13 @@ from ..root.layout import step_dir_name
 from ..root.manifest import Manifest, parse_manifest
 from ..root.memory_ledger import MemoryLedger
 from ..storage.digest import READ_CHUNK, format_digest, new_hasher
-from ..storage.memory_file import FlatFile, MemoryFileError, StateFill, StreamFill
+from ..storage.memory_file import (
+    FlatFile,
+    MemoryFileError,
+    StateFill,
+    StreamFill,
+    cut_at_tensors,
+)
 from ..storage.records import FileRecord
 from ..storage.verified_files import NotRegularFileError, open_regular
 from ..tiers import memory_layout as layout
@@ -215,10 +221,11 @@ class MemorySource:
 
     # --- step 1: the record ---------------------------------------------------------------------
 
-    def fetch(self, step: int, manifest: Manifest, into: Into | None = None) -> MemoryFetched:
+    def fetch(self, step: int, manifest: Manifest, into: Into) -> MemoryFetched:
         """Steps 2 and 3 for ``manifest`` (``record``'s): this node's files proven, those it
         lacks moved in. ``into``: the files only this rank reads arrive straight into its
-        state (``StreamFill``s it makes), not into the node's memory."""
+        state (``StreamFill``s it makes), not into the node's memory (every rank knows which
+        those are, ``_streams``: both ends of a transfer cut it alike)."""
         needed = self._needed(manifest)
         records = manifest.file_map()
         duty = [n for i, n in enumerate(needed) if self.mates[i % len(self.mates)] == self.rank]
@@ -231,11 +238,10 @@ class MemorySource:
         # Those that arrive into memory, not into the state: their memory is allocated now,
         # while the ranks prove what they hold and as the bytes arrive (fresh pages are what
         # a replaced node waits on: 0.13 s for 256 MiB here, longer than the transfer).
-        streams = self._streams(manifest) if into is not None else frozenset()
+        streams = self._streams(self.rank, manifest)
         ahead = {n: self._claim_ahead(step, n, records[n].bytes) for n in early if n not in streams}
         room = threading.Thread(target=_allocate, args=(list(ahead.values()),), daemon=True)
         room.start()
-        sinks = (into, streams) if into is not None else None
         bad: dict[str, tuple[str, str]] = {}  # name -> (missing|damaged|unreadable, why)
         present = [n for n in duty if n not in early]
         rounds: list[_Round] = []
@@ -252,7 +258,7 @@ class MemorySource:
                 try:
                     first_told = self.ctl.all_gather((self._listing(step), {}, early))
                     rounds.append(
-                        self._move(step, manifest, first_told, {}, fetched, ahead, room, sinks)
+                        self._move(step, manifest, first_told, {}, fetched, ahead, room, into)
                     )
                 finally:
                     proving.join()
@@ -270,7 +276,7 @@ class MemorySource:
             told = self.ctl.all_gather((self._listing(step), fetched.proofs, bad))
             # 3, (second) round: the copies found damaged or unreadable where they lie
             rounds.append(
-                self._move(step, manifest, told, fetched.proofs, fetched, ahead, room, sinks)
+                self._move(step, manifest, told, fetched.proofs, fetched, ahead, room, into)
             )
             if first_told:  # what each rank lacked at first, for the report
                 told = [
@@ -322,13 +328,13 @@ class MemorySource:
         except OSError:
             return None
 
-    def _streams(self, manifest: Manifest) -> frozenset[str]:
-        """The files whose bytes only this rank reads (its own, unshared; every file, when
-        its node has no other rank): those may arrive straight into its state."""
-        own = layout.file_name(self.rank)
-        if len(self.mates) == 1:
-            return frozenset(self._needed(manifest))
-        return frozenset() if manifest.mesh.get("shared") else frozenset({own})
+    def _streams(self, rank: int, manifest: Manifest) -> frozenset[str]:
+        """The files whose bytes only ``rank`` reads (its own, unshared; every file it
+        reads, when its node has no other rank): those arrive straight into its state."""
+        mates = [r for r, n in enumerate(self.node_of) if n == self.node_of[rank]]
+        if len(mates) == 1:
+            return frozenset(self._needed(manifest, mates))
+        return frozenset() if manifest.mesh.get("shared") else frozenset({layout.file_name(rank)})
 
     def record(self, step: int) -> Manifest:
         """Step 1: the manifest of ``step`` from the root's ledger, checked, on every rank."""
@@ -377,13 +383,13 @@ class MemorySource:
             )
         return manifest
 
-    def _needed(self, manifest: Manifest) -> list[str]:
-        """The files this node's ranks read: every rank's for a save that shares replicated
-        tensors across the world, else this node's ranks' own."""
+    def _needed(self, manifest: Manifest, mates: list[int] | None = None) -> list[str]:
+        """The files the ranks of a node (``mates``; this one's) read: every rank's for a
+        save that shares replicated tensors across the world, else the node's ranks' own."""
         if manifest.mesh.get("shared") == "world":
             ranks = list(range(len(self.node_of)))
         else:
-            ranks = list(self.mates)
+            ranks = list(self.mates if mates is None else mates)
         return [layout.file_name(r) for r in ranks]
 
     def _place(self, step: int, name: str, node: int | None = None) -> Path:
@@ -407,7 +413,7 @@ class MemorySource:
         fetched: MemoryFetched,
         ahead: dict[str, Claim | None],
         room: threading.Thread,
-        sinks: tuple[Into, frozenset[str]] | None,
+        into: Into,
     ) -> _Round:
         """One round of step 3: who sends which file to whom (from what each rank lacks),
         the transfer, and its outcome on every rank; raises, on every rank, when a file
@@ -439,14 +445,18 @@ class MemorySource:
                         borrowed.append(data)
                 except (OSError, ValueError) as exc:  # zeros go: the receiver refuses them
                     sent_bad.append(f"rank {self.rank} could not read {path}: {exc}")
-                outgoing.append(Outgoing(data, receiver, records[name].bytes, tag))
+                split = _cut if name in self._streams(receiver, manifest) else None
+                outgoing.append(Outgoing(data, receiver, records[name].bytes, tag, split))
             if receiver == self.rank:
-                into = self._place(step, name)
+                place = self._place(step, name)
                 spare = name if name in self.names else None
                 size, digest = records[name].bytes, records[name].digest
-                taker = sinks[0](name, size) if sinks is not None and name in sinks[1] else None
+                direct = name in self._streams(self.rank, manifest)
+                taker, split = (into(name, size), _cut) if direct else (None, None)
                 claim = ahead.get(name)
-                incoming.append(Incoming(sender, into, size, digest, tag, spare, claim, taker))
+                incoming.append(
+                    Incoming(sender, place, size, digest, tag, spare, claim, taker, split)
+                )
                 copies.append(self._place(step, name, holder))
         t0 = time.perf_counter()
         try:
@@ -664,7 +674,8 @@ class MemorySource:
         algorithm = record.digest.split(":", 1)[0]
         hasher = new_hasher(algorithm)
         view = memoryview(buf)
-        hasher.update(view[: record.bytes])
+        for start in range(0, record.bytes, READ_CHUNK):  # pieces: the training goes on
+            hasher.update(view[start : min(start + READ_CHUNK, record.bytes)])
         del view
         if format_digest(algorithm, hasher) != record.digest:
             self.slots.drop(part)
@@ -873,6 +884,12 @@ class MemoryReader:
             write_atomic(
                 self.source.dir, layout.RESTORE_FILE, json.dumps(record).encode(), sync=False
             )
+
+
+def _cut(first: memoryview, size: int) -> list[tuple[int, int]]:
+    """How a memory file moves into a state: each tensor of 1 MiB or more in segments of its
+    own (received straight into the live tensor), the rest in chunks (``transfer.Split``)."""
+    return cut_at_tensors(first, size, CHUNK)
 
 
 def taken_in(ranks: list[int]) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import struct
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ __all__ = [
     "MemoryFileError",
     "StateFill",
     "StreamFill",
+    "cut_at_tensors",
     "plan_flat",
     "share_out",
     "signature",
@@ -225,6 +227,32 @@ def parse_header(view: Any, size: int, source: str) -> tuple[list[Row], tuple[in
     return rows, objects_at
 
 
+_WHOLE_TENSOR = 1 << 20
+"""A tensor this large is its own segments when a file moves (``cut_at_tensors``): received
+straight into the live tensor, where a smaller one comes through a staging buffer."""
+
+
+def cut_at_tensors(first: memoryview, size: int, most: int) -> list[tuple[int, int]]:
+    """How a memory file moves after its first ``len(first)`` bytes: segments of at most
+    ``most`` bytes, cut at both ends of every tensor of at least 1 MiB, so that each such
+    tensor arrives in segments of its own (and can be received straight into the live one).
+    From the header in ``first`` (unproven: both ends of a transfer compute this from the
+    same bytes, and a header that does not parse, or lies past ``first``, gives plain cuts)."""
+    start = len(first)
+    try:
+        rows, _ = parse_header(first, size, "the file")
+    except MemoryFileError:
+        rows = []
+    cuts = {start, size}
+    for _key, _dtype, _shape, offset, nbytes in rows:
+        if nbytes >= _WHOLE_TENSOR:
+            cuts.update(x for x in (offset, offset + nbytes) if start < x < size)
+    edges = sorted(cuts)
+    return [
+        (a, min(a + most, b)) for lo, b in itertools.pairwise(edges) for a in range(lo, b, most)
+    ]
+
+
 class FlatFile:
     """A verified memory file's contents, read from ``buf`` (an mmap or bytes) by name."""
 
@@ -297,6 +325,19 @@ class StreamFill:
     def wrote(self) -> bool:
         """Whether any byte went into a live tensor."""
         return bool(self.placed)
+
+    def place(self, offset: int, end: int) -> torch.Tensor | None:
+        """The live tensor's bytes ``[offset, end)`` of the file lands in, when one routed
+        tensor holds them all (its key is then placed): received straight there."""
+        if not self._parsed or self.problem is not None:
+            return None
+        for row_at, row_end, dest, key in self._route:
+            if row_at <= offset and end <= row_end:
+                self.placed.add(key)
+                return dest[offset - row_at : end - row_at]
+            if row_at >= end:
+                break
+        return None
 
     @property
     def complete(self) -> bool:
