@@ -22,8 +22,9 @@ takes these steps, on every rank, each failure said on every rank:
    and holds (an all-gather), and each file lacking is sent by a rank of a node that holds
    it, over dckpt's gloo group (dckpt.collective.transfer), hashed as it arrives. A file that
    only the receiving rank reads (its own, unshared; any, on a node of one rank) arrives
-   through the transfer's staging buffers straight into that rank's live tensors
-   (``StreamFill``: no page of the node's memory, no copy after); any other arrives into the
+   straight into that rank's live tensors (``StreamFill``: no page of the node's memory, no
+   copy after; a tensor of 1 MiB or more received in place, the rest through the transfer's
+   staging buffers, both ends cutting the file alike, ``_cut``); any other arrives into the
    node's memory (its ``own/`` or ``replica/`` place), renamed in only if it matched. Then,
    or when nothing was lacking, one all-reduce says whether every rank proved its files;
    if so, and nothing moved and nothing is shared, nothing more happens. Otherwise every

@@ -19,7 +19,8 @@ first difference) rather than loading into the wrong tensor.
 
 A file can also be read as it arrives from another node (``StreamFill``, a transfer's taker):
 its header, parsed from the first bytes, routes each tensor's bytes straight into the live
-tensor of that name (checked first to have its dtype and shape), and keeps every other byte
+tensor of that name (checked first to have its dtype and shape; a tensor of 1 MiB or more is
+received in place, ``cut_at_tensors`` and ``StreamFill.place``), and keeps every other byte
 (the header, the non-tensor values, the padding, tensors this rank does not hold) in memory;
 so a lost node's file costs no page of its own, and no copy after it arrived.
 
