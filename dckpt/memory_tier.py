@@ -30,7 +30,8 @@ from .collective.comm import Comm
 from .config import CheckpointConfig
 from .errors import CheckpointError, describe_os_error
 from .load.checks import CandidateChecks
-from .load.memory import MemoryReader, MemorySource
+from .load.memory import MemorySource
+from .load.memory_reader import MemoryReader
 from .owned import NotOwnedError, private_tree
 from .root.memory_ledger import MemoryLedger
 from .root.protocol import Root

@@ -667,10 +667,9 @@ MUTANTS = (
     ),
     Mutant(
         "stream: the copy put back behind the resume is named without its digest",
-        "dckpt/load/memory.py",
-        "        if format_digest(algorithm, hasher) != record.digest:\n"
-        "            self.slots.drop",
-        "        if False:\n            self.slots.drop",
+        "dckpt/load/memory_refill.py",
+        "    if format_digest(algorithm, hasher) != record.digest:\n        source.slots.drop",
+        "    if False:\n        source.slots.drop",
         (
             "tests/test_memory_stream.py::test_a_state_changed_before_the_copy_behind_the_resume"
             "_is_not_kept",

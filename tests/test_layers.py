@@ -225,6 +225,7 @@ def test_the_manager_and_the_cli_never_ask_which_kind_of_root_they_hold() -> Non
 # The tiers' own modules: each is one tier's implementation of the seams, and names its tier.
 TIER_MODULES = {
     "dckpt.save.durable", "dckpt.save.memory", "dckpt.load.durable", "dckpt.load.memory",
+    "dckpt.load.memory_reader", "dckpt.load.memory_refill",
 }  # fmt: skip
 TIER_NAMES = {"durable", "memory", "memory tier", "root"}
 # save/ and load/ talk to the protocols in these (the commit strategy's, the layout's names).

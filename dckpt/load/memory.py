@@ -1,4 +1,4 @@
-"""Resuming from the memory tier: ``MemorySource`` (a ``CheckpointSource``) and ``MemoryReader``.
+"""Resuming from the memory tier: ``MemorySource`` (a ``CheckpointSource``); the protocol.
 
 The resume protocol (dckpt.load.resumer) tries every candidate of every source newest first;
 a memory candidate is a step in the root's ledger (dckpt.root.memory_ledger), and trying it
@@ -32,12 +32,12 @@ takes these steps, on every rank, each failure said on every rank:
    was damaged or unreadable where it lies. A node that holds no copy makes the step
    unavailable (``CheckpointNotFoundError``: the resume goes on with the next candidate and
    says why); a copy that arrives damaged is damage (``IntegrityError``: every copy failed);
-4. **state** (``MemoryReader.load``): each rank matches every live tensor to its bytes by
+4. **state** (dckpt.load.memory_reader, ``MemoryReader``): each rank matches every live tensor to its bytes by
    name, shape and dtype (``StateFill``, writing nothing), the ranks agree, and only then
    does each copy its tensors in (but those that arrived in place), restore its non-tensor
    values and its RNG. A proven file whose header does not describe it (a span past its end,
    a length its shape does not have) is damage (``ManifestError``), not a changed state;
-5. **the node's memory back** (``MemorySource.refill``): a rank that took files into its
+5. **the node's memory back** (dckpt.load.memory_refill): a rank that took files into its
    state writes them back into its node's memory in a thread, behind the resume, from the
    bytes the transfer kept (header, non-tensor values, padding) and its live tensors, hashed
    through the mapping it wrote and named only if that matched; the first optimizer step, a
@@ -61,9 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
-import math
 import mmap
 import os
 import threading
@@ -73,10 +71,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.tensor import DTensor
-
 from ..collective.comm import Comm
 from ..collective.transfer import CHUNK, Incoming, Outgoing, TransferError, move
 from ..errors import (
@@ -84,20 +78,14 @@ from ..errors import (
     CheckpointNotFoundError,
     IntegrityError,
     ManifestError,
-    StateMismatchError,
     WorldError,
 )
-from ..faults import fault_point
-from ..owned import owner_name, write_atomic
-from ..phases import Phase
+from ..owned import owner_name
 from ..root.layout import step_dir_name
 from ..root.manifest import Manifest, parse_manifest
 from ..root.memory_ledger import MemoryLedger
 from ..storage.digest import READ_CHUNK, format_digest, new_hasher
 from ..storage.memory_file import (
-    FlatFile,
-    MemoryFileError,
-    StateFill,
     StreamFill,
     cut_at_tensors,
 )
@@ -105,13 +93,9 @@ from ..storage.records import FileRecord
 from ..storage.verified_files import NotRegularFileError, open_regular
 from ..tiers import memory_layout as layout
 from ..tiers.memory_layout import Claim
-from ..train import rng
-from ..train.state import TrainState
 from ..units import human_bytes
-from .checks import CandidateChecks, raise_first
-from .report import CandidateReport, LoadResult
 
-__all__ = ["MemoryFetched", "MemoryReader", "MemorySource"]
+__all__ = ["Into", "MemoryFetched", "MemorySource", "close_behind", "map_proven", "taken_in"]
 
 log = logging.getLogger("dckpt")
 
@@ -235,7 +219,7 @@ class MemorySource:
         # The files this rank's node lacks (a replaced node's, all of them): they move
         # first, while every rank proves the copies its node holds (a sender's copy needs
         # no proof of its own: the receiver hashes every byte as it arrives).
-        early = {n: ("missing", "") for n in duty if not self._place(step, n).exists()}
+        early = {n: ("missing", "") for n in duty if not self.place(step, n).exists()}
         # Those that arrive into memory, not into the state: their memory is allocated now,
         # while the ranks prove what they hold and as the bytes arrive (fresh pages are what
         # a replaced node waits on: 0.13 s for 256 MiB here, longer than the transfer).
@@ -289,7 +273,7 @@ class MemorySource:
             room.join()
             for name, claim in ahead.items():  # claimed, and never received into
                 if claim is not None and name not in fetched.held:
-                    self.slots.drop(self._place(step, name).with_name(f".{name}.part-in"))
+                    self.slots.drop(self.place(step, name).with_name(f".{name}.part-in"))
         return fetched
 
     def _listing(self, step: int) -> dict[str, int] | None:
@@ -307,7 +291,7 @@ class MemorySource:
     ) -> None:
         """Step 2: this rank's share of its node's files, hashed where they lie."""
         for name in names:
-            path = self._place(step, name)
+            path = self.place(step, name)
             try:
                 fetched.maps[name], identity = _prove(path, records[name], populate=populate)
                 fetched.proofs[name] = (str(path), identity)
@@ -323,7 +307,7 @@ class MemorySource:
     def _claim_ahead(self, step: int, name: str, size: int) -> Claim | None:
         """The part file ``name`` will arrive into, made and mapped now (``move`` receives
         into it); None when this node's memory cannot even make it (said at the receive)."""
-        part = self._place(step, name).with_name(f".{name}.part-in")
+        part = self.place(step, name).with_name(f".{name}.part-in")
         try:
             return self.slots.claim(part, size, spare_of=name if name in self.names else None)
         except OSError:
@@ -393,7 +377,7 @@ class MemorySource:
             ranks = list(self.mates if mates is None else mates)
         return [layout.file_name(r) for r in ranks]
 
-    def _place(self, step: int, name: str, node: int | None = None) -> Path:
+    def place(self, step: int, name: str, node: int | None = None) -> Path:
         """Where ``node`` (this one) keeps ``name`` of ``step``: its own ranks' files under
         ``own/``, the files of the node before it on the ring under ``replica/``, any other
         under ``replica/`` too (a world-shared save on a changed ring)."""
@@ -434,7 +418,7 @@ class MemorySource:
             tag = pairs.setdefault((sender, receiver), 0)
             pairs[sender, receiver] = tag + 1
             if sender == self.rank:
-                path = self._place(step, name, holder)
+                path = self.place(step, name, holder)
                 data: Any = None
                 try:
                     if proven.get(name, ("", None))[0] == str(path):
@@ -449,7 +433,7 @@ class MemorySource:
                 split = _cut if name in self._streams(receiver, manifest) else None
                 outgoing.append(Outgoing(data, receiver, records[name].bytes, tag, split))
             if receiver == self.rank:
-                place = self._place(step, name)
+                place = self.place(step, name)
                 spare = name if name in self.names else None
                 size, digest = records[name].bytes, records[name].digest
                 direct = name in self._streams(self.rank, manifest)
@@ -458,14 +442,14 @@ class MemorySource:
                 incoming.append(
                     Incoming(sender, place, size, digest, tag, spare, claim, taker, split)
                 )
-                copies.append(self._place(step, name, holder))
+                copies.append(self.place(step, name, holder))
         t0 = time.perf_counter()
         try:
             got = move(self.ctl, outgoing, incoming, self.slots, timeout_s=self.timeout_s)
         except TransferError as exc:  # the group is gone: nothing more can be agreed
             raise WorldError(f"moving memory step {step} between the nodes failed: {exc}") from exc
         finally:
-            _close(borrowed)
+            close_behind(borrowed)
             room.join()  # no allocation runs on a file past this point
         damaged: list[str] = []
         refused: list[str] = []
@@ -597,98 +581,6 @@ class MemorySource:
                 fetched.proofs.update(told[r][1])
                 fetched.proofs.update({n: v for n, v in got_here.items() if v[1] is not None})
 
-    # --- after the load: the node's memory gets back what arrived into the state -------------
-
-    def refill(
-        self, step: int, manifest: Manifest, streamed: dict[str, StreamFill]
-    ) -> Callable[[float], None]:
-        """Write the files that arrived straight into this rank's state back into this node's
-        memory (its ``own/`` or ``replica/`` place, as a file received into memory would be),
-        in a thread, behind the resume: each from the bytes the transfer kept and the live
-        tensors it filled, hashed through the mapping it was written into and named only if
-        that matched the writer's digest. A state that changed before its copy was taken
-        hashes otherwise: that copy is dropped, and said (the next memory save writes it).
-
-        Returns the wait (its deadline in seconds) that must end before the state changes or
-        the node's memory is used again: the first optimizer step, a save, a resume, close."""
-        records = manifest.file_map()
-        done, cancel = threading.Event(), threading.Event()
-        said: list[str] = []
-        t0 = time.perf_counter()
-
-        def run() -> None:
-            try:
-                fault_point(Phase.MEMORY_REFILL, self.rank, step)
-                for name, sink in streamed.items():
-                    said.append(self._refill_one(step, name, sink, records[name], cancel))
-            except Exception as exc:  # never past this thread: the resume is done
-                said.append(f"failed: {exc}")
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=run, name="dckpt-memory-refill", daemon=True)
-        thread.start()
-
-        def wait(timeout_s: float) -> None:
-            t_wait = time.perf_counter()
-            if not done.wait(timeout_s):
-                cancel.set()  # it stops between two pieces, and drops its part file
-                done.wait(timeout_s)
-            waited = time.perf_counter() - t_wait
-            what = ", ".join(f"{n} {w}" for n, w in zip(streamed, said, strict=False))
-            line = (
-                f"dckpt: memory tier: rank {self.rank} put memory step {step}'s files back "
-                f"into node {self.node}'s memory behind the resume ({what}; "
-                f"{time.perf_counter() - t0:.2f} s, of which the state waited {waited:.2f} s)"
-            )
-            if all(w == "kept" for w in said) and len(said) == len(streamed):
-                log.info("%s", line)
-            else:
-                log.warning("%s: the next memory save writes them", line)
-
-        return wait
-
-    def _refill_one(
-        self, step: int, name: str, sink: StreamFill, record: FileRecord, cancel: threading.Event
-    ) -> str:
-        """One file back into this node's memory: "kept", or why not."""
-        path = self._place(step, name)
-        part = path.with_name(f".{name}.part-in")
-        try:
-            claim = self.slots.open(
-                part, record.bytes, spare_of=name if name in self.names else None
-            )
-        except OSError as exc:
-            return f"not kept (this node's memory cannot hold it: {exc})"
-        buf = claim.buffer
-        for at, data in sink.image():
-            if cancel.is_set():
-                self.slots.drop(part)
-                return "not kept (the state was about to change first)"
-            if isinstance(data, torch.Tensor):
-                if data.numel():
-                    dst = torch.frombuffer(buf, dtype=torch.uint8, count=data.numel(), offset=at)
-                    dst.copy_(data)
-                    del dst  # the mapping cannot close while a tensor views it
-            else:
-                buf[at : at + len(data)] = data
-        algorithm = record.digest.split(":", 1)[0]
-        hasher = new_hasher(algorithm)
-        view = memoryview(buf)
-        for start in range(0, record.bytes, READ_CHUNK):  # pieces: the training goes on
-            hasher.update(view[start : min(start + READ_CHUNK, record.bytes)])
-        del view
-        if format_digest(algorithm, hasher) != record.digest:
-            self.slots.drop(part)
-            return "not kept (the state changed before its copy was taken)"
-        try:
-            self.slots.drop(path)
-            self.slots.rename(part, path, key=claim.key)
-        except (OSError, CheckpointError) as exc:
-            self.slots.drop(part)
-            return f"not kept (cannot name {path}: {exc})"
-        return "kept"
-
     def unrecorded(self) -> list[str]:
         """Steps some node holds in memory that the root's ledger has no record of (a save
         that never committed, or files put there by other hands): never restored, said.
@@ -720,173 +612,6 @@ class MemorySource:
         return self.ctl.broadcast(every if told is not None else None) or []
 
 
-class MemoryReader:
-    """Loads a memory candidate into the state; see the module docstring (step 4)."""
-
-    def __init__(
-        self, *, ctl: Comm, source: MemorySource, state: TrainState, checks: CandidateChecks
-    ) -> None:
-        self.ctl = ctl
-        self.source = source
-        self.state = state
-        self.checks = checks
-        self.rank = ctl.rank
-
-    def load(self, step: int, report: CandidateReport, *, with_config: bool) -> LoadResult:
-        t0 = time.perf_counter()
-        manifest = self.source.record(step)
-        report.world_size_saved = manifest.world_size
-        # Config and state kinds first, on the manifest alone: a refusal moves no byte.
-        self.ctl.mark(f"checking memory step {step}'s config and state")
-        self.checks.run(manifest, report, with_config=with_config)
-        state_dict = self.state.state_dict()
-        state_dict["rng"] = {f"rank_{self.rank}": rng.capture()}
-        flat, _ = flatten_state_dict(state_dict)
-        live = {k: _local(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        taken: dict[str, StreamFill] = {}
-        own = layout.file_name(self.rank)
-
-        def into(name: str, size: int) -> StreamFill:
-            source = f"{name} of memory step {step} (arriving)"
-            return StreamFill(size, source, live, taken, own=name == own)
-
-        self.ctl.mark(f"proving memory step {step}'s files (and moving those a node lacks)")
-        fetched = self.source.fetch(step, manifest, into)
-        try:
-            return self._load(step, report, fetched, t0, state_dict)
-        finally:
-            _close(list(fetched.maps.values()))
-
-    def _load(
-        self,
-        step: int,
-        report: CandidateReport,
-        fetched: MemoryFetched,
-        t0: float,
-        state_dict: dict[str, Any],
-    ) -> LoadResult:
-        manifest = fetched.manifest
-        remote = fetched.remote
-        where = "local memory" if not remote else f"ranks {remote} from other nodes' memory"
-        report.origin = (
-            f"the memory tier ({where}; {self.source.memory_dir}, {step_dir_name(step)})"
-        )
-        self.ctl.mark(f"filling memory step {step} into the state")
-        maps = {**fetched.maps, **fetched.held}
-        own = layout.file_name(self.rank)
-        shared = manifest.mesh.get("shared")
-        wanted = fetched.proofs if shared else {own: fetched.proofs.get(own)}
-        failure: CheckpointError | None = None
-        fill: StateFill | None = None
-        try:
-            for name, proof in wanted.items():
-                if name not in maps and name not in fetched.streamed:  # another rank proved it
-                    assert proof is not None
-                    maps[name] = _map(*proof)
-            fill = self._prepare(step, manifest, maps, fetched.streamed, state_dict)
-        except ManifestError as exc:  # a header that does not describe its file: damage
-            failure = exc
-        except (MemoryFileError, CheckpointError, OSError) as exc:
-            failure = StateMismatchError(f"rank {self.rank}: {exc}")
-        if failure is not None:
-            failure = type(failure)(str(failure) + taken_in(fetched.wrote))
-        try:
-            raise_first(self.ctl, failure)  # every rank matched every tensor, or none copies
-            assert fill is not None
-            filled = fill.apply()  # from here on the live state changes
-            saved_rng = filled.pop("rng")[f"rank_{self.rank}"]
-            refused: CheckpointError | None = None
-            try:
-                self.state.load_state_dict(filled)
-            except CheckpointError as exc:  # a sampler or scheduler that does not fit
-                refused = exc
-            raise_first(self.ctl, refused)  # every rank refuses, in the REFUSED block
-            rng.restore(saved_rng)
-        finally:
-            del fill
-            _close([m for n, m in maps.items() if n not in fetched.maps and n not in fetched.held])
-        for warning in fetched.warnings:
-            report.warn(warning)
-        report.check("memory", True, fetched.line())
-        report.check("state", True, ", ".join(self.state.categories()))
-        report.rng = "restored on every rank (python, numpy, torch" + (
-            ", CUDA)" if "cuda" in saved_rng else ")"
-        )
-        n = len(manifest.files)
-        into = (
-            f"; ranks {fetched.wrote} took the files they received into their state as they "
-            "arrived, and used them only once every file had matched"
-            if fetched.wrote
-            else ""
-        )
-        report.check(
-            "digests",
-            True,
-            f"{n} of {n} files hashed and matched ({manifest.digest_algorithm}) on every node "
-            "that reads them, before a byte of them was used, against the manifest in "
-            f"{self.source.ledger.where(step)}{into}",
-        )
-        seconds = time.perf_counter() - t0
-        self._record_restore(step, manifest, seconds, report.origin)
-        behind = self.source.refill(step, manifest, fetched.streamed) if fetched.streamed else None
-        return LoadResult(
-            step=step,
-            path=report.path,
-            bytes=manifest.total_bytes,
-            files_verified=n,
-            seconds=seconds,
-            manifest=manifest,
-            behind=behind,
-        )
-
-    def _prepare(
-        self,
-        step: int,
-        manifest: Manifest,
-        maps: dict[str, mmap.mmap],
-        streamed: dict[str, StreamFill],
-        state_dict: dict[str, Any],
-    ) -> StateFill:
-        """Match every live tensor to its bytes (this rank's own file first); writes nothing
-        (a streamed file's tensors are in place already)."""
-        own = layout.file_name(self.rank)
-        files: dict[str, FlatFile | StreamFill] = {}
-        for name, mm in maps.items():
-            where = f"rank {self.rank}'s memory file" if name == own else name
-            files[name] = _flat_file(mm, f"{where} of memory step {step}", self.rank)
-        for name, sink in streamed.items():
-            if sink.problem is None and not sink.complete:
-                sink.problem, sink.damaged = f"{sink.source}: its header is cut short", True
-            if sink.problem is not None:
-                if sink.damaged:  # it hashed right: every copy is this same wrong file
-                    raise ManifestError(
-                        f"rank {self.rank}: {sink.problem}: its bytes match the writer's "
-                        "digest, but its header does not describe them"
-                    )
-                raise MemoryFileError(sink.problem)
-            files[name] = sink
-        if not manifest.mesh.get("shared"):  # this rank's own file holds all it needs
-            files = {own: files[own]}
-        mine = files[own]
-        return StateFill(state_dict, mine, [f for n, f in files.items() if n != own])
-
-    def _record_restore(self, step: int, manifest: Manifest, seconds: float, origin: str) -> None:
-        """The node's first rank notes what this restore cost (``dckpt plan`` reads it)."""
-        if self.source.mates[0] != self.rank:
-            return
-        record = {
-            "step": step,
-            "seconds": seconds,
-            "bytes": manifest.total_bytes,
-            "origin": origin,
-            "at": time.time(),
-        }
-        with contextlib.suppress(OSError):  # never through a link planted at either name
-            write_atomic(
-                self.source.dir, layout.RESTORE_FILE, json.dumps(record).encode(), sync=False
-            )
-
-
 def _cut(first: memoryview, size: int) -> list[tuple[int, int]]:
     """How a memory file moves into a state: each tensor of 1 MiB or more in segments of its
     own (received straight into the live tensor), the rest in chunks (``transfer.Split``)."""
@@ -903,35 +628,6 @@ def taken_in(ranks: list[int]) -> str:
         "came, the digest only known at the end): the next checkpoint's load replaces every "
         "tensor, and if none loads the resume stops, never trains from them"
     )
-
-
-def _flat_file(buf: mmap.mmap, source: str, rank: int) -> FlatFile:
-    """The header of a file proven against the writer's digest, checked to describe its
-    bytes: every span inside the file (FlatFile's own check) and every tensor's length that
-    of its shape and dtype. A header that fails is damage (ManifestError: the record is
-    quarantined and the resume falls back), not a state that changed: the file hashed right,
-    so every copy of it is the same wrong file (written wrong, or re-sealed by other hands).
-    Before this, such a file refused the whole resume (StateMismatchError), or, for a length
-    that disagreed with its shape, crashed in the copy after the ranks had agreed."""
-    try:
-        flat = FlatFile(buf, source)
-    except MemoryFileError as exc:
-        raise ManifestError(
-            f"rank {rank}: {exc}: its bytes match the writer's digest, but its header does not "
-            "describe them"
-        ) from None
-    for key, dtype, shape, _offset, nbytes in flat.rows:
-        if any(d < 0 for d in shape) or nbytes != math.prod(shape) * dtype.itemsize:
-            raise ManifestError(
-                f"rank {rank}: {source}: {key} is recorded as {nbytes} bytes of "
-                f"{dtype}{shape}: its bytes match the writer's digest, but its header does not "
-                "describe them"
-            )
-    return flat
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _allocate(claims: list[Claim | None]) -> None:
@@ -989,7 +685,7 @@ def _prove(
     return mm, _identity(st)
 
 
-def _map(path: str, identity: tuple[int, int, int]) -> mmap.mmap:
+def map_proven(path: str, identity: tuple[int, int, int]) -> mmap.mmap:
     """Map ``path`` if it is still the file that was proven (the proof and the read may be on
     two ranks of the node, so the file is opened twice: never through a link, and checked
     on the descriptor to be that inode, unchanged, and the job's user's)."""
@@ -1019,7 +715,7 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _close(maps: list[mmap.mmap]) -> None:
+def close_behind(maps: list[mmap.mmap]) -> None:
     """Unmap ``maps`` in a thread of their own: unmapping 256 MiB of mapped pages took 14 ms
     here, on the resume's path (the files stay; only this rank's mappings go)."""
     if maps:
