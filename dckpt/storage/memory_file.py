@@ -264,21 +264,14 @@ class FlatFile:
 
     def objects(self) -> dict[str, Any]:
         off, n = self.objects_at
-        raw = io.BytesIO(bytes(memoryview(self.buf)[off : off + n]))
-        value = torch.load(raw, weights_only=True)  # tensors and plain values only
-        if not isinstance(value, dict):
-            raise MemoryFileError(f"{self.source}: its non-tensor values are not a dict")
-        return value
+        return _objects(bytes(memoryview(self.buf)[off : off + n]), self.source)
 
     def tensor(
         self, dtype: torch.dtype, shape: list[int], offset: int, nbytes: int
     ) -> torch.Tensor:
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
         # A read-only mapping (only ever read): torch warns once per process that its tensor
         # is not writable, and that is left alone (see dckpt.collective.transfer._view).
-        raw = torch.frombuffer(self.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-        return raw.view(dtype).view(shape)
+        return _tensor_at(self.buf, dtype, shape, offset, nbytes)
 
 
 class StreamFill:
@@ -453,18 +446,13 @@ class StreamFill:
 
     def objects(self) -> dict[str, Any]:
         off, n = self.objects_at
-        value = torch.load(io.BytesIO(bytes(self._kept_span(off, n))), weights_only=True)
-        if not isinstance(value, dict):
-            raise MemoryFileError(f"{self.source}: its non-tensor values are not a dict")
-        return value
+        return _objects(bytes(self._kept_span(off, n)), self.source)
 
     def tensor(
         self, dtype: torch.dtype, shape: list[int], offset: int, nbytes: int
     ) -> torch.Tensor:
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        raw = torch.frombuffer(self._kept_span(offset, nbytes), dtype=torch.uint8)
-        return raw.view(dtype).view(shape)
+        span = self._kept_span(offset, nbytes) if nbytes else memoryview(b"")
+        return _tensor_at(span, dtype, shape, 0, nbytes)
 
     def image(self) -> list[tuple[int, Any]]:
         """The whole file as (offset, bytes) pieces, in order: the kept bytes and each routed
@@ -473,6 +461,24 @@ class StreamFill:
         pieces: list[tuple[int, Any]] = [(at, data) for at, data in self.kept]
         pieces += [(at, dest) for at, _end, dest, key in self._route if key in self.placed]
         return sorted(pieces, key=lambda p: p[0])
+
+
+def _objects(raw: bytes, source: str) -> dict[str, Any]:
+    """A file's non-tensor values: tensors and plain values only (``weights_only``)."""
+    value = torch.load(io.BytesIO(raw), weights_only=True)
+    if not isinstance(value, dict):
+        raise MemoryFileError(f"{source}: its non-tensor values are not a dict")
+    return value
+
+
+def _tensor_at(
+    buf: Any, dtype: torch.dtype, shape: list[int], offset: int, nbytes: int
+) -> torch.Tensor:
+    """``nbytes`` of ``buf`` at ``offset`` as a tensor of ``dtype`` and ``shape`` (a view)."""
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).view(shape)
 
 
 def _numel(shape: list[int]) -> int:
