@@ -35,8 +35,9 @@ takes these steps, on every rank, each failure said on every rank:
 4. **state** (dckpt.load.memory_reader, ``MemoryReader``): each rank matches every live
    tensor to its bytes by name, shape and dtype (``StateFill``, writing nothing), the ranks
    agree, and only then does each copy its tensors in (but those that arrived in place),
-   restore its non-tensor values and its RNG. A proven file whose header does not describe it (a span past its end,
-   a length its shape does not have) is damage (``ManifestError``), not a changed state;
+   restore its non-tensor values and its RNG. A proven file whose header does not describe
+   it (a span past its end, a length its shape does not have) is damage (``ManifestError``),
+   not a changed state;
 5. **the node's memory back** (dckpt.load.memory_refill): a rank that took files into its
    state writes them back into its node's memory in a thread, behind the resume, from the
    bytes the transfer kept (header, non-tensor values, padding) and its live tensors, hashed
