@@ -355,12 +355,13 @@ class _Posted:
             self.refused = f"{self.item.into.name} could not be taken in: {exc}"
 
 
-def _cut(split: Split, first: torch.Tensor, size: int) -> list[tuple[int, int]]:
+def _cut(split: Split | None, first: torch.Tensor, size: int) -> list[tuple[int, int]]:
     """The segments after ``first`` (``split``'s, checked: in order, covering the rest, each
-    at most ``CHUNK``; else plain chunks). Both ends run this on the same bytes."""
+    at most ``CHUNK``; else, or with no ``split``, plain chunks). Both ends run this on the
+    same bytes."""
     start = first.numel()
     try:
-        cut = split(first.numpy().data, size)
+        cut = split(first.numpy().data, size) if split is not None else []
     except Exception:  # a cut that fails is no cut: plain chunks, on both ends alike
         cut = []
     at = start
@@ -390,10 +391,7 @@ def _take(
     got.feed(0, head)
     if item.size <= first[1]:
         return
-    if item.split is not None:
-        segments = _cut(item.split, head, item.size)
-    else:
-        segments = [(a, min(a + CHUNK, item.size)) for a in range(first[1], item.size, CHUNK)]
+    segments = _cut(item.split, head, item.size)
     direct = [got.place(a, b) for a, b in segments]
     works: list[Any] = [None] * len(segments)
     for i, target in enumerate(direct):
@@ -401,14 +399,15 @@ def _take(
             works[i] = _post(dist.irecv, target, src, comm, item.tag, i + 1)
     staged = [i for i, target in enumerate(direct) if target is None]
     free = list(buffers)
-    held: dict[int, torch.Tensor] = {}
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # segment -> its buffer, its bytes
 
     def post_next() -> None:
         if staged and free:
             i = staged.pop(0)
             a, b = segments[i]
-            held[i] = free.pop()[: b - a]
-            works[i] = _post(dist.irecv, held[i], src, comm, item.tag, i + 1)
+            buffer = free.pop()
+            held[i] = (buffer, buffer[: b - a])
+            works[i] = _post(dist.irecv, held[i][1], src, comm, item.tag, i + 1)
 
     for _ in range(len(buffers)):
         post_next()
@@ -418,18 +417,11 @@ def _take(
         if target is not None:
             hasher.update(target.numpy().data)
             continue
-        chunk = held.pop(i)
+        buffer, chunk = held.pop(i)
         hasher.update(chunk.numpy().data)
         got.feed(a, chunk)
-        free.append(_buffer_of(chunk, buffers))
+        free.append(buffer)
         post_next()
-
-
-def _buffer_of(chunk: torch.Tensor, buffers: list[torch.Tensor]) -> torch.Tensor:
-    for buffer in buffers:
-        if buffer.data_ptr() == chunk.data_ptr():
-            return buffer
-    raise AssertionError("a staging chunk outside the buffers")
 
 
 def _settle(got: _Posted, algorithm: str, hasher: Any, slots: Targets, seconds: float) -> Received:

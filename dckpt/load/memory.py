@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import mmap
 import os
 import threading
@@ -98,14 +97,12 @@ from ..units import human_bytes
 
 __all__ = ["Into", "MemoryFetched", "MemorySource", "close_behind", "map_proven", "taken_in"]
 
-log = logging.getLogger("dckpt")
-
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 Told = tuple[dict[str, int] | None, dict[str, Any], dict[str, tuple[str, str]]]
 """What a rank tells the others before a round of moves: what its node holds (its first
 rank), the files it proved (name -> path and identity), and those it lacks and why."""
 Into = Callable[[str, int], StreamFill]
-"""Makes the sink a file (by name, of its size) arrives into: this rank's live state."""
+"""Makes the taker a file (by name, of its size) arrives into: this rank's live state."""
 _TROUBLE = {"damaged": "did not match the writer's digest", "unreadable": "could not be read"}
 _LOCAL = "local memory"
 _LISTED = 16  # ranks the report's memory line lists one by one when all came alike

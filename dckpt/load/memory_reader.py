@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import mmap
 import time
 from typing import Any
@@ -31,7 +30,7 @@ from ..errors import CheckpointError, ManifestError, StateMismatchError
 from ..owned import write_atomic
 from ..root.layout import step_dir_name
 from ..root.manifest import Manifest
-from ..storage.memory_file import FlatFile, MemoryFileError, StateFill, StreamFill
+from ..storage.memory_file import FlatFile, MemoryFileError, StateFill, StreamFill, row_fits
 from ..tiers import memory_layout as layout
 from ..train import rng
 from ..train.state import TrainState
@@ -228,7 +227,7 @@ def _flat_file(buf: mmap.mmap, source: str, rank: int) -> FlatFile:
             "describe them"
         ) from None
     for key, dtype, shape, _offset, nbytes in flat.rows:
-        if any(d < 0 for d in shape) or nbytes != math.prod(shape) * dtype.itemsize:
+        if not row_fits(dtype, shape, nbytes):
             raise ManifestError(
                 f"rank {rank}: {source}: {key} is recorded as {nbytes} bytes of "
                 f"{dtype}{shape}: its bytes match the writer's digest, but its header does not "

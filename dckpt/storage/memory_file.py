@@ -39,6 +39,7 @@ import hashlib
 import io
 import itertools
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,7 @@ __all__ = [
     "StreamFill",
     "cut_at_tensors",
     "plan_flat",
+    "row_fits",
     "share_out",
     "signature",
     "write_into",
@@ -371,11 +373,7 @@ class StreamFill:
             return False
         route = []
         for key, dtype, shape, offset, nbytes in self.rows:
-            if (
-                offset < end
-                or min(shape, default=0) < 0
-                or nbytes != _numel(shape) * dtype.itemsize
-            ):
+            if offset < end or not row_fits(dtype, shape, nbytes):
                 self._stop(
                     f"{self.source}: {key} is recorded as {nbytes} bytes of {dtype}{shape} at "
                     f"offset {offset}: its header does not describe its bytes",
@@ -481,11 +479,10 @@ def _tensor_at(
     return raw.view(dtype).view(shape)
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def row_fits(dtype: torch.dtype, shape: list[int], nbytes: int) -> bool:
+    """Whether a row's length is its shape's in its dtype (a header that says otherwise does
+    not describe its bytes: damage, once its digest matched)."""
+    return min(shape, default=0) >= 0 and nbytes == math.prod(shape) * dtype.itemsize
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
