@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 
 from .collective.comm import Comm
+from .collective.gate import Gate
 from .collective.progress import Progress
 from .config import CheckpointConfig
 from .errors import CheckpointError, LockError
@@ -300,23 +301,39 @@ class CheckpointManager:
 
     def _open_root(self) -> list[Lock]:
         """Every rank prepares its local directory (the root, or its node's mirror of an
-        s3:// root); rank 0 then takes the run locks and recovers from crashed saves. Every
-        rank raises the first failure (after releasing dckpt's groups and any lock taken)."""
+        s3:// root); rank 0 then takes the run locks and recovers from crashed saves, while
+        the other ranks wait for it through a gate (dckpt.collective.gate): taking a lock of
+        another host may take its whole lease, longer than ``timeout_s``, and rank 0 says so
+        before it waits, so they wait as long. Every rank raises the first failure (after
+        releasing dckpt's groups and any lock taken)."""
         failure: CheckpointError | None = None
         locks: list[Lock] = []
         coordinator = self.rank == 0
+        gate = Gate(self._ctl, "open-root", timeout_s=self.config.timeout_s)
         try:
             self._root.prepare(coordinator=coordinator)
             if coordinator and self.config.lock:
                 for lock in self._root.locks(self.run_id, self.config.lock_lease_s):
                     locks.append(lock)
-                    lock.acquire()
+                    lock.acquire(on_wait=gate.extend)
             if coordinator:
                 self._root.recover()
         except LockError as exc:
             failure = exc
         except (OSError, CheckpointError) as exc:
             failure = CheckpointError(f"cannot use checkpoint root {self._root}: {exc}")
+        try:
+            if coordinator:
+                gate.open()
+            else:
+                gate.wait("taking the run lock and recovering the root")
+        except CheckpointError as exc:  # the gate: the store, or rank 0 never came
+            failure = failure or exc
+            for lock in reversed(locks):
+                lock.release()
+            self._ctl.close()
+            self._io.close()
+            raise failure from None
         failed = self._ctl.first_failure(failure)  # the lowest failing rank's, on every rank
         if failed is not None:
             # Released on every failure, another rank's too (its node's mirror). Each lock

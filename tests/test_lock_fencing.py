@@ -129,3 +129,59 @@ def test_a_rollback_never_sets_aside_a_step_another_job_committed_meanwhile(
     assert committed_steps(root) == [5, 6, 7]  # keep_last=2 deleted 1-3, not A's 5
     said = [r.getMessage() for r in caplog.records if "another job (run job-a)" in r.getMessage()]
     assert said and "step 5 was committed by another job" in said[0], said
+
+
+def _flaky_open(monkeypatch: pytest.MonkeyPatch, path: Path, fails: list[int]) -> None:
+    """``os.open`` of ``path`` fails with EIO while ``fails[0]`` > 0 (counted down per call;
+    a negative count fails for ever), as a storage that fails a read."""
+    import errno
+    import os
+
+    real = os.open
+
+    def flaky(file: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(os.fsdecode(file)) == path and fails[0] != 0:
+            fails[0] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return real(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", flaky)
+
+
+def test_an_unreadable_lock_is_a_storage_error_never_a_lost_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 56: one EIO on the lock file ended the job, "held by" its own rank 0. A read
+    that fails is retried; one that keeps failing fails that commit (StorageError), never
+    marks the lock lost; renewals skip a beat and go on once the storage heals."""
+    import time
+
+    from dckpt.errors import LockError, StorageError
+    from dckpt.root.lock import RunLock
+
+    lock = RunLock(tmp_path, "run-a", lease_s=0.6)  # renews every 0.2 s
+    lock.acquire()
+    path = tmp_path / ".dckpt-lock"
+    fails = [2]
+    _flaky_open(monkeypatch, path, fails)
+    try:
+        lock.check_held()  # two failed reads, then the record: held
+        assert fails == [0] and lock.lost is None
+        fails[0] = -1  # the storage fails every read now
+        with pytest.raises(StorageError) as raised:
+            lock.check_held()
+        assert not isinstance(raised.value, LockError)
+        assert f"cannot read the run lock {path} (Input/output error)" in str(raised.value)
+        time.sleep(0.7)  # renewals come and find the file unreadable
+        assert lock.lost is None
+        assert "could not renew the run lock (will retry)" in caplog.text
+        fails[0] = 0  # healed
+        beat = json.loads(path.read_text())["beat"]
+        time.sleep(0.7)
+        assert json.loads(path.read_text())["beat"] > beat  # renewing again
+        lock.check_held()
+        assert lock.lost is None
+    finally:
+        monkeypatch.undo()
+        lock.release()
+    assert not path.exists()

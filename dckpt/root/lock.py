@@ -30,6 +30,7 @@ got, after a power cut), and a FIFO, symlink or directory in the lock's place (p
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -46,16 +47,26 @@ from typing import Any
 
 import psutil
 
-from ..errors import LockError
+from ..errors import LockError, StorageError
 from ..owned import create_new, write_atomic
-from .layout import LOCK_FILE, read_small_file
+from .layout import LOCK_FILE
 
-__all__ = ["MAX_RECORD_BYTES", "LockOwner", "RunLock", "elsewhere", "stale_reason", "watch"]
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "LockOwner",
+    "OnWait",
+    "RunLock",
+    "elsewhere",
+    "stale_reason",
+    "watch",
+]
 
 log = logging.getLogger("dckpt")
 
 MAX_RECORD_BYTES = 1 << 16
 """A lock record is ~200 bytes; anything past this is not one."""
+READ_BACKOFF_S = (0.2, 1.0, 3.0)
+"""Pauses between reads of a lock file that failed to read (EIO, ESTALE)."""
 _PID_MAX = 1 << 22  # Linux's highest pid_max
 _EPOCH_MAX = 1e11  # seconds: the year 5138
 
@@ -217,15 +228,25 @@ def elsewhere(owner: LockOwner) -> bool:
     return owner.host != socket.gethostname()
 
 
+OnWait = Callable[[float, str], None]
+"""Told, before a lock is watched, how many seconds the watch may take and why: the job's
+other ranks wait that long with the rank that takes the lock (dckpt.collective.gate)."""
+
+
 def watch(
-    read: Callable[[], LockOwner | None], first: LockOwner, lease_s: float, where: str
+    read: Callable[[], LockOwner | None],
+    first: LockOwner,
+    lease_s: float,
+    where: str,
+    on_wait: OnWait | None = None,
 ) -> str | None:
     """Watch the lock whose record ``first`` was, on another host: the reason to take it
     over once its renewal counter stayed still for the owner's whole lease (``lease_s`` if
     its record does not say) on this host's monotonic clock, or None when the lock went
     away meanwhile. LockError naming the owner as soon as it moves (a renewal: it lives) or
     another job takes it. Reads the record every 2 s at most (a small read), so a live
-    owner, which renews every third of its lease, is seen at its next renewal."""
+    owner, which renews every third of its lease, is seen at its next renewal. ``on_wait``
+    is told the lease and why before the watch begins."""
     lease = first.lease_s or lease_s
     log.warning(
         "dckpt: the run lock %s is held by %s on another host; waiting up to %.0f s (its "
@@ -235,6 +256,12 @@ def watch(
         first.describe(),
         lease,
     )
+    if on_wait is not None:
+        on_wait(
+            lease + 5.0,  # the watch, and its last read
+            f"it watches the run lock {where}, held by {first.describe()} on another host, "
+            f"for up to {lease:.0f} s (the lock's lease) before taking it over",
+        )
     start = time.monotonic()
     while (waited := time.monotonic() - start) < lease:
         time.sleep(min(max(lease / 30, 0.2), 2.0, lease - waited))
@@ -287,51 +314,83 @@ class RunLock:
 
     def _owner(self) -> LockOwner | None:
         """The record now, for ``watch`` (anything that is not a record: as gone)."""
-        found = self._read()
+        found = self._read_retried()
         return found if isinstance(found, LockOwner) else None
 
     def _read(self) -> LockOwner | str | None:
         """The owner the lock file names; a string saying why the file is nobody's record (a
         crash's or a planter's leftover, to take over); None if there is no lock. A record
-        that is neither is a LockError (``LockOwner.parse``)."""
+        that is neither is a LockError (``LockOwner.parse``); a lock file that could not be
+        read (EIO, EACCES, ESTALE) is a StorageError: it may be a live owner's, or this
+        job's own, so it is neither taken over nor counted as lost."""
         # No symlink followed, no FIFO waited on: anyone who can write the root can plant one.
-        # Such a lock is stale; a regular lock file that cannot be read (EACCES, EIO, ESTALE)
-        # may be a live owner's, so that is an error, never a takeover.
         try:
             mode = os.lstat(self.path).st_mode
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise LockError(f"cannot read the run lock {self.path}: {exc}") from None
+            raise self._unreadable(exc) from None
         if not stat.S_ISREG(mode):
             return "it is not a regular file (a link, FIFO or directory put in its place)"
-        raw = read_small_file(self.path, MAX_RECORD_BYTES + 1)
-        if raw is None:
-            if not os.path.lexists(self.path):
-                return None  # released between the two looks
-            raise LockError(f"cannot read the run lock {self.path}; check its permissions")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None  # released between the two looks
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link put in its place between the two looks
+                return "it is not a regular file (a link put in its place)"
+            raise self._unreadable(exc) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return "it is not a regular file (a FIFO or device put in its place)"
+            raw = os.read(fd, MAX_RECORD_BYTES + 1)
+        except OSError as exc:
+            raise self._unreadable(exc) from None
+        finally:
+            os.close(fd)
         if not raw.strip(b"\0"):
             # What a power cut leaves of a record the disk never got (or of one being written
             # by O_EXCL right now: then the writer finds our record on its read-back, and loses)
             return "it is empty or zero-filled (a write cut short by a crash)"
         return LockOwner.parse(raw, str(self.path), f"rm {self.path}")
 
+    def _unreadable(self, exc: OSError) -> StorageError:
+        return StorageError(
+            f"cannot read the run lock {self.path} "
+            f"({os.strerror(exc.errno) if exc.errno else exc}): the storage failed to serve it. "
+            "dckpt neither takes over nor gives up a lock it cannot read; check the file "
+            "system and the lock's permissions"
+        )
+
+    def _read_retried(self) -> LockOwner | str | None:
+        """``_read``, tried again after a storage error (a flaky read is not a verdict): up to
+        four times over about ``sum(READ_BACKOFF_S)`` seconds."""
+        for pause in (*READ_BACKOFF_S, None):
+            try:
+                return self._read()
+            except StorageError:
+                if pause is None:
+                    raise
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
     def _write_over(self) -> None:
         write_atomic(self.path.parent, LOCK_FILE, json.dumps(asdict(self._me())).encode())
 
-    def acquire(self) -> None:
+    def acquire(self, on_wait: OnWait | None = None) -> None:
         """Take the lock, or raise LockError naming the live owner (or what is wrong with
-        the lock record found)."""
+        the lock record found); StorageError if the lock file cannot be read. ``on_wait`` is
+        told before a lock of another host is watched (``watch``)."""
         try:
             fd = create_new(self.path)
         except FileExistsError:
-            current = self._read()
+            current = self._read_retried()
             if isinstance(current, LockOwner):
                 reason = stale_reason(current, self.run_id)
                 if reason is None and elsewhere(current):
-                    reason = watch(self._owner, current, self.lease_s, self.name)
+                    reason = watch(self._owner, current, self.lease_s, self.name, on_wait)
                     if reason is None:  # released while watched: take it afresh
-                        return self.acquire()
+                        return self.acquire(on_wait)
                 if reason is None:
                     raise LockError(
                         f"{self.name} is in use by {current.describe()}. Two jobs writing one "
@@ -347,18 +406,19 @@ class RunLock:
         else:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(asdict(self._me())))
-        mine = self._read()
+        mine = self._read_retried()
         if not isinstance(mine, LockOwner) or mine.token != self._token:
             other = mine.describe() if isinstance(mine, LockOwner) else "another job"
             raise LockError(f"{self.name}: lost the race for the lock to {other}")
         self._thread = threading.Thread(target=self._renew, name="dckpt-lock", daemon=True)
         self._thread.start()
 
-    def _mine(self) -> bool:
-        """Whether the lock file holds this job's record now (a record that is not one, or
-        unreadable, is not this job's)."""
+    def _mine(self, read: Callable[[], LockOwner | str | None]) -> bool:
+        """Whether the lock file holds this job's record now, read back whole: a record of
+        another job, one that is not a record, or no lock at all is not this job's. A read
+        that fails raises StorageError: no verdict either way."""
         try:
-            owner = self._read()
+            owner = read()
         except LockError:
             return False
         return isinstance(owner, LockOwner) and owner.token == self._token
@@ -366,7 +426,14 @@ class RunLock:
     def _renew(self) -> None:
         # A daemon on purpose: if the process dies, the lease must stop being renewed.
         while not self._stop.wait(self.lease_s / 3):
-            if not self._mine():
+            try:
+                mine = self._mine(self._read)
+            except StorageError as exc:
+                # Not renewed this time: writing over a record this job cannot read could
+                # overwrite another job's. A taker on another host waits a whole lease.
+                log.warning("dckpt: could not renew the run lock (will retry): %s", exc)
+                continue
+            if not mine:
                 self._lose()
                 return
             self._beat += 1
@@ -381,7 +448,7 @@ class RunLock:
             return
         try:
             owner = self._read()
-        except LockError:
+        except (LockError, StorageError):
             owner = None
         who = owner.describe() if isinstance(owner, LockOwner) else "no one (it is gone)"
         self.lost = f"the run lock {self.path} is held by {who}"
@@ -389,8 +456,10 @@ class RunLock:
 
     def check_held(self) -> None:
         """Raise LockError unless this job still holds the lock, read from the file now:
-        every commit runs it right before its commit point (fencing)."""
-        if self.lost is None and not self._mine():
+        every commit runs it right before its commit point (fencing). A lock file that cannot
+        be read, after retries, raises StorageError: that commit does not happen, the lock is
+        not counted as lost, and the next commit reads it again."""
+        if self.lost is None and not self._mine(self._read_retried):
             self._lose()
         if self.lost is not None:
             raise LockError(
@@ -407,5 +476,10 @@ class RunLock:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._mine():  # never taken (a refused start), or taken by another: left alone
+        try:
+            mine = self._mine(self._read)
+        except StorageError as exc:
+            log.warning("dckpt: could not release the run lock (its lease runs out): %s", exc)
+            return
+        if mine:  # never taken (a refused start), or taken by another: left alone
             self.path.unlink(missing_ok=True)

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from .commit import FileCommit
 from .layout import Status
+from .lock import OnWait
 from .manifest import Manifest
 from .memory_ledger import MemoryLedger
 from .resume_record import ResumeRecords
@@ -67,8 +68,10 @@ class Entry:
 class Lock(Protocol):
     """A run lock with a lease renewed while the job runs (dckpt.root.lock)."""
 
-    def acquire(self) -> None:
-        """Take it, or raise LockError naming the live owner."""
+    def acquire(self, on_wait: OnWait | None = None) -> None:
+        """Take it, or raise LockError naming the live owner. ``on_wait(seconds, why)`` is
+        told before a wait for another host's lock (its lease), so the job's other ranks
+        wait as long."""
         ...
 
     def release(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 from ..errors import LockError, StorageError
 from ..root.layout import LOCK_FILE
-from ..root.lock import MAX_RECORD_BYTES, LockOwner, elsewhere, stale_reason, watch
+from ..root.lock import MAX_RECORD_BYTES, LockOwner, OnWait, elsewhere, stale_reason, watch
 from .s3_store import S3Store
 
 __all__ = ["ObjectLock"]
@@ -71,12 +71,13 @@ class ObjectLock:
         remove = f"aws s3 rm {self.url}, with --endpoint-url for a store other than AWS"
         return LockOwner.parse(raw, self.url, remove), etag
 
-    def acquire(self) -> None:
-        """Take the lock, or raise LockError naming the live owner."""
+    def acquire(self, on_wait: OnWait | None = None) -> None:
+        """Take the lock, or raise LockError naming the live owner. ``on_wait`` is told before
+        a lock of another host is watched (dckpt.root.lock.watch)."""
         try:
             etag = self.store.put_small(self.key, self._record(), if_absent=True)
             if etag is None:
-                etag = self._take_over()
+                etag = self._take_over(on_wait)
         except StorageError as exc:
             raise LockError(f"cannot take the run lock {self.url}: {exc}") from None
         self._etag = etag
@@ -94,7 +95,7 @@ class ObjectLock:
         self._thread = threading.Thread(target=self._renew, name="dckpt-lock", daemon=True)
         self._thread.start()
 
-    def _take_over(self) -> str:
+    def _take_over(self, on_wait: OnWait | None) -> str:
         current = self._read()
         if current is None:  # released between the two looks: try once more
             etag = self.store.put_small(self.key, self._record(), if_absent=True)
@@ -104,12 +105,12 @@ class ObjectLock:
         owner, seen = current
         reason = stale_reason(owner, self.run_id)
         if reason is None and elsewhere(owner):
-            reason = watch(self._owner, owner, self.lease_s, str(self.store.url))
+            reason = watch(self._owner, owner, self.lease_s, str(self.store.url), on_wait)
             if reason is None:  # released while watched: take it afresh
-                return self._take_over()
+                return self._take_over(on_wait)
             again = self._read()  # the record watched: a takeover needs its ETag now
             if again is None:
-                return self._take_over()
+                return self._take_over(on_wait)
             seen = again[1]
         if reason is None:
             raise LockError(

@@ -9,12 +9,17 @@
   the first copy stays whole (bit-exact); after it, the new copy is committed whole.
 - A crash during retention (victims renamed to trash, not yet removed): the newest
   checkpoints and the milestones are whole, the next start finishes the deletion.
+- A relaunch from another host after the whole job died (issue 56): the dead job's lock names
+  another host, so rank 0 watches it for a lease (10 s) before taking it over, longer than
+  ``timeout_s`` (3 s); rank 1 waits with it, says so once, and the job resumes exactly. It
+  used to die in gloo after ``timeout_s``, and every relaunch began the watch again.
 
 Every trial ends with the invariant check; the restarts of all trials run in one spawn.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -173,3 +178,58 @@ def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
         "two jobs on one root", "torchrun while another runs", outcome, detail="; ".join(why)
     )
     assert not why and outcome.ok, why + outcome.problems
+
+
+def _relaunch(rank: int, world: int, root: str) -> dict[str, object]:
+    """A job with a new run id whose dckpt timeout (3 s) is shorter than the lease of the lock
+    it finds (10 s): rank 0 must watch that lock for the lease while rank 1 waits."""
+    import logging
+
+    from fault_kit import build, manager, train_step
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("dckpt").addHandler(Keep())
+    model, opt, sched = build(rank)
+    t0 = time.monotonic()
+    mgr = manager(root, model, opt, sched, timeout_s=3.0, lock_lease_s=10.0)
+    started_s = time.monotonic() - t0
+    report = mgr.resume()
+    step = report.step
+    assert step is not None
+    train_step(model, opt, sched, step + 1, rank)
+    mgr.save(step + 1)
+    mgr.wait()
+    took = mgr._locks[0].took_over if rank == 0 else None  # type: ignore[attr-defined]
+    mgr.close()
+    return {"step": step, "started_s": started_s, "took": took, "said": said}
+
+
+def test_a_relaunch_from_another_host_waits_one_lease_on_every_rank_and_trains(
+    template: Path, tmp_path: Path, fault_trials: Trials
+) -> None:
+    root = fresh_root(template, tmp_path / "relaunch")
+    baseline = capture(root)
+    dead = {  # the lock a job on another host left when it was killed whole
+        "host": "node-elsewhere", "pid": 4242, "started": time.time() - 600,
+        "run_id": "the-dead-run", "token": "t0ken", "lease_until": time.time() - 300,
+        "beat": 7, "lease_s": 10.0,
+    }  # fmt: skip
+    (root / ".dckpt-lock").write_text(json.dumps(dead))
+    with fault_trials.trial("relaunch from another host", "lease 10 s > timeout_s 3 s"):
+        out = run_world(_relaunch, 2, str(root), timeout=120)
+        assert [o["step"] for o in out] == [2, 2], out
+        took = str(out[0]["took"])
+        assert "run the-dead-run (pid 4242 on node-elsewhere" in took, took
+        assert "renewal count stayed at 7" in took, took
+        # it did wait the lease out (on its own clock), and rank 1 waited with it
+        assert float(out[0]["started_s"]) >= 10.0, out[0]
+        waits = [m for m in out[1]["said"] if "rank 1 waits for rank 0" in m]  # type: ignore[union-attr]
+        assert len(waits) == 1, out[1]["said"]
+        assert "watches the run lock" in waits[0] and "held by run the-dead-run" in waits[0]
+        assert committed_steps(root) == [1, 2, 3]
+        assert check(root, baseline).ok
