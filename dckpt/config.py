@@ -49,8 +49,9 @@ class CheckpointConfig:
     grouped by theme (where the checkpoints go, integrity, the waits, saving, resuming and its
     guards, retention, the run lock, the memory tier, the value checks), and each theme's
     ``_check_*`` method, right after its fields, refuses a bad value at construction with the
-    reason. ``remote`` and ``value_checks`` are read by dckpt, never set: the first is filled
-    in for an ``s3://`` root, the second is a benchmark's switch (``_value_checks``).
+    reason. ``remote``, ``value_checks`` and ``capture_check`` are read by dckpt, never set:
+    the first is filled in for an ``s3://`` root, the others are benchmarks' switches
+    (``_value_checks``, ``_capture_check``).
     """
 
     # -- Where the checkpoints go ---------------------------------------------------------------
@@ -365,6 +366,11 @@ class CheckpointConfig:
     both off (no replica digests, no NaN scan), so a run saves whatever its values are;
     ``bench/true_cost.py`` runs the trainer so (``launch/train.py --no-value-checks``) and
     compares, as ``bench/memory.py --no-value-checks`` does. Read it as ``value_checks``."""
+    _capture_check: bool = field(default=True, repr=False)
+    """Not a setting: the switch that measures what the capture check costs (every tensor
+    written is digested at ``save()`` and compared with the bytes written for it; a mismatch
+    fails the save, dckpt.save.capture). False turns it off; ``bench/true_cost.py`` runs the
+    trainer so (``launch/train.py --no-capture-check``). Read it as ``capture_check``."""
 
     def _check_values(self) -> None:
         if self.replica_check not in ("error", "warn", "off"):
@@ -379,6 +385,12 @@ class CheckpointConfig:
         """Whether saves run the value checks at all (``_value_checks``: True but in the
         benchmarks that measure their cost)."""
         return self._value_checks
+
+    @property
+    def capture_check(self) -> bool:
+        """Whether saves compare what they captured with what they wrote (``_capture_check``:
+        True but in the benchmark that measures its cost)."""
+        return self._capture_check
 
     @property
     def replica_every(self) -> int:

@@ -16,6 +16,15 @@ process of that rank fire the action when it reaches that phase (of that step, i
 - ``corrupt``: ``fault_point`` returns True, and the caller falsifies what this rank computed
   there (a broken collective backend at ``warmup``, a rank that read different bytes at
   ``verify``), so the checks that compare ranks are tested against a rank that is wrong.
+- ``stale``, ``torn``, ``skip``: a save's staging copy goes wrong at that phase, on that rank
+  (``tampering``; nothing fires at the point itself): ``stale``, the copy is not made, so its
+  buffer keeps what an earlier save left there (a cached or reused buffer); ``torn``, the copy
+  is made and then changed (one bit); ``skip``, only the first half of the tensor is copied.
+  It hits the tensor named ``item=<name>`` (DCP's flattened name), else the largest one this
+  rank copies. Phases: ``prepare`` (the copies a durable save takes in ``save()``; in a
+  synchronous save, the tensor handed to the writer), ``stage`` (a deferred copy of
+  ``overlap_staging``, or a GPU buffer's copy to host memory) and ``memory_copy`` (the copy
+  into the memory tier's file). The capture check (dckpt.save.capture) must refuse that save.
 
 Several specs separated by ``;`` each fire at their own point (a test that holds a run twice).
 Unset, it costs one cached lookup per phase. Phases (dckpt.phases.Phase), in save order:
@@ -62,8 +71,11 @@ __all__ = [
     "PHASES",
     "RANK_PHASES",
     "RESUME_PHASES",
+    "TAMPERS",
     "InjectedFaultError",
+    "Tamper",
     "fault_point",
+    "tampering",
 ]
 
 RANK_PHASES = tuple(p.value for p in Phase if p.side == "rank")
@@ -77,7 +89,9 @@ OBJECT_PHASES = tuple(p.value for p in Phase if p.side == "object")
 MEMORY_PHASES = tuple(p.value for p in Phase if p.side == "memory")
 """Phases of a memory save: every rank's, but ``memory_commit``, which is rank 0's."""
 PHASES = tuple(p.value for p in Phase)
-ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt", "sigstop", "eio", "wait")
+TAMPERS = ("stale", "torn", "skip")
+"""Actions that falsify a save's staging copy (``tampering``) instead of firing at a point."""
+ACTIONS = ("sigkill", "raise", "enospc", "sleep", "corrupt", "sigstop", "eio", "wait", *TAMPERS)
 
 
 class InjectedFaultError(RuntimeError):
@@ -92,6 +106,16 @@ class _Spec:
     step: int | None
     seconds: float
     path: str
+    item: str = ""
+
+
+@dataclass(frozen=True)
+class Tamper:
+    """A staging copy to falsify (``tampering``): how, and which tensor ("" for the largest
+    one copied)."""
+
+    action: str
+    item: str = ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,6 +141,7 @@ def _spec(part: str, raw: str | None) -> _Spec:
         step=int(fields["step"]) if "step" in fields else None,
         seconds=float(fields.get("seconds", "3600")),
         path=fields.get("path", ""),
+        item=fields.get("item", ""),
     )
 
 
@@ -143,7 +168,24 @@ def fault_point(phase: Phase | str, rank: int, step: int | None = None) -> bool:
     return False
 
 
+def tampering(phase: Phase | str, rank: int, step: int | None = None) -> Tamper | None:
+    """The staging copy to falsify at this phase, rank and step (a ``stale``, ``torn`` or
+    ``skip`` spec), or None."""
+    name = phase.value if isinstance(phase, Phase) else phase
+    for spec in _specs(os.environ.get("DCKPT_FAULT")):
+        if (
+            spec.action in TAMPERS
+            and spec.phase == name
+            and (spec.rank is None or spec.rank == rank)
+            and (spec.step is None or spec.step == step)
+        ):
+            return Tamper(spec.action, spec.item)
+    return None
+
+
 def _fire(spec: _Spec, phase: Phase | str, rank: int) -> bool:
+    if spec.action in TAMPERS:  # the copy at this point does it (``tampering``)
+        return False
     if spec.action == "corrupt":
         return True
     where = f"injected fault at phase {phase} on rank {rank}"

@@ -131,6 +131,8 @@ def memory_tier(
         replica_check=config.value_checks and config.replica_check != "off",
         finite_check=config.value_checks,
         replica_every=config.replica_every,
+        capture_check=config.capture_check,
+        trainable=lambda state_dict: state.param_keys(state_dict)[0],
     )
     source = MemorySource(
         ctl=ctl,

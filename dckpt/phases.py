@@ -15,7 +15,10 @@ a point they reach; it is a protocol defined here so that they never import the 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .faults import Tamper
 
 __all__ = ["Phase", "Trace"]
 
@@ -140,4 +143,8 @@ class Trace(Protocol):
 
     def passed(self, phase: Phase) -> None:
         """This rank got past ``phase`` (a progress marker, to name late ranks)."""
+        ...
+
+    def tamper(self, phase: Phase) -> Tamper | None:
+        """The staging copy the fault hook falsifies at ``phase`` on this rank, if any."""
         ...

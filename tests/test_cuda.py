@@ -149,7 +149,7 @@ def test_crashed_and_resumed_gpu_run_equals_uninterrupted_run(
 def test_value_checks_on_the_gpu_see_save_time_values(tmp_path: Path) -> None:
     """A NaN written into a weight right after save() returned is not what the check sees
     (its kernels were queued on the training stream inside save()); one there before is."""
-    from dckpt.save.value_checks import _fingerprint
+    from dckpt.storage.tensor_digest import fingerprint as _fingerprint
 
     model, opt = _model()
     weight = next(model.parameters())

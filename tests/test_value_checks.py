@@ -219,7 +219,7 @@ def test_the_checks_compare_digests_made_the_same_way_only() -> None:
 
 
 def test_a_gpu_fingerprint_sees_one_changed_bit_and_a_swap() -> None:
-    from dckpt.save.value_checks import _fingerprint
+    from dckpt.storage.tensor_digest import fingerprint as _fingerprint
 
     torch.manual_seed(0)
     t = torch.randn(3000, 7)
@@ -343,7 +343,8 @@ def test_every_floating_dtype_has_its_nan_and_inf_found_and_a_finite_tensor_pass
 
 
 def test_float8_complex_and_misaligned_views_are_checked() -> None:
-    from dckpt.save.value_checks import Inspection, _fingerprint
+    from dckpt.save.value_checks import Inspection
+    from dckpt.storage.tensor_digest import fingerprint as _fingerprint
 
     checks = Inspection(replicas=True, finite=True)
     f8 = torch.zeros(8).to(torch.float8_e5m2)

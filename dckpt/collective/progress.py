@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from ..faults import fault_point
+from ..faults import Tamper, fault_point, tampering
 from ..phases import Phase
 from .comm import Comm
 from .store import call, default_store
@@ -154,6 +154,9 @@ class SaveTrace:
 
     def at(self, phase: Phase) -> None:
         fault_point(phase, self.rank, self.step)
+
+    def tamper(self, phase: Phase) -> Tamper | None:
+        return tampering(phase, self.rank, self.step)
 
     def passed(self, phase: Phase) -> None:
         self._progress.mark(self.save_id, phase)

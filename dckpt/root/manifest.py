@@ -107,6 +107,11 @@ class Manifest:
     whose save wrote its bytes); empty, and then absent from the file, with ``incremental``
     off. Every listed file is in the step's own directory either way: a dckpt that does not
     know the field reads such a step as any other."""
+    capture: dict[str, Any] = field(default_factory=dict)
+    """The capture check of this save (dckpt.save.capture): ``items``, the tensors whose
+    bytes written were compared with their digest taken from the live state at ``save()``
+    (every rank's), and ``uncompared`` when some could not be. Empty, and then absent from
+    the file, for a save made without it (an older dckpt's: older manifests stay valid)."""
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -153,6 +158,8 @@ class Manifest:
             del obj["incremental"]
         if not self.data:
             del obj["data"]
+        if not self.capture:
+            del obj["capture"]
         obj["self_digest"] = fingerprint(obj)
         return obj
 
@@ -297,6 +304,18 @@ def _str(obj: dict[str, Any], key: str, source: str) -> str:
     if not isinstance(value, str):
         raise _fail(source, f"{key!r} must be a string, got {type(value).__name__}")
     return value
+
+
+def _capture(obj: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ``capture`` record, each count checked (absent: an older save's, empty)."""
+    if "capture" not in obj:
+        return {}
+    record = _dict(obj, "capture", source)
+    for key in ("items", "uncompared"):
+        value = record.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _fail(source, f"'capture.{key}' must be a count, got {value!r}")
+    return record
 
 
 def _dict(obj: dict[str, Any], key: str, source: str) -> dict[str, Any]:
@@ -446,6 +465,7 @@ def _parse(obj: Any, source: str) -> Manifest:
         integrity=_dict(obj, "integrity", source) if "integrity" in obj else {},
         incremental=_incremental(obj, source, seen),
         data=_dict(obj, "data", source) if "data" in obj else {},
+        capture=_capture(obj, source),
     )
     sealed = manifest.sealed()
     if sealed.files_digest != manifest.files_digest:

@@ -57,10 +57,12 @@ from ..errors import CheckpointError, StorageError, describe_os_error
 from ..phases import Phase, Trace
 from ..root.commit import FileCommit
 from ..storage.hashing_writer import HashingWriter
+from ..storage.item_writes import ItemWrites
 from ..storage.sink import Sink, Tee
 from ..storage.stable_file import StableBase
 from ..train.state import TrainState
 from ..units import describe_staging, human_bytes
+from .capture import CaptureHistory
 from .coordinator import RankReport
 from .findings import Findings
 from .handle import SaveTicket
@@ -124,6 +126,8 @@ class DurableRoute:
         self.copies = config.incremental_copies if strategy.shares_reused else 1
         """How many saves back a save links from: ``incremental_copies`` where a link shares
         the bytes (a directory); 1 where a reused file is a copy of its own (a bucket)."""
+        self.history = CaptureHistory()
+        """This rank's capture digests of its trainable tensors at its previous save."""
         self._bases: deque[_Base] = deque(maxlen=self.copies)
         """This rank's stable files in its last committed saves, the newest last; a save links
         the oldest (``copies`` saves back): consecutive steps never share it when there are
@@ -141,11 +145,12 @@ class DurableRoute:
             replicas=on and self.config.replica_check != "off",
             finite=on,
             sample=(self._snapshots, self.config.replica_every),
+            capture=self.config.capture_check,
         )
         if asynchronous:
-            snap = self.stager.snapshot(state_dict, self._deferred(), checks)
+            snap = self.stager.snapshot(state_dict, self._deferred(), checks, trace)
         else:
-            snap = self.stager.live(state_dict, checks)  # the caller waits for the commit
+            snap = self.stager.live(state_dict, checks, trace)  # the caller waits for the commit
         if self.config.incremental:
             trainable, frozen = self.state.param_keys(state_dict)
             if self.rank == 0:  # the manifest's record of them (``incremental``)
@@ -215,6 +220,7 @@ class DurableRoute:
         uploads = _Uploads(self.progress.stop_flag(tmp.name))
         opens = self.strategy.uploads  # an object store: this save's uploads, on this rank
         upload = opens(tmp, ticket.step, trace) if opens is not None else None
+        writes = ItemWrites() if self.config.capture_check else None
         writer = HashingWriter(
             tmp,
             algorithm=self.config.digest,
@@ -226,6 +232,7 @@ class DurableRoute:
             slim_return=True,  # the planner hands it a copy; dckpt never reads dcp.save's return
             stable_keys=snapshot.stable,
             base=self._reusable(ticket.step),
+            writes=writes,
         )
         snapshot.frozen = None
         error: str | None = None
@@ -242,6 +249,7 @@ class DurableRoute:
             cancelled=ticket.cancelled,
             trace=trace,
             cache_key=key,
+            writes=writes,
         )
         error_rank: int | None = None
         findings: Findings | None = None
@@ -256,7 +264,10 @@ class DurableRoute:
             )
             trace.at(Phase.DCP_FINISH)
             t_check = time.perf_counter()
-            findings = inspect_staged(snapshot, planner)
+            findings = inspect_staged(
+                snapshot, planner, writes.written() if writes is not None else None
+            )
+            findings = self._progress_note(findings, snapshot)
             check_s = time.perf_counter() - t_check
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -305,6 +316,16 @@ class DurableRoute:
                 **planner.stats.as_timings(),
             },
         )
+
+    def _progress_note(self, findings: Findings | None, snapshot: Snapshot) -> Findings | None:
+        """``findings`` with how many of this rank's trainable tensors changed since its
+        previous save (dckpt.save.capture.CaptureHistory), for the progress note."""
+        checks = snapshot.inspection
+        if findings is None or checks is None or not checks.capture:
+            return findings
+        trainable, _ = self.state.param_keys(snapshot.state_dict)
+        moved = self.history.moved(checks.captured(), trainable)
+        return dataclasses.replace(findings, trainable=moved)
 
     def _whose(self, exc: BaseException, uploads: _Uploads) -> tuple[int | None, BaseException]:
         """What this rank reports of a failed ``dcp.save``: its own error (rank None), or

@@ -11,6 +11,15 @@ rank 0 judges them before it commits (``judge``):
   for host tensors and non-tensor values; ``g``: a fingerprint computed on the GPU): a name
   held on the host by one rank and on a GPU by another is not compared.
 - **nonfinite**: each floating-point tensor this rank wrote that holds NaN or Inf.
+- **capture** (dckpt.save.capture): each tensor this rank wrote whose bytes written differ
+  from what was captured of it at ``save()`` (``mismatched``), how many matched
+  (``compared``), and those whose written bytes were never seen (``uncompared``). A
+  mismatch always refuses the save: the checkpoint would not be the training state, and it
+  is the save's own copy that went wrong, so no setting lets it through.
+
+Every digest is of the live state at ``save()`` (dckpt.save.value_checks), so the words tell
+the two failures apart: replicas that differ are the model's (a device, a per-rank value), a
+capture that differs is the save's (its staging copy).
 
 The verdict refuses the save (every rank raises the same ``SaveError``, nothing committed) for
 differing replicas unless ``replica_check`` is ``"warn"``, and for non-finite values unless
@@ -43,6 +52,16 @@ class Findings:
     """Name → what it holds (``"3 NaN, 1 Inf of 4096 values"``), for tensors this rank wrote."""
     unchecked: tuple[str, ...] = ()
     """Tensors the checks could not read (sparse, quantized; no GPU memory left)."""
+    compared: int = 0
+    """Tensors this rank wrote whose written bytes matched their capture digest."""
+    mismatched: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    """Name → (which copy: ``staged``, ``deferred``, ``memory``, ``live``; the digest
+    captured at ``save()``; the digest of the bytes written), for each that differs."""
+    uncompared: tuple[str, ...] = ()
+    """Tensors this rank wrote whose written bytes the writer never saw (not compared)."""
+    trainable: tuple[int, int] | None = None
+    """(trainable tensors whose capture this rank compared with its previous save of the
+    tier, how many of them changed); None: no previous save to compare with."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +75,11 @@ class Verdict:
     warnings: tuple[str, ...] = ()
     unchecked: tuple[str, ...] = ()
     """Every rank's unchecked tensors (``rank r: name``), for one warning per run."""
+    capture: dict[str, Any] = field(default_factory=dict)
+    """What the manifest records of the capture check (``items``: compared on all ranks;
+    ``uncompared``: how many could not be); empty when it was off."""
+    uncompared: tuple[str, ...] = ()
+    """Every rank's tensors whose written bytes were never seen (``rank r: name``)."""
 
 
 def _differing(reports: Iterable[tuple[int, Findings]]) -> dict[str, dict[str, list[int]]]:
@@ -97,14 +121,61 @@ def _describe_nonfinite(found: Mapping[str, tuple[int, str]]) -> str:
     return "; ".join(parts) + (f"; and {more} more tensor(s)" if more > 0 else "")
 
 
+_COPIES = {
+    "staged": "the staged copy of {name} on rank {rank} is not the state at save()",
+    "deferred": (
+        "{name} on rank {rank} changed between save() and its deferred copy "
+        "(overlap_staging=True): the copy is not the state at save()"
+    ),
+    "memory": "the memory file's copy of {name} on rank {rank} is not the state at save()",
+    "live": (
+        "the bytes written for {name} on rank {rank} are not the state at save() (the "
+        "tensor changed while the synchronous save wrote it)"
+    ),
+}
+"""How a mismatch is said, by which copy differed."""
+_CAPTURE_HINT = {
+    "deferred": (
+        "something wrote the tensor outside optimizer.step() before its copy was taken, "
+        "through .data or another alias that version counters do not see: call "
+        "manager.before_optimizer_step() before such a write, or keep overlap_staging=False"
+    ),
+    "live": "another thread changed the model during the save: save while nothing trains",
+}
+
+
+def _describe_capture(found: Mapping[str, tuple[int, tuple[str, str, str]]]) -> str:
+    parts = []
+    for name, (rank, (copy, captured, wrote)) in list(found.items())[:_LISTED]:
+        said = _COPIES.get(copy, _COPIES["staged"]).format(name=name, rank=rank)
+        parts.append(f"{said} (captured {captured} at save(), wrote {wrote})")
+    more = len(found) - _LISTED
+    return "; ".join(parts) + (f"; and {more} more tensor(s)" if more > 0 else "")
+
+
+def _capture_refusal(found: Mapping[str, tuple[int, tuple[str, str, str]]]) -> str:
+    copies = {copy for _, (copy, _, _) in found.values()}
+    hint = "; ".join(_CAPTURE_HINT[c] for c in sorted(copies) if c in _CAPTURE_HINT)
+    return (
+        f"{_describe_capture(found)}. The checkpoint would hold something other than the "
+        "training state, so it is refused: this is the save's own copy that went wrong (a "
+        "staging buffer not refreshed, changed after its copy, or copied in part), not the "
+        "model, and the previous checkpoints are intact. "
+        + (f"Here: {hint}. " if hint else "")
+        + "If it repeats, report it with this message; the next save copies afresh"
+    )
+
+
 def judge(
     reports: Iterable[tuple[int, Findings | None]],
     *,
     step: int,
     replica_check: ReplicaCheck,
     allow_nonfinite: bool,
+    stepped: int = 0,
 ) -> Verdict:
-    """The verdict on every rank's findings (rank, findings); see the module docstring."""
+    """The verdict on every rank's findings (rank, findings); see the module docstring.
+    ``stepped``: optimizer steps since this tier's previous save (the progress note)."""
     given = [(rank, f) for rank, f in reports if f is not None]
     differ = _differing(given) if replica_check != "off" else {}
     nonfinite: dict[str, tuple[int, str]] = {}
@@ -115,11 +186,34 @@ def judge(
     refusals: list[str] = []
     warnings: list[str] = []
     marks: dict[str, Any] = {}
+    mismatched: dict[str, tuple[int, tuple[str, str, str]]] = {}
+    for rank, found in sorted(given, key=lambda rf: rf[0]):
+        for name, copied in found.mismatched.items():
+            mismatched.setdefault(name, (rank, copied))
+    if mismatched:  # first: it is the save's fault, and it says so
+        refusals.append(_capture_refusal(dict(sorted(mismatched.items()))))
+    capture: dict[str, Any] = {}
+    compared = sum(f.compared for _, f in given)
+    uncompared = tuple(f"rank {rank}: {name}" for rank, f in given for name in f.uncompared)
+    if compared or uncompared:
+        capture = {"items": compared, **({"uncompared": len(uncompared)} if uncompared else {})}
+    moved = [f.trainable for _, f in given if f.trainable is not None]
+    if stepped and moved and sum(n for n, _ in moved) and not sum(c for _, c in moved):
+        warnings.append(
+            f"dckpt: step {step}: the optimizer stepped {stepped} time(s) since the previous "
+            f"save, but none of the {sum(n for n, _ in moved)} trainable tensor(s) changed "
+            "(their values at save() are bit-identical to the previous save's). The optimizer "
+            "may not be updating the model's parameters (a learning rate of 0, frozen layers "
+            "or an optimizer built over other tensors than the model's); the step is saved "
+            "as it is"
+        )
     if differ:
         said = _describe_replicas(differ)
         if replica_check == "error":
             refusals.append(
-                f"the ranks' copies of {len(differ)} replicated value(s) differ: {said}. DCP "
+                f"the ranks' copies of {len(differ)} replicated value(s) differ: {said}. The "
+                "digests were taken from each rank's live state at save(), so the ranks' "
+                "training state itself differs (not the save's copy of it). DCP "
                 "keeps one copy of a value that several ranks hold under one name, so this "
                 "checkpoint would hold one rank's copy and lose the others. A rank whose copy "
                 "is the odd one out may have a faulty device (silent data corruption); if the "
@@ -157,4 +251,11 @@ def judge(
             marks["nonfinite"] = {name: what for name, (_, what) in list(nonfinite.items())[:64]}
     refusal = "; and ".join(refusals) if refusals else None
     unchecked = tuple(f"rank {rank}: {name}" for rank, f in given for name in f.unchecked)
-    return Verdict(refusal=refusal, marks=marks, warnings=tuple(warnings), unchecked=unchecked)
+    return Verdict(
+        refusal=refusal,
+        marks=marks,
+        warnings=tuple(warnings),
+        unchecked=unchecked,
+        capture=capture,
+        uncompared=uncompared,
+    )

@@ -39,6 +39,7 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,13 @@ from ..storage.memory_file import (
     write_into,
 )
 from ..storage.records import FileRecord
+from ..storage.tamper import pick
+from ..storage.tensor_digest import fingerprint, fingerprint_digest, host_digest, shape_prefix
 from ..tiers import memory_layout as layout
 from ..tiers.memory_commit import Lineage
 from ..tiers.memory_layout import Topology
 from ..units import human_bytes
+from .capture import CaptureHistory
 from .coordinator import RankReport
 from .findings import Findings
 from .handle import SaveTicket
@@ -76,6 +80,9 @@ from .value_checks import Inspection, replica_key
 __all__ = ["MemoryRoute", "sharing_scope"]
 
 log = logging.getLogger("dckpt")
+
+
+_Held = tuple[str, torch.dtype, tuple[int, ...], int, int, bool]
 
 
 @dataclass
@@ -96,9 +103,11 @@ class Staged:
     it owns), or None (it holds every tensor)."""
     checks: Inspection
     """The value checks begun in save() (GPU kernels, the digests of tensors left to other
-    ranks' files), finished on the file's own bytes in the background."""
-    held: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, str | None], ...] = ()
-    """The host tensors in the file: key, dtype, shape, offset, bytes, replica key."""
+    ranks' files, the capture digests), finished on the file's own bytes in the background."""
+    held: tuple[_Held, ...] = ()
+    """The tensors in the file: key, dtype, shape, offset, bytes, whether it is a GPU's."""
+    trainable: frozenset[str] = frozenset()
+    """The keys of the parameters that require grad (the progress note)."""
     sizes: dict[str, int] = field(default_factory=dict)
     """The bytes of each replicated-looking tensor (how step 6 shares them out)."""
     named: bool = False
@@ -149,6 +158,8 @@ class MemoryRoute:
         replica_check: bool = True,
         finite_check: bool = True,
         replica_every: int = 1,
+        capture_check: bool = True,
+        trainable: Callable[[dict[str, Any]], frozenset[str]] | None = None,
     ) -> None:
         self.io = io
         self.strategy = strategy
@@ -164,6 +175,10 @@ class MemoryRoute:
         self.replica_check = replica_check
         self.finite_check = finite_check
         self.replica_every = replica_every
+        self.capture_check = capture_check
+        self._trainable = trainable
+        self.history = CaptureHistory()
+        """This rank's capture digests of its trainable tensors at its previous memory save."""
         self._snapshots = 0
         self.slots = slots
         """This rank's files in its node's memory, mapped once (shared with the resume)."""
@@ -190,9 +205,27 @@ class MemoryRoute:
             plan = plan_flat(state_dict, skip)
         except MemoryFileError as exc:
             raise StorageError(f"this state cannot be kept in the memory tier: {exc}") from None
+        checks = Inspection(
+            replicas=self.replica_check,
+            finite=self.finite_check,
+            sample=(self._snapshots, self.replica_every),
+            capture=self.capture_check,
+        )
+        keys = _replica_keys(state_dict)
+        tamper = trace.tamper(Phase.MEMORY_COPY)
+        bad = (
+            (tamper.action, pick(tamper.item, ((k, n) for k, _, _, n in plan.tensors)))
+            if tamper is not None
+            else None
+        )
         try:
             claim = self.slots.open(part, plan.size, spare_of=self.name)
-            write_into(claim.buffer, plan)
+            digests = write_into(
+                claim.buffer,
+                plan,
+                capture=lambda key: checks.wants_digest(keys.get(key)),
+                tamper=bad,
+            )
         except OSError as exc:
             self.slots.drop(part)
             with contextlib.suppress(OSError):
@@ -205,43 +238,43 @@ class MemoryRoute:
                 "(memory_dir, or /dev/shm's size) or lower memory_keep."
             ) from None
         trace.at(Phase.MEMORY_COPY)
-        checks, held = self._begin_checks(state_dict, plan, skip)
-        return Staged(part, final, claim.key, plan.size, sig, shared, checks, held, sizes)
+        held = self._begin_checks(checks, state_dict, plan, skip, keys, digests)
+        trainable = self._trainable(state_dict) if self._trainable else frozenset()
+        return Staged(
+            part, final, claim.key, plan.size, sig, shared, checks, held=held, sizes=sizes,
+            trainable=trainable,
+        )  # fmt: skip
 
     def _begin_checks(
-        self, state_dict: dict[str, Any], plan: FlatPlan, skip: frozenset[str]
-    ) -> tuple[
-        Inspection, tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, str | None], ...]
-    ]:
+        self,
+        checks: Inspection,
+        state_dict: dict[str, Any],
+        plan: FlatPlan,
+        skip: frozenset[str],
+        keys: dict[str, str],
+        digests: dict[str, str],
+    ) -> tuple[_Held, ...]:
         """In save(): the value checks that must see the live state (GPU tensors, queued on
-        the training stream; host tensors another rank's file holds; non-tensor values), and
-        the host tensors whose checks read the file in the background."""
-        checks = Inspection(
-            replicas=self.replica_check,
-            finite=self.finite_check,
-            sample=(self._snapshots, self.replica_every),
-        )
+        the training stream, their fingerprint the capture of those in this file; host
+        tensors another rank's file holds; non-tensor values), the capture digests the copy
+        took (``digests``), and the tensors whose written bytes the background reads."""
         flat, _ = flatten_state_dict(state_dict)
-        keys = {
-            k: key
-            for k, v in flat.items()
-            if isinstance(v, torch.Tensor) and (key := replica_key(k, v)) is not None
-        }
         for key, value in flat.items():
             if not isinstance(value, torch.Tensor):
                 checks.value(key, value)
                 continue
             local = value.to_local() if isinstance(value, DTensor) else value
+            mine = key not in skip
             if local.is_cuda:
-                checks.device(key, local, replica=keys.get(key), finite=key not in skip)
-            elif key in skip:
+                checks.device(key, local, replica=keys.get(key), finite=mine, capture=mine)
+            elif not mine:
                 checks.host(key, local, replica=keys.get(key), finite=False)
-        held = tuple(
-            (key, local.dtype, tuple(local.shape), offset, nbytes, keys.get(key))
+        for key, digest in digests.items():
+            checks.captured_host(key, digest, replica=keys.get(key))
+        return tuple(
+            (key, local.dtype, tuple(local.shape), offset, nbytes, local.is_cuda)
             for key, local, offset, nbytes in plan.tensors
-            if not local.is_cuda
         )
-        return checks, held
 
     # --- step 5, in the background -------------------------------------------------------------
 
@@ -292,17 +325,35 @@ class MemoryRoute:
         )
 
     def _finish_checks(self, staged: Staged) -> Findings | None:
-        """The value checks of the host tensors, on the file's bytes (the snapshot)."""
+        """The value checks of the host tensors, on the file's bytes (the snapshot), and each
+        tensor's capture compared with the digest of its bytes in the file."""
         checks = staged.checks
         if not checks.active:
             return None
         buf = self.slots.mapping(staged.key)
-        for key, dtype, shape, offset, nbytes, replica in staged.held:
+        writes: dict[str, str] = {}
+        for key, dtype, shape, offset, nbytes, on_gpu in staged.held:
             if nbytes:
                 raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-                checks.host(key, raw.view(dtype).view(shape), replica=replica, finite=True)
-                del raw  # the mapping cannot close while a tensor views it
-        return checks.findings()  # only the tensors in this file were checked for NaN
+            else:
+                raw = torch.empty(0, dtype=torch.uint8)
+            held = raw.view(dtype).view(shape)
+            kind = checks.capture_kind(key)
+            if kind == "x":
+                writes[key] = host_digest(held)
+            elif kind == "g":  # the GPU's fingerprint, computed over the bytes in the file
+                writes[key] = fingerprint_digest(shape_prefix(held), fingerprint(held))
+            if not on_gpu:  # a GPU tensor's NaN scan ran on its device
+                checks.host(key, held, replica=None, finite=True)
+            del raw, held  # the mapping cannot close while a tensor views it
+        names = {key for key, *_ in staged.held}
+        findings = checks.findings(
+            names, writes if checks.capture else None, dict.fromkeys(names, "memory")
+        )
+        if checks.capture:
+            moved = self.history.moved(checks.captured(), staged.trainable)
+            findings = dataclasses.replace(findings, trainable=moved)
+        return findings
 
     # --- step 6, every rank ----------------------------------------------------------------
 
@@ -535,6 +586,16 @@ class MemoryRoute:
 
     def close(self) -> None:
         self.slots.close()
+
+
+def _replica_keys(state_dict: dict[str, Any]) -> dict[str, str]:
+    """Each tensor's replica key (dckpt.save.value_checks.replica_key), by its key."""
+    flat, _ = flatten_state_dict(state_dict)
+    return {
+        k: key
+        for k, v in flat.items()
+        if isinstance(v, torch.Tensor) and (key := replica_key(k, v)) is not None
+    }
 
 
 def _aside(staged: Staged) -> Path:

@@ -91,7 +91,7 @@ from ..train.state import TrainState, describe_layout
 from ..units import human_bytes
 from ..version import __version__
 from .coordinator import Coordinator, RankReport, SaveOutcome
-from .findings import judge
+from .findings import Verdict, judge
 from .handle import SaveResult, SaveTicket
 from .mode import SaveMode
 from .route import Finished, SaveJob, SaveRoute, SaveTier, Settled
@@ -156,6 +156,9 @@ class SavePipeline:
         self._saves = 0
         self._warned_losses = False
         self._warned_unchecked = False
+        self._warned_uncompared = False
+        self._steps_at: dict[str, int] = {}
+        """Per tier: the optimizer steps seen at its previous ``save()`` (``SaveJob.stepped``)."""
 
     # --- foreground ---------------------------------------------------------------------------
 
@@ -176,6 +179,9 @@ class SavePipeline:
         carries the error, for every rank to learn in step 4)."""
         self._saves += 1
         save_id = xxhash.xxh3_128_hexdigest(f"{self.run_id}:{step}:{self._saves}".encode())
+        seen = self.clock.steps_seen
+        stepped = seen - self._steps_at.get(tier.name, seen)
+        self._steps_at[tier.name] = seen
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.device = torch.cuda.current_device()
         self.state.at(step, epoch)
@@ -221,6 +227,7 @@ class SavePipeline:
             metric={} if metric is None else {"value": float(metric)},
             scaler=scaler,
             layout=layout,
+            stepped=stepped,
         )
 
     # --- background ---------------------------------------------------------------------------
@@ -334,6 +341,7 @@ class SavePipeline:
             step=job.step,
             replica_check=self.config.replica_check,
             allow_nonfinite=self.config.allow_nonfinite,
+            stepped=job.stepped,
         )
         refusal = coordinator.refusal(tmp, reports, settled.refused or verdict.refusal)
         if refusal is not None:
@@ -349,6 +357,15 @@ class SavePipeline:
                 len(verdict.unchecked),
                 ", ".join(verdict.unchecked[:5]),
             )
+        if verdict.uncompared and not self._warned_uncompared:
+            self._warned_uncompared = True  # the same tensors each save: said once a run
+            log.warning(
+                "dckpt: %d tensor(s) were saved without their written bytes compared with the "
+                "state at save() (the writer never saw their bytes go out: another torch "
+                "serializes them differently); the file digests still cover them: %s",
+                len(verdict.uncompared),
+                ", ".join(verdict.uncompared[:5]),
+            )
         self._warn_if_ranks_disagree(job, reports)
         try:
             # rank 0's stall, and what the save cost its loop, as known at commit time
@@ -357,7 +374,7 @@ class SavePipeline:
             cost = self.clock.cost(job.started, stall_s, now)
             if job.route.can_block:  # the automatic mode learns from saves it may choose
                 self.mode.record(job.asynchronous, cost, waited_s=job.waited_s)
-            manifest = self._manifest(job, reports, settled, stall_s, cost, verdict.marks)
+            manifest = self._manifest(job, reports, settled, stall_s, cost, verdict)
         except Exception as exc:  # nothing may be committed without its manifest
             shutil.rmtree(tmp, ignore_errors=True)
             return _Decision(
@@ -482,7 +499,7 @@ class SavePipeline:
         settled: Settled,
         stall_s: float,
         cost: LoopCost,
-        integrity: dict[str, Any],
+        verdict: Verdict,
     ) -> Manifest:
         records = tuple(sorted(rec for r in reports for rec in r.records))
         return Manifest(
@@ -522,7 +539,8 @@ class SavePipeline:
                 sum(rec.bytes for rec in r.records) for r in sorted(reports, key=lambda r: r.rank)
             ),
             milestone=job.milestone,
-            integrity=integrity,
+            integrity=verdict.marks,
+            capture=verdict.capture,
             incremental=settled.incremental,
             data=job.layout.get("data", {}),
         )

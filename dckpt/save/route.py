@@ -84,6 +84,8 @@ class SaveJob:
     layout: dict[str, Any]
     """What the manifest says of the state's shape at ``save()``: the device meshes of its
     DTensors (``device_mesh``) and the data position (``data``); see ``describe_layout``."""
+    stepped: int = 0
+    """Optimizer steps since the previous ``save()`` to this tier (0 for its first)."""
 
     @property
     def route(self) -> SaveRoute:

@@ -58,7 +58,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +71,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..errors import SaveError
+from ..faults import Tamper
 from ..phases import Phase, Trace
+from ..storage.item_writes import ItemWrites
 from ..storage.stable_file import StableFile
+from ..storage.tamper import pick, tampered_copy
+from ..storage.tensor_digest import copy_hashed, host_digest
 from ..units import human_bytes
 from .findings import Findings
 from .value_checks import Inspection, replica_key
@@ -176,6 +180,8 @@ class Snapshot:
     stats: StagingStats = field(default_factory=StagingStats)
     inspection: Inspection | None = None
     """This save's value checks (None: none), begun in save(), finished by ``inspect_staged``."""
+    tamper: Tamper | None = None
+    """A synchronous save's: the fault hook's falsified copy of what the writer is handed."""
     stable: frozenset[str] = frozenset()
     """The names DCP gives the frozen parameters an incremental save writes to a file of
     their own (dckpt.storage.stable_file); empty: every item goes to DCP's files."""
@@ -275,7 +281,12 @@ class Stager:
         return buf
 
     def _to_device_buffer(
-        self, fqn: str, src: torch.Tensor, used: dict[torch.device, int], st: StagingStats
+        self,
+        fqn: str,
+        src: torch.Tensor,
+        used: dict[torch.device, int],
+        st: StagingStats,
+        bad: str | None = None,
     ) -> torch.Tensor | None:
         """Copy ``src`` into its device buffer on the training stream, if the budget allows;
         None if not (or if the GPU has no room left: the budget shrinks to what is held)."""
@@ -293,20 +304,46 @@ class Stager:
                 human_bytes(self._budgets[dev]),
             )
             return None
-        buf.copy_(src)  # on the training stream: ordered before anything after save()
+        if bad is None:
+            buf.copy_(src)  # on the training stream: ordered before anything after save()
+        else:
+            tampered_copy(buf, src, bad)
         used[dev] = used.get(dev, 0) + _nbytes(buf)
         st.device_bytes += _nbytes(buf)
         return buf
 
-    def live(self, state_dict: dict[str, Any], inspection: Inspection | None = None) -> Snapshot:
+    def live(
+        self,
+        state_dict: dict[str, Any],
+        inspection: Inspection | None = None,
+        trace: Trace | None = None,
+    ) -> Snapshot:
         """A synchronous save writes the live state: every queued kernel on its devices must
-        have finished first (the save thread reads on another stream)."""
-        for device in _cuda_devices(flatten_state_dict(state_dict)[0]):
+        have finished first (the save thread reads on another stream). The capture digests
+        are taken now, of every tensor (which ones this rank writes is DCP's to plan)."""
+        flat = flatten_state_dict(state_dict)[0]
+        checks = inspection if inspection is not None and inspection.active else None
+        if checks is not None:
+            for fqn, value in flat.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                src = _local(value).detach()
+                key = replica_key(fqn, value)
+                if src.is_cuda:  # its NaN scan too: findings() reads it after the write
+                    checks.device(fqn, src, replica=key, finite=True, capture=True)
+                else:
+                    checks.take_host(fqn, src, replica=key)
+        for device in _cuda_devices(flat):
             torch.cuda.synchronize(device)
-        return Snapshot(state_dict=state_dict, live=True, inspection=inspection)
+        tamper = trace.tamper(Phase.PREPARE) if trace is not None else None
+        return Snapshot(state_dict=state_dict, live=True, inspection=inspection, tamper=tamper)
 
     def snapshot(
-        self, state_dict: dict[str, Any], deferred: Watch, inspection: Inspection | None = None
+        self,
+        state_dict: dict[str, Any],
+        deferred: Watch,
+        inspection: Inspection | None = None,
+        trace: Trace | None = None,
     ) -> Snapshot:
         """Copy (or queue the copy of) this rank's tensors; see the module docstring.
 
@@ -325,6 +362,17 @@ class Stager:
             if isinstance(v, torch.Tensor) and (key := replica_key(k, v)) is not None
         }
         checks = inspection if inspection is not None and inspection.active else None
+        tamper = trace.tamper(Phase.PREPARE) if trace is not None else None
+        target = (
+            pick(
+                tamper.item,
+                ((k, _nbytes(_local(v))) for k, v in flat.items()
+                 if isinstance(v, torch.Tensor) and (mine is None or k in mine)
+                 and not (_local(v).numel() and _ptr(v) in deferred)),
+            )
+            if tamper is not None
+            else ""
+        )  # fmt: skip
         st = snap.stats
         for device in _cuda_devices(flat):
             started = torch.cuda.Event(enable_timing=True)
@@ -342,27 +390,45 @@ class Stager:
             out[fqn] = value
             src = _local(value).detach()
             elsewhere = mine is not None and fqn not in mine
+            replica = snap.replicas.get(fqn)
             if checks is not None and src.is_cuda:  # queued on the training stream, too
-                checks.device(fqn, src, replica=snap.replicas.get(fqn), finite=not elsewhere)
+                checks.device(
+                    fqn, src, replica=replica, finite=not elsewhere, capture=not elsewhere
+                )
             if elsewhere:  # another rank writes it: never copied here, only its digest taken
-                if checks is not None and not src.is_cuda and fqn in snap.replicas:
-                    checks.host(fqn, src, replica=snap.replicas[fqn], finite=False)
+                if checks is not None and not src.is_cuda and replica is not None:
+                    checks.host(fqn, src, replica=replica, finite=False)
                 continue
-            buf = self._to_device_buffer(fqn, src, used, st) if src.is_cuda else None
+            bad = tamper.action if tamper is not None and fqn == target else None
+            buf = self._to_device_buffer(fqn, src, used, st, bad) if src.is_cuda else None
             if buf is not None:
                 snap.staged[fqn] = ("device", buf)
             elif src.numel() > 0 and _ptr(src) in deferred:
                 watch_versions([value], into=deferred)  # the alias DCP will read, too
                 snap.deferred[_ptr(src)] = deferred[_ptr(src)]
                 deferred_fqns.add(fqn)
+                if checks is not None and not src.is_cuda:  # its state now, copied later
+                    checks.take_host(fqn, src, replica=replica)
             elif src.is_cuda:
                 buf = self._alloc(self._host, fqn, src, "cpu", st)
-                buf.copy_(src, non_blocking=True)  # queued on the training stream, too
+                if bad is None:
+                    buf.copy_(src, non_blocking=True)  # queued on the training stream, too
+                else:
+                    tampered_copy(buf, src, bad)
                 st.pinned_bytes += _nbytes(buf)
                 snap.staged[fqn] = ("pinned", buf)
             else:
                 buf = self._alloc(self._host, fqn, src, "cpu", st)
-                buf.copy_(src)
+                if bad is not None:
+                    digest = host_digest(src)
+                    tampered_copy(buf, src, bad)
+                elif checks is not None and checks.wants_digest(replica):
+                    digest = copy_hashed(buf, src)  # the source's digest, in the copy's pass
+                else:
+                    digest = None
+                    buf.copy_(src)
+                if checks is not None and digest is not None:
+                    checks.captured_host(fqn, digest, replica=replica)
                 st.host_bytes += _nbytes(buf)
                 snap.staged[fqn] = ("host", buf)
         for device, (started, _) in snap.marks.items():
@@ -385,9 +451,12 @@ class Stager:
     def forget_plan(self) -> None:
         self._plan = None
 
-    def to_host(self, key: str, src: torch.Tensor, after: Any, st: StagingStats) -> torch.Tensor:
+    def to_host(
+        self, key: str, src: torch.Tensor, after: Any, st: StagingStats, bad: str | None = None
+    ) -> torch.Tensor:
         """Copy ``src`` into its reused host buffer (pinned for CUDA, on the side stream of
-        ``src``'s device, after the event ``after``); ``synchronize`` before reading it."""
+        ``src``'s device, after the event ``after``); ``synchronize`` before reading it.
+        ``bad``: the fault hook's way of getting that copy wrong (dckpt.storage.tamper)."""
         buf = self._alloc(self._host, key, src, "cpu", st)
         if src.is_cuda:
             stream = self._streams.get(src.device)
@@ -396,9 +465,14 @@ class Stager:
             with torch.cuda.stream(stream):
                 if after is not None:
                     stream.wait_event(after)
-                buf.copy_(src, non_blocking=True)
-        else:
+                if bad is None:
+                    buf.copy_(src, non_blocking=True)
+                else:
+                    tampered_copy(buf, src, bad)
+        elif bad is None:
             buf.copy_(src)
+        else:
+            tampered_copy(buf, src, bad)
         return buf
 
     def synchronize(self) -> None:
@@ -424,6 +498,7 @@ class StagingSavePlanner(DefaultSavePlanner):
         cancelled: threading.Event,
         trace: Trace | None = None,
         cache_key: str | None = None,
+        writes: ItemWrites | None = None,
     ) -> None:
         # DCP's plan cache only under a key dckpt.save.plan_cache agreed on: DCP's own
         # comparison of plans ignores dtypes, so its cache alone could commit stale metadata.
@@ -446,6 +521,11 @@ class StagingSavePlanner(DefaultSavePlanner):
         """The tensors DCP's final plan has this rank write."""
         self.deferred_host: dict[str, torch.Tensor] = {}
         """The copies of host tensors taken in the background (``overlap_staging``)."""
+        self.deferred: set[str] = set()
+        """Every tensor whose copy was taken in the background (``overlap_staging``)."""
+        self._writes = writes
+        """Where the writer digests the bytes it writes for each tensor (the capture check):
+        told, in ``resolve_data``, which tensor DCP is about to write for each item."""
 
     @property
     def stats(self) -> StagingStats:
@@ -492,21 +572,31 @@ class StagingSavePlanner(DefaultSavePlanner):
         snap.wait_ready()
         written: list[str] = []
         t0, drained = time.perf_counter(), False
+        tamper = self._trace.tamper(Phase.STAGE) if self._trace is not None else None
+        late = [  # the copies taken now: a GPU buffer's drain, a deferred copy
+            (i.index.fqn, _nbytes(self.lookup_object(i.index)))
+            for i in plan.items
+            if i.type != WriteItemType.BYTE_IO
+            and snap.staged.get(i.index.fqn, ("", None))[0] in ("device", "")
+        ]
+        target = pick(tamper.item, late) if tamper is not None else ""
         try:
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     continue
                 fqn = item.index.fqn
                 written.append(fqn)
+                bad = tamper.action if tamper is not None and fqn == target else None
                 kind, buf = snap.staged.get(fqn, ("", None))
                 if buf is not None:
                     if kind == "device":
                         ready = snap.ready(buf.device)
-                        buf = self._stager.to_host(fqn, buf, ready, st)
+                        buf = self._stager.to_host(fqn, buf, ready, st, bad)
                         drained = True
                     self._copies[item.index] = buf
                     continue
-                self._copies[item.index] = self._deferred_copy(fqn, item)
+                self._copies[item.index] = self._deferred_copy(fqn, item, bad)
+                self.deferred.add(fqn)
                 if not self.lookup_object(item.index).is_cuda:
                     self.deferred_host[fqn] = self._copies[item.index]
         finally:
@@ -515,7 +605,7 @@ class StagingSavePlanner(DefaultSavePlanner):
             st.drain_s = time.perf_counter() - t0
         self._stager.remember_plan(snap.signature, written)
 
-    def _deferred_copy(self, fqn: str, item: WriteItem) -> torch.Tensor:
+    def _deferred_copy(self, fqn: str, item: WriteItem, bad: str | None) -> torch.Tensor:
         """The copy ``save()`` left to now (``overlap_staging``), if nothing changed since."""
         snap = self._snap
         live = self.lookup_object(item.index)
@@ -534,19 +624,54 @@ class StagingSavePlanner(DefaultSavePlanner):
                 "parameters or optimizer state outside optimizer.step(), or keep "
                 "overlap_staging=False (the default), which copies everything in save()."
             )
-        buf = self._stager.to_host(fqn, live.detach(), snap.ready(live.device), snap.stats)
+        buf = self._stager.to_host(fqn, live.detach(), snap.ready(live.device), snap.stats, bad)
         snap.stats.deferred_bytes += _nbytes(buf)
         return buf
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         staged = self._copies.get(write_item.index)
-        return staged if staged is not None else super().resolve_data(write_item)
+        data = staged if staged is not None else super().resolve_data(write_item)
+        checks = self._snap.inspection
+        if self._writes is None or checks is None or not isinstance(data, torch.Tensor):
+            return data
+        fqn = write_item.index.fqn
+        kind = checks.capture_kind(fqn)
+        if kind is None:  # not captured (the checks could not read it): nothing to compare
+            return data
+        data = _as_written(data)
+        tamper = self._snap.tamper
+        if self._snap.live and tamper is not None and fqn == pick(tamper.item, self._sizes()):
+            bad = torch.empty_like(data)  # a synchronous save's copy is what the writer gets
+            tampered_copy(bad, data, tamper.action)
+            data = bad
+        self._writes.expect(fqn, data, kind)
+        return data
+
+    def _sizes(self) -> list[tuple[str, int]]:
+        flat, _ = flatten_state_dict(self._snap.state_dict)
+        return [(k, _nbytes(_local(v))) for k, v in flat.items() if isinstance(v, torch.Tensor)]
 
 
-def inspect_staged(snapshot: Snapshot, planner: StagingSavePlanner) -> Findings | None:
+def _as_written(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as DCP's writer serializes it (its serial loader: detached, on the CPU, a storage
+    of exactly its bytes), made here so the writer's digest can find those bytes by address
+    (dckpt.storage.item_writes): DCP then clones nothing."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.untyped_storage().size() != t.nbytes:
+        t = t.clone()
+    return t
+
+
+def inspect_staged(
+    snapshot: Snapshot, planner: StagingSavePlanner, writes: Mapping[str, str] | None = None
+) -> Findings | None:
     """The value checks of one save, finished in the background once DCP wrote it: each
-    host tensor checked on its staged copy (or, for a synchronous save, live: the caller
-    waits), and what the GPU kernels queued in save() found. None when no check is on."""
+    host tensor checked for NaN and Inf on its staged copy (or, for a synchronous save,
+    live: the caller waits), what the GPU kernels queued in save() found, and each tensor's
+    capture compared with ``writes``, the digests of the bytes written (None: not compared).
+    None when no check is on."""
     checks = snapshot.inspection
     if checks is None or not checks.active:
         return None
@@ -555,15 +680,12 @@ def inspect_staged(snapshot: Snapshot, planner: StagingSavePlanner) -> Findings 
         for fqn, value in flat.items():
             if not isinstance(value, torch.Tensor):
                 checks.value(fqn, value)
-                continue
-            src = _local(value).detach()
-            key = replica_key(fqn, value)
-            if src.is_cuda:
-                checks.device(fqn, src, replica=key, finite=True)
-            else:
-                checks.host(fqn, src, replica=key, finite=True)
+            elif not value.is_cuda:  # a GPU tensor's checks were queued in save()
+                checks.host(fqn, _local(value).detach(), replica=None, finite=True)
+        copies = dict.fromkeys(planner.written, "live")
     else:
         host = {f: b for f, (kind, b) in snapshot.staged.items() if kind == "host"}
         for fqn, buf in {**host, **planner.deferred_host}.items():
-            checks.host(fqn, buf, replica=snapshot.replicas.get(fqn), finite=True)
-    return checks.findings(planner.written)
+            checks.host(fqn, buf, replica=None, finite=True)  # its replica digest: captured
+        copies = {f: "deferred" if f in planner.deferred else "staged" for f in planner.written}
+    return checks.findings(planner.written, writes, copies)

@@ -137,6 +137,11 @@ class StepClock:
         q, s = self._overlaps(last, now)
         self._steps.append((now - last, q, s))
 
+    @property
+    def steps_seen(self) -> int:
+        """Optimizer steps ticked so far."""
+        return self._seen
+
     def save_started(self, now: float) -> None:
         self._windows.append([now, None, None])
 

@@ -75,6 +75,9 @@ class DirectFile(io.RawIOBase):
         self._tail_synced = True
         self.direct = True
         self.hasher: Hasher | None = None
+        self.also: Any = None
+        """A second hasher the pieces go through while set (an item's own digest,
+        dckpt.storage.item_writes): the bytes in the bounce buffer, as they go to disk."""
         """Fed each piece from the bounce buffer right after the copy, while it is in cache:
         one pass over memory fewer than hashing the source."""
 
@@ -91,6 +94,8 @@ class DirectFile(io.RawIOBase):
             piece[:] = data[done : done + n]
             if self.hasher is not None:
                 self.hasher.update(piece)
+            if self.also is not None:
+                self.also.update(piece)
             self._filled += n
             done += n
             if self._filled == BOUNCE_BYTES:

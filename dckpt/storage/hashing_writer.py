@@ -53,6 +53,7 @@ from ..phases import Phase, Trace
 from .digest import Hasher, format_digest, new_hasher
 from .direct_file import DirectFile, open_for_write
 from .item_digests import SUFFIX, ItemHasher, items_name
+from .item_writes import ItemWrites
 from .records import METADATA_FILE, FileRecord
 from .sink import Sink, Tee
 from .stable_file import StableBase, StableFile, item_key, link_base, prehash, stable_name
@@ -75,14 +76,17 @@ class _HashingStream(io.RawIOBase):
         hasher: Hasher,
         sink: Sink | None = None,
         items: ItemHasher | None = None,
+        writes: ItemWrites | None = None,
     ) -> None:
         super().__init__()
         self._raw = raw
         self._sink = sink
         self._hasher: Hasher | None = hasher
+        self._direct = isinstance(raw, DirectFile)
         if isinstance(raw, DirectFile):  # it hashes each piece as it copies it
             raw.hasher, self._hasher = hasher, None
         self.items = items
+        self._writes = writes
         self.nbytes = 0
 
     def writable(self) -> bool:
@@ -90,6 +94,24 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
+        item = self._writes.match(view) if self._writes is not None else None
+        if item is None:
+            return self._write(view)
+        assert self._writes is not None
+        also = item.start()  # a tensor item's storage: its own digest, as the bytes go out
+        if also is not None and self._direct:
+            self._raw.also = also  # type: ignore[attr-defined]
+        elif also is not None:
+            also.update(view)
+        try:
+            written = self._write(view)
+        finally:
+            if self._direct:
+                self._raw.also = None  # type: ignore[attr-defined]
+        self._writes.finished(item)
+        return written
+
+    def _write(self, view: memoryview) -> int:
         if self._hasher is not None:
             self._hasher.update(view)
         if self.items is not None:
@@ -136,10 +158,13 @@ class HashingFileSystem(FileSystem):
         *,
         direct: bool = True,
         tee: Tee | None = None,
+        writes: ItemWrites | None = None,
     ) -> None:
         super().__init__()
         self.base = Path(base)
         self.tee = tee
+        self.writes = writes
+        """Where each tensor item's written bytes are digested (None: not digested)."""
         self.algorithm = algorithm
         self.rank = rank
         self.direct = direct
@@ -166,7 +191,9 @@ class HashingFileSystem(FileSystem):
         # every rank reads ``.metadata`` (and a sidecar) whole: only data files get item digests
         data_file = name != METADATA_FILE and not name.endswith(SUFFIX)
         items = ItemHasher(self.algorithm) if data_file else None
-        stream = _HashingStream(open_for_write(path, direct=self.direct), hasher, sink, items)
+        raw = open_for_write(path, direct=self.direct)
+        writes = self.writes if data_file else None
+        stream = _HashingStream(raw, hasher, sink, items, writes)
         try:
             try:
                 yield stream
@@ -245,6 +272,7 @@ class HashingWriter(FileSystemWriter):
         slim_return: bool = False,
         stable_keys: frozenset[str] = frozenset(),
         base: StableBase | None = None,
+        writes: ItemWrites | None = None,
     ) -> None:
         # per_thread_copy_ahead=0: DCP's serial loader. The overlapping one (chosen whenever
         # CUDA is available) synchronizes the writer thread's stream every 10 MB, which on the
@@ -258,7 +286,7 @@ class HashingWriter(FileSystemWriter):
             overwrite=False,
         )
         self.fs: HashingFileSystem = HashingFileSystem(
-            path, algorithm, rank, direct=direct, tee=tee
+            path, algorithm, rank, direct=direct, tee=tee, writes=writes
         )
         self._trace = trace
         self._slim_return = slim_return
@@ -323,24 +351,33 @@ class HashingWriter(FileSystemWriter):
             file = f"{prefix}{i}.distcp"  # DCP's own name for its i-th file
             files.put((str(self.fs.concat_path(self.path, file)), file, bucket))
         base = self._base
+        writes = self.fs.writes
+        fqns = {wi.index.fqn for wi in stable}
         if (
             base is not None
             and base.file.name == name
             and base.file.items == items
+            and (writes is None or writes.comparable(dict(base.file.written), fqns))
             and link_base(base, Path(self.path))
         ):
             self.fs.adopt(base.file.records)
-            self.stable = StableFile(name, base.file.records, base.file.results, items, True)
+            if writes is not None:  # the bytes linked are the ones that save wrote
+                writes.adopt(dict(base.file.written))
+            self.stable = StableFile(
+                name, base.file.records, base.file.results, items, True, base.file.written
+            )
             written = self._write_data(planner, files).wait()
             return _done([*written, *base.file.results])
         files.put((str(self.fs.concat_path(self.path, name)), name, stable))
         written = self._write_data(planner, files).wait()
         mine = {r.path: r for r in self.fs.records()}
+        wrote = writes.written() if writes is not None else {}
         self.stable = StableFile(
             name,
             tuple(mine[p] for p in (name, items_name(name)) if p in mine),
             tuple(r for r in written if r.storage_data.relative_path == name),
             items,
+            written=tuple(sorted((k, d) for k, d in wrote.items() if k in fqns)),
         )
         return _done(written)
 
@@ -349,7 +386,7 @@ class HashingWriter(FileSystemWriter):
         if checkpoint_id:
             self.fs = HashingFileSystem(
                 checkpoint_id, self.fs.algorithm, self.fs.rank, direct=self.fs.direct,
-                tee=self.fs.tee,
+                tee=self.fs.tee, writes=self.fs.writes,
             )  # fmt: skip
         self.fs.clear()
 

@@ -41,6 +41,7 @@ import itertools
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,9 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.tensor import DTensor
+
+from .tamper import tampered_copy
+from .tensor_digest import copy_hashed, host_digest
 
 __all__ = [
     "FlatFile",
@@ -165,24 +169,46 @@ def plan_flat(state_dict: dict[str, Any], skip: frozenset[str] = frozenset()) ->
     return FlatPlan(tensors, blob, objects_offset, header, size)
 
 
-def write_into(buf: Any, plan: FlatPlan) -> None:
+def write_into(
+    buf: Any,
+    plan: FlatPlan,
+    *,
+    capture: Callable[[str], bool] | None = None,
+    tamper: tuple[str, str] | None = None,
+) -> dict[str, str]:
     """Write the planned file into ``buf`` (a writable mapping of exactly ``plan.size``
     bytes, every page allocated: dckpt.tiers.memory_layout.Slots.open), copying every tensor
-    now (the snapshot)."""
+    now (the snapshot). Returns the digest of each host tensor ``capture`` asks for, taken
+    from the source in the copy's pass (dckpt.storage.tensor_digest.copy_hashed).
+    ``tamper``: (action, key), the fault hook's copy to get wrong (dckpt.storage.tamper)."""
     view = memoryview(buf)
     if len(view) != plan.size:
         raise ValueError(f"the mapping holds {len(view)} bytes, the plan {plan.size}")
     view[: _HEAD.size] = _HEAD.pack(MAGIC, len(plan.header))
     view[_HEAD.size : _HEAD.size + len(plan.header)] = plan.header
-    for _key, local, offset, nbytes in plan.tensors:
-        if nbytes:
-            dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-            dst.view(local.dtype).view(local.shape).copy_(local)
-            del dst  # the mapping cannot close while a tensor views it
+    digests: dict[str, str] = {}
+    for key, local, offset, nbytes in plan.tensors:
+        wanted = capture is not None and not local.is_cuda and capture(key)
+        if not nbytes:
+            if wanted:
+                digests[key] = host_digest(local)
+            continue
+        dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        into = dst.view(local.dtype).view(local.shape)
+        if tamper is not None and tamper[1] == key:
+            if wanted:
+                digests[key] = host_digest(local)
+            tampered_copy(into, local, tamper[0])
+        elif wanted:
+            digests[key] = copy_hashed(into, local)
+        else:
+            into.copy_(local)
+        del dst, into  # the mapping cannot close while a tensor views it
     end = plan.objects_offset + len(plan.objects)
     view[plan.objects_offset : end] = plan.objects
     view[end:] = bytes(plan.size - end)  # the padding: no stale bytes of an earlier file
     del view
+    return digests
 
 
 def _round(n: int, to: int) -> int:

@@ -123,6 +123,10 @@ class StableFile:
     items: tuple[tuple[ItemKey, str], ...]
     """Each item's key and pre-hash, in the order written."""
     reused: bool = False
+    written: tuple[tuple[str, str], ...] = ()
+    """Each tensor's name and the digest of the bytes written for it when the file was
+    written (dckpt.storage.item_writes): what a save that links the file compares its
+    capture with. Empty without the capture check."""
 
     @property
     def bytes(self) -> int:
