@@ -46,6 +46,8 @@ IN = "tests/test_incremental.py"
 OP = "tests/test_one_pass.py"
 LP = "tests/test_loader_position.py"
 AG = "tests/test_adoption_guards.py"
+CA = "tests/faults/test_capture.py"
+LF = "tests/test_lock_fencing.py"
 
 
 @dataclass(frozen=True)
@@ -222,8 +224,8 @@ MUTANTS = (
     Mutant(
         "save: CPU tensors are not copied in save() (the live state is written)",
         "dckpt/save/stager.py",
-        "                buf.copy_(src)\n                st.host_bytes",
-        "                buf = src\n                st.host_bytes",
+        "                    digest = copy_hashed(buf, src)  # the source's digest",
+        "                    digest, buf = host_digest(src), src  # the source's digest",
         ("tests/test_snapshot.py::test_by_default_a_checkpoint_holds_the_state_of_save_time",),
     ),
     Mutant(
@@ -681,6 +683,73 @@ MUTANTS = (
         "            if live.dtype != dtype or list(live.shape) != shape:",
         "            if False:",
         ("tests/test_memory_stream.py::test_a_header_that_does_not_fit_the_state_writes_nothing",),
+    ),
+    Mutant(
+        "capture: a capture that differs from the bytes written is let through",
+        "dckpt/save/value_checks.py",
+        "                elif wrote != captured[name]:",
+        "                elif False:",
+        (f"{CA}::test_a_stale_torn_or_cut_staging_copy_never_commits_and_names_the_tensor",),
+    ),
+    Mutant(
+        "capture: a host tensor's capture digest is taken of its staging buffer, not its source",
+        "dckpt/save/stager.py",
+        "                    digest = copy_hashed(buf, src)  # the source's digest",
+        "                    digest = (buf.copy_(src), host_digest(buf))[1]  # the source's digest",
+        (f"{CA}::test_a_stale_torn_or_cut_staging_copy_never_commits_and_names_the_tensor",),
+    ),
+    Mutant(
+        "capture: the writer never finds a tensor's bytes in its stream (nothing compared)",
+        "dckpt/storage/item_writes.py",
+        "            return self._waiting.pop((address, len(view)), None)",
+        "            return None",
+        (f"{CA}::test_a_stale_torn_or_cut_staging_copy_never_commits_and_names_the_tensor",),
+    ),
+    Mutant(
+        "capture: a deferred copy (overlap_staging) is never captured at save()",
+        "dckpt/save/stager.py",
+        "                if checks is not None and not src.is_cuda:  # its state now, copied later",
+        "                if False:  # its state now, copied later",
+        (f"{CA}::test_a_stale_torn_or_cut_staging_copy_never_commits_and_names_the_tensor",),
+    ),
+    Mutant(
+        "capture: the memory route compares nothing it wrote",
+        "dckpt/save/memory.py",
+        '            names, writes if checks.capture else None, dict.fromkeys(names, "mapped")',
+        '            names, None, dict.fromkeys(names, "mapped")',
+        (f"{CA}::test_a_stale_torn_or_cut_staging_copy_never_commits_and_names_the_tensor",),
+    ),
+    Mutant(
+        "capture: the progress note fires when trainable tensors did change",
+        "dckpt/save/findings.py",
+        "    if stepped and moved and sum(n for n, _ in moved) and not sum(c for _, c in moved):",
+        "    if stepped and moved and sum(n for n, _ in moved):",
+        (f"{CA}::test_lr_zero_saves_say_no_trainable_tensor_changed",),
+    ),
+    Mutant(
+        "lock: a renewal that cannot read the lock file counts the lock as lost",
+        "dckpt/root/lock.py",
+        '                log.warning("dckpt: could not renew the run lock (will retry): %s",'
+        " exc)\n                continue",
+        "                self._lose()\n                return",
+        (f"{LF}::test_an_unreadable_lock_is_a_storage_error_never_a_lost_lock",),
+    ),
+    Mutant(
+        "lock: a failed read of the lock file at a commit is read once, not again",
+        "dckpt/root/lock.py",
+        "        for pause in (*READ_BACKOFF_S, None):",
+        "        for pause in (None,):",
+        (f"{LF}::test_an_unreadable_lock_is_a_storage_error_never_a_lost_lock",),
+    ),
+    Mutant(
+        "lock: the other ranks do not wait as long as rank 0 watches another host's lock",
+        "dckpt/collective/gate.py",
+        '            deadline = max(deadline, time.monotonic() + told["s"] + self.timeout_s)',
+        "            deadline = deadline",
+        (
+            "tests/faults/test_start_faults.py::test_a_relaunch_from_another_host_waits_one_lease"
+            "_on_every_rank_and_trains",
+        ),
     ),
 )
 

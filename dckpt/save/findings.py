@@ -55,7 +55,8 @@ class Findings:
     compared: int = 0
     """Tensors this rank wrote whose written bytes matched their capture digest."""
     mismatched: dict[str, tuple[str, str, str]] = field(default_factory=dict)
-    """Name → (which copy: ``staged``, ``deferred``, ``memory``, ``live``; the digest
+    """Name → (which copy: ``staged``, ``deferred``, ``mapped`` (the memory tier's file),
+    ``live``; the digest
     captured at ``save()``; the digest of the bytes written), for each that differs."""
     uncompared: tuple[str, ...] = ()
     """Tensors this rank wrote whose written bytes the writer never saw (not compared)."""
@@ -127,7 +128,7 @@ _COPIES = {
         "{name} on rank {rank} changed between save() and its deferred copy "
         "(overlap_staging=True): the copy is not the state at save()"
     ),
-    "memory": "the memory file's copy of {name} on rank {rank} is not the state at save()",
+    "mapped": "the memory file's copy of {name} on rank {rank} is not the state at save()",
     "live": (
         "the bytes written for {name} on rank {rank} are not the state at save() (the "
         "tensor changed while the synchronous save wrote it)"

@@ -348,7 +348,7 @@ class MemoryRoute:
             del raw, held  # the mapping cannot close while a tensor views it
         names = {key for key, *_ in staged.held}
         findings = checks.findings(
-            names, writes if checks.capture else None, dict.fromkeys(names, "memory")
+            names, writes if checks.capture else None, dict.fromkeys(names, "mapped")
         )
         if checks.capture:
             moved = self.history.moved(checks.captured(), staged.trainable)
