@@ -49,6 +49,8 @@ def test_verify_ok_then_bitflip_names_the_file(trained_copy: Path) -> None:
     ok = dckpt_cli("verify", str(trained_copy))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.count("OK") == 3
+    # each save compared what it wrote with the state at save() (the capture check)
+    assert ok.stdout.count("tensors compared at save() with the bytes written") == 3
     shard = trained_copy / "step-00000008" / "__1_0.distcp"
     flip_bit(shard)
     bad = dckpt_cli("verify", str(trained_copy))
@@ -96,8 +98,11 @@ def test_inspect_json_has_contract_fields(trained_root: Path) -> None:
     assert obj["config"]["steps"] == 12
     older = json.loads(dckpt_cli("inspect", str(trained_root), "--step", "4", "--json").stdout)
     assert older["step"] == 4
+    assert obj["capture"]["items"] > 0 and "uncompared" not in obj["capture"]
     human = dckpt_cli("inspect", str(trained_root))
     assert human.returncode == 0 and "__1_0.distcp" in human.stdout
+    captured = f"{obj['capture']['items']} tensors compared at save() with the bytes written"
+    assert captured in human.stdout
 
 
 def test_inspect_prints_the_config_one_key_per_line(trained_root: Path) -> None:

@@ -250,6 +250,7 @@ def _verify_json(result: VerifyResult) -> dict[str, Any]:
         "incompatible": result.incompatible,
         "files_checked": result.files_checked,
         "bytes_checked": result.bytes_checked,
+        "captured": result.captured,
         "problems": [
             {
                 "path": p.path,
@@ -291,7 +292,8 @@ def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
             label = r.step_dir.name
             if r.ok:
                 out.print(
-                    f"OK      {label}: {plural(r.files_checked, 'file')}, {human(r.bytes_checked)}"
+                    f"OK      {label}: {plural(r.files_checked, 'file')}, "
+                    f"{human(r.bytes_checked)}; {_captured_text(r.captured)}"
                 )
             if r.incompatible is not None:
                 out.print(f"UNREADABLE BY THIS TORCH  {label}: {r.incompatible}")
@@ -316,6 +318,13 @@ def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
     if not ok:
         return EXIT_STORAGE
     return EXIT_INCOMPATIBLE if any(r.incompatible for r in results) else EXIT_OK
+
+
+def _captured_text(items: int | None) -> str:
+    """What the save proved of its bytes against the training state (the capture check)."""
+    if items is None:
+        return "not compared with the state at save() (saved without the capture check)"
+    return f"{plural(items, 'tensor')} compared at save() with the bytes written"
 
 
 # --- inspect -------------------------------------------------------------------------------
@@ -418,6 +427,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("state", ", ".join(manifest.state)),
         ("size", f"{human(manifest.total_bytes)} in {plural(len(manifest.files), 'file')}"),
         ("digests", manifest.digest_algorithm),
+        ("captured", _captured_text(manifest.capture.get("items"))),
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created_at))),
         ("run id", manifest.run_id),
         ("milestone", manifest.milestone),

@@ -60,6 +60,9 @@ class VerifyResult:
     torch wrote (not damage: every byte hashed right), else None."""
     files_digest: str | None = None
     """The manifest's digest of its file list, which a recorded outcome is bound to."""
+    captured: int | None = None
+    """How many tensors the save compared with their state at ``save()`` before it committed
+    (the manifest's ``capture.items``); None: not recorded (a save by an older dckpt)."""
 
     @property
     def ok(self) -> bool:
@@ -139,6 +142,7 @@ def verify_checkpoint(
         problems=problems,
         incompatible=incompatible,
         files_digest=manifest.files_digest,
+        captured=manifest.capture.get("items"),
     )
 
 
