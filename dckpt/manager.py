@@ -452,7 +452,7 @@ class CheckpointManager:
         self.wait()
         return self._resumer.load(step)
 
-    def resume(self, *, fallback: bool | None = None) -> ResumeReport:
+    def resume(self, *, fallback: bool | None = None, allow_fresh: bool = False) -> ResumeReport:
         """Resume from the newest checkpoint that passes every check; see dckpt.load.resumer.
 
         Returns the ResumeReport (``report.resumed`` is False on a fresh start) after logging it
@@ -460,10 +460,16 @@ class CheckpointManager:
         older one is tried, unless ``fallback`` is False (default: the config's). Raises
         ConfigMismatchError on an unsafe config change, StateMismatchError when the model does
         not fit the checkpoint, WorldError when the warmup collective fails.
+
+        A root that holds this run's work none of which passes (every committed step
+        quarantined, or set aside as a restart loop) is never a silent fresh start: it raises
+        CheckpointError naming each step's verdict. ``allow_fresh=True`` starts from scratch
+        there instead, with a warning that says what was set aside.
         """
         self._check_open()
         self.wait()
-        return self._resumer.resume(self.config.fallback if fallback is None else fallback)
+        fallback = self.config.fallback if fallback is None else fallback
+        return self._resumer.resume(fallback, allow_fresh=allow_fresh)
 
     def observe(self, loss: float, *, step: int | None = None) -> None:
         """Record this step's loss; call it on every rank, every step, with the same value

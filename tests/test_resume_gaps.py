@@ -239,6 +239,9 @@ def test_a_root_whose_every_checkpoint_is_damaged_is_refused_naming_each(
     message = str(raised.value)
     assert "none of the 3 committed checkpoints" in message and "quarantine/" in message, message
     assert "Restore a good copy, or start a new run elsewhere" in message, message
+    for step in (1, 2, 3):  # each step's verdict in the error itself, not only in the log
+        assert f"step {step}: IntegrityError: digest mismatch" in message, message
+    assert "manager.resume(allow_fresh=True)" in message, message
     refusal = "\n".join(r.getMessage() for r in caplog.records if "REFUSED" in r.getMessage())
     for step in (1, 2, 3):
         assert f"skipped step {step} (quarantined): IntegrityError: digest mismatch" in refusal, (
@@ -265,6 +268,18 @@ def test_a_root_whose_every_checkpoint_is_damaged_is_refused_naming_each(
     assert "restore one, or remove quarantine/ to really start over" in str(again.value)
     assert all(torch.equal(_tensors(fresh)[k], v) for k, v in before.items())
     assert _tree(tmp_path) == after  # looking deleted nothing
+
+    # On purpose: allow_fresh=True starts from scratch, says what it sets aside, keeps it all.
+    with caplog.at_level(logging.WARNING, logger="dckpt"), _manager(tmp_path, fresh) as mgr:
+        report = mgr.resume(allow_fresh=True)
+        assert not report.resumed
+        mgr.save(1).result()
+    said = [r.getMessage() for r in caplog.records if "from scratch (allow_fresh" in r.getMessage()]
+    assert len(said) == 1 and "3 in quarantine/" in said[0], said
+    assert committed_steps(tmp_path) == [1]
+    assert all(
+        after[n] == d for n, d in _tree(tmp_path).items() if n in after and "quarantine" in n
+    )
 
 
 def test_a_root_whose_only_checkpoint_sits_in_quarantine_is_refused_not_resumed(

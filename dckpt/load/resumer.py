@@ -315,17 +315,19 @@ class Resumer:
             )
         return result
 
-    def resume(self, fallback: bool) -> ResumeReport:
+    def resume(self, fallback: bool, *, allow_fresh: bool = False) -> ResumeReport:
         """Steps 1-9; returns the logged report (``report.resumed`` is False on a fresh
         start). A refusal is logged once, as one block, on rank 0, and raised on every rank
-        (so a script can exit without a traceback per rank: dckpt already said why)."""
+        (so a script can exit without a traceback per rank: dckpt already said why).
+        ``allow_fresh``: where nothing of this run's work could be restored, start from
+        scratch with a warning instead of refusing (``_nothing_loaded``)."""
         skipped: list[tuple[int, str]] = []
         looped: list[tuple[int, str]] = []
         self.settle()
         self._ctl.begin("resume")
         try:
             try:
-                return self._resume(fallback, skipped, looped)
+                return self._resume(fallback, skipped, looped, allow_fresh)
             except CheckpointError:
                 raise
             except RuntimeError as exc:  # a wait on dckpt's group failed: name who is late
@@ -342,7 +344,11 @@ class Resumer:
             raise
 
     def _resume(
-        self, fallback: bool, skipped: list[tuple[int, str]], looped: list[tuple[int, str]]
+        self,
+        fallback: bool,
+        skipped: list[tuple[int, str]],
+        looped: list[tuple[int, str]],
+        allow_fresh: bool = False,
     ) -> ResumeReport:
         t0 = time.perf_counter()
         self._ctl.mark("listing the candidates")
@@ -383,7 +389,7 @@ class Resumer:
         report = ResumeReport.of(chosen, skipped, self.world_size, looped)
         report.warnings.extend([*self._notes, *passed, *surveyed])
         if result is None:
-            self._nothing_loaded(report, len(candidates), passed)
+            self._nothing_loaded(report, len(candidates), passed, allow_fresh)
             return report
         self._lineage.resumed(result.manifest)
         self.watch.overrides(report)
@@ -562,46 +568,71 @@ class Resumer:
             f"anyway once the cause is fixed, restore it and remove its resume records ({where})",
         )
 
-    def _nothing_loaded(self, report: ResumeReport, candidates: int, passed: list[str]) -> None:
+    def _nothing_loaded(
+        self, report: ResumeReport, candidates: int, passed: list[str], allow_fresh: bool
+    ) -> None:
         """A fresh start, or an error when every candidate failed, when a tier holds this
         run's work it could not restore, or when only quarantine holds checkpoints (starting
-        over would silently throw that run away)."""
-        if report.restart_loops:
-            loops = ", ".join(str(s) for s, _ in report.restart_loops)
-            newest = max(s for s, _ in report.restart_loops)
+        over would silently throw that run away). Each error names every step's verdict and
+        how to start over on purpose; ``allow_fresh`` starts over, saying so, instead."""
+        refusal = self._why_not_fresh(report, candidates, passed)
+        if refusal is not None and not allow_fresh:
             raise CheckpointError(
-                f"no checkpoint under {self.source} could be resumed: step(s) {loops} were "
-                "quarantined as restart loops (their last two replays differed from the run "
-                "that stopped; listed below) and no older one loaded. Starting from scratch "
-                "would silently throw that run away: fix the cause, then move step "
-                f"{newest} back from quarantine/ and run: {self._forget(newest)}"
+                f"{refusal} To train from scratch here anyway, on purpose: "
+                "manager.resume(allow_fresh=True) (the steps set aside stay where they are)."
+            )
+        if self.rank == 0:
+            report.foreign = self._foreign()
+            if refusal is not None:
+                log.warning(
+                    "dckpt: starting from scratch (allow_fresh=True) although %s",
+                    refusal[0].lower() + refusal[1:],
+                )
+            log.info("%s", report.format())
+
+    def _why_not_fresh(
+        self, report: ResumeReport, candidates: int, passed: list[str]
+    ) -> str | None:
+        """Why a fresh start would throw this run's work away, with each step's verdict;
+        None when nothing of it is known (an empty root). The same on every rank."""
+        verdicts = [
+            *(f"step {s}: restart loop ({why})" for s, why in report.restart_loops),
+            *(f"step {s}: {why}" for s, why in report.skipped),
+        ]
+        listed = "; ".join(verdicts[:8]) + (
+            f"; and {len(verdicts) - 8} more" if len(verdicts) > 8 else ""
+        )
+        if report.restart_loops:
+            newest = max(s for s, _ in report.restart_loops)
+            return (
+                f"no checkpoint under {self.source} could be resumed: {listed}. The restart "
+                "loops were quarantined (their last two replays differed from the run that "
+                "stopped) and no older step loaded; starting from scratch would silently throw "
+                f"that run away. Fix the cause, then move step {newest} back from quarantine/ "
+                f"and run: {self._forget(newest)}."
             )
         if report.skipped:
-            raise CheckpointError(
+            return (
                 f"none of the {candidates} committed checkpoints under {self.source} passed "
-                "verification; all were moved to quarantine/ (listed below). "
-                "The model may be partly overwritten by the failed attempts: rebuild it "
-                "before training. Restore a good copy, or start a new run elsewhere."
+                f"verification: {listed}. All were moved to quarantine/, where they stay. The "
+                "model may be partly overwritten by the failed attempts: rebuild it before "
+                "training. Restore a good copy, or start a new run elsewhere."
             )
         if passed:
-            listed = "; ".join(passed)
-            raise CheckpointError(
-                f"this run's work is recorded ({listed}), none of it could be restored, and "
-                f"{self.source} has no durable checkpoint: starting from scratch would "
-                "silently throw that run away. Bring the lost node back, or remove the "
+            return (
+                f"this run's work is recorded ({'; '.join(passed)}), none of it could be "
+                f"restored, and {self.source} has no durable checkpoint: starting from scratch "
+                "would silently throw that run away. Bring the lost node back, or remove the "
                 "records (dckpt memory clear ROOT --records) to really start over."
             )
         quarantined = self._ctl.broadcast(self._quarantined_count() if self.rank == 0 else 0)
-        if self.rank == 0:
-            report.foreign = self._foreign()
         if quarantined:
-            raise CheckpointError(
+            return (
                 f"{self.source} has no committed checkpoint but {quarantined} in quarantine/: "
                 "starting from scratch would silently throw that run away. Inspect them "
                 "(dckpt ls), restore one, or remove quarantine/ to really start over."
             )
-        if self.rank == 0:
-            log.info("%s", report.format())
+        return None
 
     def _quarantined_count(self) -> int:
         return sum(t.source.quarantined_count() for t in self.tiers)
