@@ -199,6 +199,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-value-checks measures what they cost (bench/true_cost.py)",
     )
     p.add_argument(
+        "--capture-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare each tensor's bytes written with its state at save() (the default); "
+        "--no-capture-check measures what it costs (bench/true_cost.py)",
+    )
+    p.add_argument(
         "--replica-sample",
         type=float,
         default=1.0,
@@ -233,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 NOT_CONFIG = (
     "ckpt_dir",
     "value_checks",
+    "capture_check",
     "replica_sample",
     "loss_log",
     "crash_at_step",
@@ -320,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_dir=args.memory_dir,
         memory_keep=args.memory_keep,
         _value_checks=args.value_checks,  # not a setting: the benchmarks' switch
+        _capture_check=args.capture_check,  # the same
         replica_sample=args.replica_sample,
         **({} if args.lock is None else {"lock": args.lock}),  # None: DCKPT_LOCK decides
     )

@@ -54,6 +54,7 @@ def _doc(
     async_printed: float,
     unchecked_extra: float,
     check_s: float,
+    uncaptured_extra: float | None = None,
 ) -> dict[str, Any]:
     args = bench.parse_args(["--steps", "20", "--save-every", "2"])
     first, last, saves = bench.window(args)
@@ -65,6 +66,9 @@ def _doc(
             "nocheck": _trainer(unchecked_extra, async_printed),
             "sampled": _trainer(unchecked_extra, async_printed, check_s=check_s / 4),
             "auto": _trainer(async_extra, async_printed),
+            "nocapture": _trainer(
+                async_extra if uncaptured_extra is None else uncaptured_extra, async_printed
+            ),
             "dcp": {"seconds": [1.0, 1.2, 0.8], "disk_s": [0.5, 0.5, 0.5], "bytes": 1000},
         }
     ]
@@ -87,7 +91,8 @@ def test_cost_per_save_is_read_from_the_step_records(bench: ModuleType) -> None:
     assert f["checks_cost_s"] == pytest.approx(0.01)
     assert f["checks_per_cost"] == pytest.approx(0.01 / 0.3)
     assert f["auto_per_best"] == pytest.approx(1.0) and f["auto_per_dcp"] == pytest.approx(0.3)
-    assert [t["pass"] for t in doc["targets"]] == [True] * 7
+    assert [t["pass"] for t in doc["targets"]] == [True] * 9
+    assert f["capture_cost_rise"] == pytest.approx(0.0)
     text = bench.render(doc)
     assert "| dckpt, background | 0.300 s | 0.30 |" in text and "PASS" in text
     assert "0.100 s of the background save's 2.000 s (5.0%" in text
@@ -96,8 +101,16 @@ def test_cost_per_save_is_read_from_the_step_records(bench: ModuleType) -> None:
 
 
 def test_a_cost_over_the_limits_and_a_wrong_printed_figure_fail(bench: ModuleType) -> None:
-    doc = _doc(bench, async_extra=0.7, async_printed=0.2, unchecked_extra=0.5, check_s=0.3)
+    doc = _doc(
+        bench,
+        async_extra=0.7,
+        async_printed=0.2,
+        unchecked_extra=0.5,
+        check_s=0.3,
+        uncaptured_extra=0.6,
+    )
     verdicts = {t["target"]: t["pass"] for t in doc["targets"]}
+    assert doc["figures"]["capture_cost_rise"] == pytest.approx(0.7 / 0.6 - 1)
     assert verdicts == {
         "async cost / dcp.save": False,
         "async cost / sync cost": False,
@@ -106,6 +119,8 @@ def test_a_cost_over_the_limits_and_a_wrong_printed_figure_fail(bench: ModuleTyp
         "reported / measured (async)": False,
         "value checks / background time": False,
         "value checks / loop's cost (async)": False,
+        "capture check: stall rise (async)": True,
+        "capture check: loop's cost rise (async)": False,
     }
     assert "FAIL" in bench.render(doc)
 
