@@ -19,6 +19,9 @@ What it measures, all in one run, into ``--out`` (``gpu.json`` and ``gpu.md``):
   ``DefaultStager``; where this torch fails it, the error is recorded), ``torch_save``;
 - ``pinned_d2h_gbps``: the ceiling of a pinned device-to-host copy of 1 GB; dckpt's drain
   (``staged_device_bytes / drain_s``) is set beside it;
+- ``fingerprint``: the capture check's fingerprint (issue 53), per GB: on the device, queued
+  on the stream as ``save()`` queues it (``device_gbps``), and over host bytes as the writer
+  computes it for each GPU tensor it writes (``host_gbps``, one thread as the writer has);
 - ``disk_gbps``: the disk's own write bandwidth (64 MiB writes + ``fdatasync``) for the
   checkpoint's size; dckpt's commit throughput is set beside it;
 - loads, cold page cache (``posix_fadvise(DONTNEED)`` on the files first), interleaved:
@@ -278,6 +281,37 @@ def pinned_d2h_gbps(device: torch.device, nbytes: int) -> float | None:
     return nbytes / best / GB
 
 
+def fingerprint_gbps(device: torch.device, nbytes: int) -> dict[str, float]:
+    """The capture check's fingerprint: GB/s on the device (queued kernels, then a sync, as a
+    save waits for them) and on the host over the same bytes (dckpt.storage.tensor_digest)."""
+    from dckpt.storage.tensor_digest import fingerprint
+
+    host = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    out: dict[str, float] = {}
+    best = float("inf")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the writer's one thread
+    try:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fingerprint(host)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    out["host_gbps"] = nbytes / best / GB
+    if device.type == "cuda":
+        src = host.to(device)
+        best = float("inf")
+        for _ in range(3):
+            sync(device)
+            t0 = time.perf_counter()
+            fingerprint(src)
+            sync(device)
+            best = min(best, time.perf_counter() - t0)
+        out["device_gbps"] = nbytes / best / GB
+    return out
+
+
 def disk_gbps(root: Path, nbytes: int, repeats: int = 2) -> dict[str, Any]:
     chunk = memoryview(os.urandom(CHUNK))
     secs = []
@@ -345,6 +379,14 @@ def render(doc: dict[str, Any]) -> str:
             f"{'' if rep is None else f'{rep * 1e3:.1f} ms'} | "
             f"{'' if during is None else f'{during:.3f}x'} | {m['commit_s']:.2f} s |"
         )
+    fp = r.get("fingerprint", {})
+    if fp:
+        on_device = f"{fp['device_gbps']:.1f} GB/s on the device, " if "device_gbps" in fp else ""
+        lines += [
+            "",
+            f"Capture check fingerprint: {on_device}{fp['host_gbps']:.2f} GB/s on the host "
+            "(one thread, as the writer computes it over each GPU tensor it writes).",
+        ]
     lines += ["", "| target | value | goal | verdict |", "|---|---|---|---|"]
     for t in r["targets"]:
         verdict = "n/a" if t["value"] is None else ("PASS" if t["ok"] else "FAIL")
@@ -412,6 +454,8 @@ def run(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str,
     print(f"gpu.py: baseline step {step_s * 1e3:.1f} ms", flush=True)
     results: dict[str, Any] = {"step_s": step_s, "baseline_steps_s": base, "methods": {}}
     results["pinned_d2h_gbps"] = pinned_d2h_gbps(device, min(nbytes, int(GB)))
+    results["fingerprint"] = fingerprint_gbps(device, min(nbytes, int(GB)))
+    print(f"gpu.py: fingerprint {json.dumps(results['fingerprint'])}", flush=True)
     results["disk"] = disk_gbps(root, min(nbytes, 4 * int(GB)))
     savers = Savers(trainer, root)
     try:

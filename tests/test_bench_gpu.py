@@ -53,6 +53,8 @@ def test_every_method_and_figure_runs_on_the_cpu(tmp_path: Path) -> None:
     assert dckpt["timings"]["staged_host_bytes"] > 0 and dckpt["reported_stall_s"] > 0
     assert doc["results"]["loads"]["verified_over_dcp_load"] > 0
     assert doc["results"]["disk"]["gb_per_s"] > 0
+    assert doc["results"]["fingerprint"]["host_gbps"] > 0  # the capture check's, per GB
     names = [t["name"] for t in doc["results"]["targets"]]
     assert "verified load / dcp.load" in names and "stall per save (s)" in names
     assert "| dckpt |" in (tmp_path / "gpu_cpu_smoke.md").read_text()
+    assert "Capture check fingerprint:" in (tmp_path / "gpu_cpu_smoke.md").read_text()

@@ -166,3 +166,42 @@ def test_value_checks_on_the_gpu_see_save_time_values(tmp_path: Path) -> None:
         with pytest.raises(dckpt.SaveError):
             mgr.wait()
     assert read_manifest(tmp_path / "step-00000001").finite
+
+
+@pytest.mark.parametrize(
+    ("budget", "phase"),
+    [(None, "prepare"), (None, "stage"), (0, "prepare")],
+    ids=["device-buffer", "drain-to-pinned", "pinned"],
+)
+def test_a_falsified_gpu_staging_copy_is_refused_and_a_clean_one_commits(
+    tmp_path: Path, budget: int | None, phase: str
+) -> None:
+    """The capture check on the GPU (issue 53): each tensor's fingerprint queued on the
+    training stream in save() against the same fingerprint of the host bytes written. A
+    device buffer not refreshed (prepare), a drain to pinned memory cut short (stage), a
+    pinned copy changed after it was made: each save is refused naming the tensor; the saves
+    around them commit, and the manifest counts what was compared."""
+    import os
+
+    model, opt = _model()
+    config = dckpt.CheckpointConfig(root=tmp_path, async_save=True, device_staging_bytes=budget)
+    outcomes = []
+    with dckpt.CheckpointManager(config, dckpt.TrainState(model, opt)) as mgr:
+        for step, action in ((1, None), (2, "stale"), (3, "skip"), (4, "torn"), (5, None)):
+            _step(model, opt)
+            if action is not None:
+                os.environ["DCKPT_FAULT"] = f"phase={phase},action={action},step={step}"
+            try:
+                mgr.save(step).result()
+                outcomes.append("committed")
+            except dckpt.SaveError as exc:
+                outcomes.append(str(exc))
+                with pytest.raises(dckpt.SaveError):
+                    mgr.wait()
+            finally:
+                os.environ.pop("DCKPT_FAULT", None)
+    assert outcomes[0] == outcomes[4] == "committed", outcomes
+    for said in outcomes[1:4]:
+        assert "not the state at save()" in said and "on rank 0" in said, said
+        assert "g:" in said, said  # the GPU's fingerprint, not a host digest
+    assert read_manifest(tmp_path / "step-00000005").capture["items"] > 0

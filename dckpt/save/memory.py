@@ -82,7 +82,7 @@ __all__ = ["MemoryRoute", "sharing_scope"]
 log = logging.getLogger("dckpt")
 
 
-_Held = tuple[str, torch.dtype, tuple[int, ...], int, int, bool]
+_Held = tuple[str, torch.dtype, tuple[int, ...], int, int, bool, str | None]
 
 
 @dataclass
@@ -105,7 +105,8 @@ class Staged:
     """The value checks begun in save() (GPU kernels, the digests of tensors left to other
     ranks' files, the capture digests), finished on the file's own bytes in the background."""
     held: tuple[_Held, ...] = ()
-    """The tensors in the file: key, dtype, shape, offset, bytes, whether it is a GPU's."""
+    """The tensors in the file: key, dtype, shape, offset, bytes, whether it is a GPU's, and
+    its replica key."""
     trainable: frozenset[str] = frozenset()
     """The keys of the parameters that require grad (the progress note)."""
     sizes: dict[str, int] = field(default_factory=dict)
@@ -223,7 +224,7 @@ class MemoryRoute:
             digests = write_into(
                 claim.buffer,
                 plan,
-                capture=lambda key: checks.wants_digest(keys.get(key)),
+                capture=lambda key: checks.capture,
                 tamper=bad,
             )
         except OSError as exc:
@@ -272,7 +273,7 @@ class MemoryRoute:
         for key, digest in digests.items():
             checks.captured_host(key, digest, replica=keys.get(key))
         return tuple(
-            (key, local.dtype, tuple(local.shape), offset, nbytes, local.is_cuda)
+            (key, local.dtype, tuple(local.shape), offset, nbytes, local.is_cuda, keys.get(key))
             for key, local, offset, nbytes in plan.tensors
         )
 
@@ -332,7 +333,7 @@ class MemoryRoute:
             return None
         buf = self.slots.mapping(staged.key)
         writes: dict[str, str] = {}
-        for key, dtype, shape, offset, nbytes, on_gpu in staged.held:
+        for key, dtype, shape, offset, nbytes, on_gpu, replica in staged.held:
             if nbytes:
                 raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
             else:
@@ -344,7 +345,7 @@ class MemoryRoute:
             elif kind == "g":  # the GPU's fingerprint, computed over the bytes in the file
                 writes[key] = fingerprint_digest(shape_prefix(held), fingerprint(held))
             if not on_gpu:  # a GPU tensor's NaN scan ran on its device
-                checks.host(key, held, replica=None, finite=True)
+                checks.host(key, held, replica=checks.staged_replica(replica), finite=True)
             del raw, held  # the mapping cannot close while a tensor views it
         names = {key for key, *_ in staged.held}
         findings = checks.findings(

@@ -422,7 +422,7 @@ class Stager:
                 if bad is not None:
                     digest = host_digest(src)
                     tampered_copy(buf, src, bad)
-                elif checks is not None and checks.wants_digest(replica):
+                elif checks is not None and checks.capture:
                     digest = copy_hashed(buf, src)  # the source's digest, in the copy's pass
                 else:
                     digest = None
@@ -681,11 +681,13 @@ def inspect_staged(
             if not isinstance(value, torch.Tensor):
                 checks.value(fqn, value)
             elif not value.is_cuda:  # a GPU tensor's checks were queued in save()
-                checks.host(fqn, _local(value).detach(), replica=None, finite=True)
+                key = checks.staged_replica(replica_key(fqn, value))
+                checks.host(fqn, _local(value).detach(), replica=key, finite=True)
         copies = dict.fromkeys(planner.written, "live")
     else:
         host = {f: b for f, (kind, b) in snapshot.staged.items() if kind == "host"}
         for fqn, buf in {**host, **planner.deferred_host}.items():
-            checks.host(fqn, buf, replica=None, finite=True)  # its replica digest: captured
+            key = checks.staged_replica(snapshot.replicas.get(fqn))  # None: it was captured
+            checks.host(fqn, buf, replica=key, finite=True)
         copies = {f: "deferred" if f in planner.deferred else "staged" for f in planner.written}
     return checks.findings(planner.written, writes, copies)

@@ -211,10 +211,10 @@ class Inspection:
     def active(self) -> bool:
         return self.replicas or self.finite or self.capture
 
-    def wants_digest(self, replica: str | None) -> bool:
-        """Whether a host tensor this rank copies needs its digest taken from the source
-        (``copy_hashed``): it is captured, or compared as a replica in this save."""
-        return self.capture or self._sampled(replica)
+    def staged_replica(self, replica: str | None) -> str | None:
+        """The replica key to check a host tensor's staged copy under in the background:
+        None when its capture digest (taken in ``save()``) already stands for it."""
+        return None if self.capture else replica
 
     def value(self, name: str, value: Any) -> None:
         """A non-tensor value, as DCP would pickle it (a replica if another rank has it)."""
@@ -233,9 +233,9 @@ class Inspection:
             self._digests[replica] = digest
 
     def take_host(self, name: str, t: torch.Tensor, *, replica: str | None) -> None:
-        """Digest live host tensor ``name`` now, inside ``save()``, when it is not copied now
+        """Capture live host tensor ``name`` now, inside ``save()``, when it is not copied now
         (its copy deferred, a synchronous save): ``captured_host`` of its ``host_digest``."""
-        if not self.wants_digest(replica):
+        if not self.capture:
             return
         try:
             digest = host_digest(t)
