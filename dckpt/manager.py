@@ -464,7 +464,10 @@ class CheckpointManager:
         A root that holds this run's work none of which passes (every committed step
         quarantined, or set aside as a restart loop) is never a silent fresh start: it raises
         CheckpointError naming each step's verdict. ``allow_fresh=True`` starts from scratch
-        there instead, with a warning that says what was set aside.
+        there instead, with a warning that says what was set aside, when this start read
+        nothing of those steps into the state (they were set aside before, or are restart
+        loops); when it just failed to load them, the state may hold some of their bytes, so
+        it still raises: rebuild the model, and the next start may begin afresh.
         """
         self._check_open()
         self.wait()

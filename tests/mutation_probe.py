@@ -224,8 +224,8 @@ MUTANTS = (
     Mutant(
         "save: CPU tensors are not copied in save() (the live state is written)",
         "dckpt/save/stager.py",
-        "                    digest = copy_hashed(buf, src)  # the source's digest",
-        "                    digest, buf = host_digest(src), src  # the source's digest",
+        "                    digest = _copy_captured(buf, src, fqn, checks)",
+        "                    digest, buf = host_digest(src), src",
         ("tests/test_snapshot.py::test_by_default_a_checkpoint_holds_the_state_of_save_time",),
     ),
     Mutant(
@@ -694,15 +694,15 @@ MUTANTS = (
     Mutant(
         "capture: a host tensor's capture digest is taken of its staging buffer, not its source",
         "dckpt/save/stager.py",
-        "                    digest = copy_hashed(buf, src)  # the source's digest",
-        "                    digest = (buf.copy_(src), host_digest(buf))[1]  # the source's digest",
+        "        return copy_hashed(buf, src)  # the source's digest",
+        "        return (buf.copy_(src), host_digest(buf))[1]  # the source's digest",
         (f"{CA}::test_a_stale_torn_or_cut_staging_copy_never_commits_and_names_the_tensor",),
     ),
     Mutant(
         "capture: the writer never finds a tensor's bytes in its stream (nothing compared)",
         "dckpt/storage/item_writes.py",
-        "            return self._waiting.pop((address, len(view)), None)",
-        "            return None",
+        "            waiting = self._waiting.get((address, len(view)))",
+        "            waiting = None",
         (f"{CA}::test_a_stale_torn_or_cut_staging_copy_never_commits_and_names_the_tensor",),
     ),
     Mutant(

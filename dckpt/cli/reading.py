@@ -250,7 +250,8 @@ def _verify_json(result: VerifyResult) -> dict[str, Any]:
         "incompatible": result.incompatible,
         "files_checked": result.files_checked,
         "bytes_checked": result.bytes_checked,
-        "captured": result.captured,
+        "captured": result.captured[0],
+        "uncompared": result.captured[1],
         "problems": [
             {
                 "path": p.path,
@@ -293,7 +294,7 @@ def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
             if r.ok:
                 out.print(
                     f"OK      {label}: {plural(r.files_checked, 'file')}, "
-                    f"{human(r.bytes_checked)}; {_captured_text(r.captured)}"
+                    f"{human(r.bytes_checked)}; {_captured_text(*r.captured)}"
                 )
             if r.incompatible is not None:
                 out.print(f"UNREADABLE BY THIS TORCH  {label}: {r.incompatible}")
@@ -320,11 +321,12 @@ def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
     return EXIT_INCOMPATIBLE if any(r.incompatible for r in results) else EXIT_OK
 
 
-def _captured_text(items: int | None) -> str:
+def _captured_text(items: int | None, uncompared: int = 0) -> str:
     """What the save proved of its bytes against the training state (the capture check)."""
     if items is None:
         return "not compared with the state at save() (saved without the capture check)"
-    return f"{plural(items, 'tensor')} compared at save() with the bytes written"
+    missed = f", {plural(uncompared, 'tensor')} not compared" if uncompared else ""
+    return f"{plural(items, 'tensor')} compared at save() with the bytes written{missed}"
 
 
 # --- inspect -------------------------------------------------------------------------------
@@ -427,7 +429,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("state", ", ".join(manifest.state)),
         ("size", f"{human(manifest.total_bytes)} in {plural(len(manifest.files), 'file')}"),
         ("digests", manifest.digest_algorithm),
-        ("captured", _captured_text(manifest.capture.get("items"))),
+        (
+            "captured",
+            _captured_text(manifest.capture.get("items"), manifest.capture.get("uncompared", 0)),
+        ),
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created_at))),
         ("run id", manifest.run_id),
         ("milestone", manifest.milestone),

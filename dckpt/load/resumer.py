@@ -576,6 +576,17 @@ class Resumer:
         over would silently throw that run away). Each error names every step's verdict and
         how to start over on purpose; ``allow_fresh`` starts over, saying so, instead."""
         refusal = self._why_not_fresh(report, candidates, passed)
+        if refusal is not None and report.skipped:
+            # The failed loads may have filled tensors: no fresh start trains on that state.
+            # The steps are in quarantine/ now, so the next start reads nothing of them.
+            again = "start again with manager.resume(allow_fresh=True) to train from scratch"
+            raise CheckpointError(
+                f"{refusal} To train from scratch here anyway: rebuild the model and the "
+                f"optimizer (the failed loads may have written into them), then {again}."
+                if allow_fresh
+                else f"{refusal} To train from scratch here anyway, on purpose: rebuild the "
+                f"model and {again} (the steps set aside stay where they are)."
+            )
         if refusal is not None and not allow_fresh:
             raise CheckpointError(
                 f"{refusal} To train from scratch here anyway, on purpose: "

@@ -60,9 +60,10 @@ class VerifyResult:
     torch wrote (not damage: every byte hashed right), else None."""
     files_digest: str | None = None
     """The manifest's digest of its file list, which a recorded outcome is bound to."""
-    captured: int | None = None
-    """How many tensors the save compared with their state at ``save()`` before it committed
-    (the manifest's ``capture.items``); None: not recorded (a save by an older dckpt)."""
+    captured: tuple[int | None, int] = (None, 0)
+    """How many tensors the save compared with their state at ``save()`` before it committed,
+    and how many it could not (the manifest's ``capture``); None: not recorded (a save made
+    without the capture check)."""
 
     @property
     def ok(self) -> bool:
@@ -142,7 +143,7 @@ def verify_checkpoint(
         problems=problems,
         incompatible=incompatible,
         files_digest=manifest.files_digest,
-        captured=manifest.capture.get("items"),
+        captured=(manifest.capture.get("items"), manifest.capture.get("uncompared", 0)),
     )
 
 

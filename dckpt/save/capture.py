@@ -18,10 +18,17 @@ for every tensor each rank writes, two digests made of the same values in the sa
 
 A difference on any rank refuses the save on every rank (dckpt.save.findings: "the staged
 copy of model.0.weight on rank 1 is not the state at save()"), nothing committed; no
-setting lets it through. The capture digest is also the tensor's replica digest, so the
-ranks' copies of a replicated value are compared as they were at ``save()``, and a replica
-that differs is the model's doing, never the save's. The manifest's ``capture`` counts the
-tensors compared (``dckpt inspect``, ``dckpt verify``).
+setting lets it through. What cannot be compared is never a refusal (refusing every save of a
+healthy run on a limit of the check would be the guard taking the run down), but it is said
+and counted: a tensor whose bytes the checks cannot read (a conjugate view; a GPU with no
+memory left for the fingerprint) is saved unchecked and named once a run, and one whose
+written bytes the writer never saw go out (a torch that serializes differently) is counted
+in the manifest (``capture.uncompared``) and named once a run.
+
+The capture digest is also the tensor's replica digest, so the ranks' copies of a replicated
+value are compared as they were at ``save()``, and a replica that differs is the model's
+doing, never the save's. The manifest's ``capture`` counts the tensors compared (``dckpt
+inspect``, ``dckpt verify``).
 
 ``CaptureHistory`` keeps a rank's capture digests of its trainable tensors from one save of
 a tier to the next: when the optimizer stepped in between and none of them changed, the save

@@ -174,9 +174,11 @@ def judge(
     replica_check: ReplicaCheck,
     allow_nonfinite: bool,
     stepped: int = 0,
+    capture_on: bool = False,
 ) -> Verdict:
     """The verdict on every rank's findings (rank, findings); see the module docstring.
-    ``stepped``: optimizer steps since this tier's previous save (the progress note)."""
+    ``stepped``: optimizer steps since this tier's previous save (the progress note);
+    ``capture_on``: the capture check ran (the manifest records it, even at 0 tensors)."""
     given = [(rank, f) for rank, f in reports if f is not None]
     differ = _differing(given) if replica_check != "off" else {}
     nonfinite: dict[str, tuple[int, str]] = {}
@@ -196,7 +198,7 @@ def judge(
     capture: dict[str, Any] = {}
     compared = sum(f.compared for _, f in given)
     uncompared = tuple(f"rank {rank}: {name}" for rank, f in given for name in f.uncompared)
-    if compared or uncompared:
+    if capture_on or compared or uncompared:
         capture = {"items": compared, **({"uncompared": len(uncompared)} if uncompared else {})}
     moved = [f.trainable for _, f in given if f.trainable is not None]
     if stepped and moved and sum(n for n, _ in moved) and not sum(c for _, c in moved):

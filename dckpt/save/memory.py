@@ -227,10 +227,12 @@ class MemoryRoute:
                 capture=lambda key: checks.capture,
                 tamper=bad,
             )
-        except OSError as exc:
+        except BaseException as exc:
             self.slots.drop(part)
             with contextlib.suppress(OSError):
                 part.parent.rmdir()  # only if this save made it and left it empty
+            if not isinstance(exc, OSError):
+                raise
             raise StorageError(
                 f"the memory tier at {self.dir} could not hold rank {self.rank}'s "
                 f"{human_bytes(plan.size)} for step {step} "
@@ -272,6 +274,9 @@ class MemoryRoute:
                 checks.host(key, local, replica=keys.get(key), finite=False)
         for key, digest in digests.items():
             checks.captured_host(key, digest, replica=keys.get(key))
+        for key, local, _, _ in plan.tensors:
+            if checks.capture and not local.is_cuda and key not in digests:
+                checks.cannot_read(key, ValueError("its bytes cannot be read as a host tensor"))
         return tuple(
             (key, local.dtype, tuple(local.shape), offset, nbytes, local.is_cuda, keys.get(key))
             for key, local, offset, nbytes in plan.tensors

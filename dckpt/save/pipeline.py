@@ -342,6 +342,7 @@ class SavePipeline:
             replica_check=self.config.replica_check,
             allow_nonfinite=self.config.allow_nonfinite,
             stepped=job.stepped,
+            capture_on=self.config.capture_check,
         )
         refusal = coordinator.refusal(tmp, reports, settled.refused or verdict.refusal)
         if refusal is not None:
@@ -361,8 +362,10 @@ class SavePipeline:
             self._warned_uncompared = True  # the same tensors each save: said once a run
             log.warning(
                 "dckpt: %d tensor(s) were saved without their written bytes compared with the "
-                "state at save() (the writer never saw their bytes go out: another torch "
-                "serializes them differently); the file digests still cover them: %s",
+                "state at save(): the writer never saw their bytes go out (a torch that "
+                "serializes them differently, or a dckpt bug: please report it with this "
+                "line). Their file digests still cover them, and the manifest counts them "
+                "(capture.uncompared): %s",
                 len(verdict.uncompared),
                 ", ".join(verdict.uncompared[:5]),
             )

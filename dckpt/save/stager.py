@@ -419,13 +419,13 @@ class Stager:
                 snap.staged[fqn] = ("pinned", buf)
             else:
                 buf = self._alloc(self._host, fqn, src, "cpu", st)
+                digest: str | None = None
                 if bad is not None:
                     digest = host_digest(src)
                     tampered_copy(buf, src, bad)
                 elif checks is not None and checks.capture:
-                    digest = copy_hashed(buf, src)  # the source's digest, in the copy's pass
+                    digest = _copy_captured(buf, src, fqn, checks)
                 else:
-                    digest = None
                     buf.copy_(src)
                 if checks is not None and digest is not None:
                     checks.captured_host(fqn, digest, replica=replica)
@@ -652,15 +652,31 @@ class StagingSavePlanner(DefaultSavePlanner):
         return [(k, _nbytes(_local(v))) for k, v in flat.items() if isinstance(v, torch.Tensor)]
 
 
+def _copy_captured(
+    buf: torch.Tensor, src: torch.Tensor, fqn: str, checks: Inspection
+) -> str | None:
+    """Copy ``src`` into ``buf`` and return the source's digest, taken in the copy's pass
+    (``copy_hashed``); a tensor whose bytes cannot be read so (a conjugate view) is copied
+    plainly and saved unchecked, named in the findings."""
+    try:
+        return copy_hashed(buf, src)  # the source's digest, in the copy's pass
+    except Exception as exc:
+        buf.copy_(src)
+        checks.cannot_read(fqn, exc)
+        return None
+
+
 def _as_written(t: torch.Tensor) -> torch.Tensor:
     """``t`` as DCP's writer serializes it (its serial loader: detached, on the CPU, a storage
     of exactly its bytes), made here so the writer's digest can find those bytes by address
-    (dckpt.storage.item_writes): DCP then clones nothing."""
+    (dckpt.storage.item_writes): DCP then clones nothing. A tensor stored in another order
+    (``channels_last``, a transposed view) is made row-major first: torch.save writes a
+    storage in its own order, and the capture digest is of the values in row-major order."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    if t.untyped_storage().size() != t.nbytes:
-        t = t.clone()
+    if t.untyped_storage().size() != t.nbytes or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
     return t
 
 

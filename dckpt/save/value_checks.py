@@ -268,6 +268,10 @@ class Inspection:
         except Exception as exc:  # torch.cuda.OutOfMemoryError included: saved unchecked
             self._unchecked(name, exc)
 
+    def cannot_read(self, name: str, exc: Exception) -> None:
+        """``name`` could not be digested where it was copied: saved unchecked, named."""
+        self._unchecked(name, exc)
+
     def _unchecked(self, name: str, exc: Exception) -> None:
         log.debug("dckpt: %s cannot be checked (%r); it is saved unchecked", name, exc)
         self.unchecked.append(name)

@@ -75,11 +75,11 @@ class DirectFile(io.RawIOBase):
         self._tail_synced = True
         self.direct = True
         self.hasher: Hasher | None = None
+        """Fed each piece from the bounce buffer right after the copy, while it is in cache:
+        one pass over memory fewer than hashing the source."""
         self.also: Any = None
         """A second hasher the pieces go through while set (an item's own digest,
         dckpt.storage.item_writes): the bytes in the bounce buffer, as they go to disk."""
-        """Fed each piece from the bounce buffer right after the copy, while it is in cache:
-        one pass over memory fewer than hashing the source."""
 
     def writable(self) -> bool:
         return True

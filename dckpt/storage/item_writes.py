@@ -12,10 +12,12 @@ How an item's bytes are found in the stream: DCP serializes each tensor item wit
 storage (measured on torch 2.13: same address, same length). The planner, right before DCP
 serializes an item, hands ``expect`` the very tensor DCP will write (its storage exactly the
 tensor's bytes, so DCP does not clone it); the hashing stream asks ``match`` about each large
-write (by length, then by address) and digests the matching one as it goes out: through the
-``O_DIRECT`` writer's bounce buffer, piece by piece beside the file digest, so the digest is
-of the bytes handed to the disk (dckpt.storage.direct_file), or of the write's buffer on a
-file system without ``O_DIRECT``.
+write (by length, then by address) and digests the matching one as it goes out: an ``x``
+digest through the ``O_DIRECT`` writer's bounce buffer, piece by piece beside the file
+digest, so it is of the bytes handed to the disk (dckpt.storage.direct_file), or of the
+write's buffer on a file system without ``O_DIRECT``; a ``g`` digest (the GPU fingerprint,
+which needs the tensor whole) over the tensor whose storage is being written, right before
+the write, from the same memory.
 
 Invariant: an item is reported written only if its bytes passed through a stream of this
 writer; one that never did (an error, a file linked instead of written) has no written
@@ -69,7 +71,9 @@ class ItemWrites:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[tuple[int, int], WrittenItem] = {}
+        self._waiting: dict[tuple[int, int], list[WrittenItem]] = {}
+        """By (address, length): the items whose bytes are that storage (tied weights: two
+        names, one storage, each written), first expected first."""
         self._sizes: set[int] = set()
         self._written: dict[str, str] = {}
         self._kinds: dict[str, str] = {}
@@ -88,7 +92,7 @@ class ItemWrites:
             return
         where = (int(tensor.untyped_storage().data_ptr()), nbytes)
         with self._lock:
-            self._waiting[where] = item
+            self._waiting.setdefault(where, []).append(item)
             self._sizes.add(nbytes)
 
     def match(self, view: memoryview) -> WrittenItem | None:
@@ -98,7 +102,13 @@ class ItemWrites:
             return None
         address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
         with self._lock:
-            return self._waiting.pop((address, len(view)), None)
+            waiting = self._waiting.get((address, len(view)))
+            if not waiting:
+                return None
+            item = waiting.pop(0)
+            if not waiting:
+                del self._waiting[(address, len(view))]
+            return item
 
     def finished(self, item: WrittenItem) -> None:
         """``item``'s bytes are all in the file."""

@@ -179,7 +179,8 @@ def write_into(
     """Write the planned file into ``buf`` (a writable mapping of exactly ``plan.size``
     bytes, every page allocated: dckpt.tiers.memory_layout.Slots.open), copying every tensor
     now (the snapshot). Returns the digest of each host tensor ``capture`` asks for, taken
-    from the source in the copy's pass (dckpt.storage.tensor_digest.copy_hashed).
+    from the source in the copy's pass (dckpt.storage.tensor_digest.copy_hashed); one whose
+    bytes cannot be read so is copied and left out (the caller saves it unchecked).
     ``tamper``: (action, key), the fault hook's copy to get wrong (dckpt.storage.tamper)."""
     view = memoryview(buf)
     if len(view) != plan.size:
@@ -200,7 +201,10 @@ def write_into(
                 digests[key] = host_digest(local)
             tampered_copy(into, local, tamper[0])
         elif wanted:
-            digests[key] = copy_hashed(into, local)
+            try:
+                digests[key] = copy_hashed(into, local)
+            except Exception:  # bytes it cannot read so (a conjugate view): copied, no digest
+                into.copy_(local)
         else:
             into.copy_(local)
         del dst, into  # the mapping cannot close while a tensor views it

@@ -341,7 +341,7 @@ class ObjectRoot:
             where=self.url_of(name),
             incompatible=incompatible,
             files_digest=manifest.files_digest,
-            captured=manifest.capture.get("items"),
+            captured=(manifest.capture.get("items"), manifest.capture.get("uncompared", 0)),
         )
 
     def _deep(self, step: int, threads: int) -> tuple[list[FileProblem], str | None]:

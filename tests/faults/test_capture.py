@@ -276,3 +276,55 @@ def test_lr_zero_saves_say_no_trainable_tensor_changed(tmp_path: Path) -> None:
     assert [n.split(":")[1].strip() for n in notes] == ["step 2", "step 3"], records
     assert "optimizer stepped 1 time(s)" in notes[0]
     assert all(f"saved step {s}" in " ".join(records) for s in (1, 2, 3, 4))
+
+
+def test_tensors_in_another_memory_order_tied_weights_and_conjugate_views_commit_compared(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review of the check found healthy saves it refused or could not compare: a
+    ``channels_last`` weight in a synchronous save (torch.save writes a storage in its own
+    order, the capture hashed row-major values: refused every time), two names on one
+    storage (tied weights) written by two writer threads (one of them went uncompared), and
+    a conjugate view (the fused copy raised out of ``save()``). Each now commits, every
+    tensor but the one the checks cannot read compared, and resumes bit for bit."""
+    import logging
+
+    import torch
+    from torch import nn
+
+    import dckpt
+    from dckpt.load.offline import load_flat
+    from dckpt.root.manifest import read_manifest
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+            self.emb = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight  # tied: two names, one storage
+            self.register_buffer("t", torch.randn(8, 6).t())  # a transposed view
+            self.register_buffer("z", torch.randn(4, dtype=torch.complex64).conj())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x).mean() + self.head(self.emb.weight).mean()
+
+    for run, config in (("sync", {"async_save": False}), ("async", {"async_save": True})):
+        torch.manual_seed(0)
+        model = Odd()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cfg = dckpt.CheckpointConfig(root=tmp_path / run, lock=False, io_threads=2, **config)
+        with (
+            caplog.at_level(logging.WARNING, logger="dckpt"),
+            dckpt.CheckpointManager(cfg, dckpt.TrainState(model, opt)) as mgr,
+        ):
+            for step in (1, 2):
+                model(torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)).backward()
+                opt.step()
+                mgr.save(step).result()  # a refusal raises here
+        manifest = read_manifest(tmp_path / run / "step-00000002")
+        assert manifest.capture["items"] > 0 and "uncompared" not in manifest.capture, run
+        saved = load_flat(tmp_path / run / "step-00000002", "model.")
+        for name, value in model.state_dict().items():
+            assert torch.equal(saved[f"model.{name}"], value), (run, name)
+    assert not [r for r in caplog.records if "without their written bytes" in r.getMessage()]
