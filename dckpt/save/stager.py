@@ -75,7 +75,7 @@ from ..faults import Tamper
 from ..phases import Phase, Trace
 from ..storage.item_writes import ItemWrites
 from ..storage.stable_file import StableFile
-from ..storage.tamper import pick, tampered_copy
+from ..storage.tamper import pick, staged_copy, tampered_copy
 from ..storage.tensor_digest import copy_hashed, host_digest
 from ..units import human_bytes
 from .findings import Findings
@@ -304,10 +304,7 @@ class Stager:
                 human_bytes(self._budgets[dev]),
             )
             return None
-        if bad is None:
-            buf.copy_(src)  # on the training stream: ordered before anything after save()
-        else:
-            tampered_copy(buf, src, bad)
+        staged_copy(buf, src, bad)  # on the training stream: ordered before anything after save()
         used[dev] = used.get(dev, 0) + _nbytes(buf)
         st.device_bytes += _nbytes(buf)
         return buf
@@ -411,10 +408,7 @@ class Stager:
                     checks.take_host(fqn, src, replica=replica)
             elif src.is_cuda:
                 buf = self._alloc(self._host, fqn, src, "cpu", st)
-                if bad is None:
-                    buf.copy_(src, non_blocking=True)  # queued on the training stream, too
-                else:
-                    tampered_copy(buf, src, bad)
+                staged_copy(buf, src, bad, non_blocking=True)  # on the training stream, too
                 st.pinned_bytes += _nbytes(buf)
                 snap.staged[fqn] = ("pinned", buf)
             else:
@@ -465,14 +459,9 @@ class Stager:
             with torch.cuda.stream(stream):
                 if after is not None:
                     stream.wait_event(after)
-                if bad is None:
-                    buf.copy_(src, non_blocking=True)
-                else:
-                    tampered_copy(buf, src, bad)
-        elif bad is None:
-            buf.copy_(src)
+                staged_copy(buf, src, bad, non_blocking=True)
         else:
-            tampered_copy(buf, src, bad)
+            staged_copy(buf, src, bad)
         return buf
 
     def synchronize(self) -> None:

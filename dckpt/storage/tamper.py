@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["pick", "tampered_copy"]
+__all__ = ["pick", "staged_copy", "tampered_copy"]
 
 
 def pick(item: str, sizes: Iterable[tuple[str, int]]) -> str:
@@ -21,6 +21,17 @@ def pick(item: str, sizes: Iterable[tuple[str, int]]) -> str:
     if item:
         return item
     return max(sizes, key=lambda kv: kv[1], default=("", 0))[0]
+
+
+def staged_copy(
+    dst: torch.Tensor, src: torch.Tensor, bad: str | None = None, *, non_blocking: bool = False
+) -> None:
+    """A staging copy: ``dst.copy_(src)``, or, where the fault hook names this copy
+    (``bad``), the copy falsified as ``tampered_copy`` says."""
+    if bad is None:
+        dst.copy_(src, non_blocking=non_blocking)
+    else:
+        tampered_copy(dst, src, bad)
 
 
 def tampered_copy(dst: torch.Tensor, src: torch.Tensor, action: str) -> None:
