@@ -30,7 +30,8 @@ typecheck: $(STAMP)
 # Test files run in parallel, a file's tests on one worker (they share its module fixtures):
 # most of a test's time is its ranks waiting on each other, on a deadline or on a store (the
 # suite kept 1.6 of 2 cores busy with three workers), so four workers on 2 cores took 832 s
-# where three took 902 s, the same 912 tests (2026-12-07). Files are handed out in
+# where three took 902 s, the same 912 tests (2026-12-07); five took 936 s, and mypy run
+# beside the four (903-916 s) cost more than run first (38 s). Files are handed out in
 # collection order, the longest first (tests/conftest.py: SLOWEST_FIRST), not re-sorted by
 # their number of tests (xdist's default put the few long ones last, alone at the end).
 # PYTEST_WORKERS=0 runs one file after another in this process.
@@ -38,15 +39,7 @@ PYTEST_WORKERS ?= 4
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40
 
-# mypy (about 35 s of one core, from a cold cache) runs beside the tests, which mostly wait:
-# its report is printed after theirs, and either failing fails the target.
-test: lint $(STAMP)
-	@mkdir -p build
-	@$(BIN)/mypy > build/mypy.log 2>&1 & typed=$$!; \
-	$(MAKE) --no-print-directory unit; tested=$$?; \
-	wait $$typed; checked=$$?; \
-	echo "$(BIN)/mypy (beside the tests)"; cat build/mypy.log; \
-	[ $$tested -eq 0 ] && [ $$checked -eq 0 ]
+test: lint typecheck unit
 
 # The fault-injection suite alone (it also runs in `make test`), with its table; the trials
 # are kept in build/faults.json for the notes.

@@ -179,22 +179,27 @@ _SKIPPED: list[tuple[str, str]] = []
 # cores; the order only moves files, every test still runs. (Re-measured file by file once the
 # Trainer, Lightning and replay-kill files chained their launches: about 60 s alone for
 # preemption and the memory tier, 50 the Trainer and hostile, 45 to 30 the rest here.)
-SLOWEST_FIRST = (
-    "test_two_node.py",
+SLOWEST_FIRST = (  # by the time each file took in a run of the suite (2026-12-07), longest first
     "test_resume_train.py",
+    "test_two_node.py",
     "test_preemption.py",
+    "test_integration_lightning.py",
     "test_memory_tier.py",
     "test_integration_hf_trainer.py",
-    "faults/test_hostile.py",
-    "test_integration_lightning.py",
     "test_integration_accelerate.py",
     "test_replay_kill.py",
-    "faults/test_kill_phases.py",
-    "faults/test_external_kill.py",
-    "test_s3_second_server.py",
-    "faults/test_memory_faults.py",
-    "test_lock_refusals.py",
+    "faults/test_hostile.py",
     "test_s3_train.py",
+    "test_s3_second_server.py",
+    "test_s3.py",
+    "faults/test_power_loss.py",
+    "faults/test_external_kill.py",
+    "test_lock_refusals.py",
+    "faults/test_start_faults.py",
+    "test_cli.py",
+    "faults/test_kill_phases.py",
+    "faults/test_memory_faults.py",
+    "test_s3_rank_failure.py",
 )
 
 

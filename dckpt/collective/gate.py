@@ -69,9 +69,17 @@ class Gate:
             log.warning("dckpt: could not tell the other ranks to wait longer: %s", exc)
 
     def open(self) -> None:
-        """The opener: its work is done (well or not); every waiter goes on."""
-        if self.used:
+        """The opener: its work is done (well or not); every waiter goes on. CheckpointError
+        when the job's store does not take it (the waiters then give up on their deadline)."""
+        if not self.used:
+            return
+        try:
             call(default_store().set, self._open, "1")
+        except (StoreUnreachableError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"rank {self.opener} could not tell the other ranks it is done ({exc}); they "
+                "stop waiting at their own deadline. Start the job again."
+            ) from None
 
     def wait(self, what: str) -> None:
         """A waiter: return once the opener opened the gate; CheckpointError naming the opener
