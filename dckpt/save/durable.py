@@ -151,10 +151,10 @@ class DurableRoute:
             snap = self.stager.snapshot(state_dict, self._deferred(), checks, trace)
         else:
             snap = self.stager.live(state_dict, checks, trace)  # the caller waits for the commit
-        if self.config.incremental:
+        if self.config.incremental or self.config.capture_check:
             trainable, frozen = self.state.param_keys(state_dict)
-            if self.rank == 0:  # the manifest's record of them (``incremental``)
-                snap.trainable = tuple(sorted(trainable))
+            # the manifest's record of them (``incremental``, rank 0), the progress note's
+            snap.trainable = tuple(sorted(trainable))
             if self.links:
                 snap.stable = frozen
         return snap
@@ -323,8 +323,7 @@ class DurableRoute:
         checks = snapshot.inspection
         if findings is None or checks is None or not checks.capture:
             return findings
-        trainable, _ = self.state.param_keys(snapshot.state_dict)
-        moved = self.history.moved(checks.captured(), trainable)
+        moved = self.history.moved(checks.captured(), frozenset(snapshot.trainable))
         return dataclasses.replace(findings, trainable=moved)
 
     def _whose(self, exc: BaseException, uploads: _Uploads) -> tuple[int | None, BaseException]:

@@ -56,8 +56,8 @@ class Findings:
     """Tensors this rank wrote whose written bytes matched their capture digest."""
     mismatched: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     """Name → (which copy: ``staged``, ``deferred``, ``mapped`` (the memory tier's file),
-    ``live``; the digest
-    captured at ``save()``; the digest of the bytes written), for each that differs."""
+    ``live``; the digest captured at ``save()``; the digest of the bytes written), for each
+    that differs."""
     uncompared: tuple[str, ...] = ()
     """Tensors this rank wrote whose written bytes the writer never saw (not compared)."""
     trainable: tuple[int, int] | None = None

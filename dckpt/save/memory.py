@@ -224,7 +224,7 @@ class MemoryRoute:
             digests = write_into(
                 claim.buffer,
                 plan,
-                capture=lambda key: checks.capture,
+                capture=checks.capture,
                 tamper=bad,
             )
         except BaseException as exc:

@@ -181,12 +181,14 @@ class Snapshot:
     inspection: Inspection | None = None
     """This save's value checks (None: none), begun in save(), finished by ``inspect_staged``."""
     tamper: Tamper | None = None
-    """A synchronous save's: the fault hook's falsified copy of what the writer is handed."""
+    """A synchronous save's: the fault hook's falsified copy of what the writer is handed
+    (its ``item`` named: the tensor it hits)."""
     stable: frozenset[str] = frozenset()
     """The names DCP gives the frozen parameters an incremental save writes to a file of
     their own (dckpt.storage.stable_file); empty: every item goes to DCP's files."""
     trainable: tuple[str, ...] = ()
-    """The names of the parameters that require grad (``dckpt export --trainable``)."""
+    """The names of the parameters that require grad, as ``save()`` found them (the manifest's
+    ``incremental.trainable``, ``dckpt export --trainable``; the capture's progress note)."""
     replicas: dict[str, str] = field(default_factory=dict)
     """Tensor name → replica key, for the tensors other ranks hold copies of that DCP keeps
     once (plain tensors; DTensor shards with a Replicate placement): ``replica_key``."""
@@ -333,6 +335,11 @@ class Stager:
         for device in _cuda_devices(flat):
             torch.cuda.synchronize(device)
         tamper = trace.tamper(Phase.PREPARE) if trace is not None else None
+        if tamper is not None:  # the tensor it hits, named once
+            sizes = (
+                (k, _nbytes(_local(v))) for k, v in flat.items() if isinstance(v, torch.Tensor)
+            )
+            tamper = Tamper(tamper.action, pick(tamper.item, sizes))
         return Snapshot(state_dict=state_dict, live=True, inspection=inspection, tamper=tamper)
 
     def snapshot(
@@ -629,16 +636,12 @@ class StagingSavePlanner(DefaultSavePlanner):
             return data
         data = _as_written(data)
         tamper = self._snap.tamper
-        if self._snap.live and tamper is not None and fqn == pick(tamper.item, self._sizes()):
+        if self._snap.live and tamper is not None and fqn == tamper.item:
             bad = torch.empty_like(data)  # a synchronous save's copy is what the writer gets
             tampered_copy(bad, data, tamper.action)
             data = bad
         self._writes.expect(fqn, data, kind)
         return data
-
-    def _sizes(self) -> list[tuple[str, int]]:
-        flat, _ = flatten_state_dict(self._snap.state_dict)
-        return [(k, _nbytes(_local(v))) for k, v in flat.items() if isinstance(v, torch.Tensor)]
 
 
 def _copy_captured(

@@ -201,6 +201,8 @@ class Inspection:
         self._device_replicas: dict[str, str] = {}
         """Tensor name → the replica key its fingerprint stands for."""
         self._device_captured: set[str] = set()
+        self._read: dict[str, str] | None = None
+        """The GPU fingerprints' digests, once read (``_device_digests``)."""
         self._device_ranges: dict[str, torch.Tensor] = {}
         self._queued: dict[torch.device, Any] = {}
         """Per GPU: an event behind the last kernels queued here (waited for by findings)."""
@@ -240,7 +242,7 @@ class Inspection:
         try:
             digest = host_digest(t)
         except Exception as exc:  # a tensor kind the checks cannot read: saved unchecked
-            self._unchecked(name, exc)
+            self.cannot_read(name, exc)
             return
         self.captured_host(name, digest, replica=replica)
 
@@ -250,7 +252,7 @@ class Inspection:
         try:
             self._host(name, t, replica=replica, finite=finite)
         except Exception as exc:  # a tensor kind the checks cannot read: saved unchecked
-            self._unchecked(name, exc)
+            self.cannot_read(name, exc)
 
     def device(
         self,
@@ -266,13 +268,11 @@ class Inspection:
         try:
             self._device(name, t, replica=replica, finite=finite, capture=capture)
         except Exception as exc:  # torch.cuda.OutOfMemoryError included: saved unchecked
-            self._unchecked(name, exc)
+            self.cannot_read(name, exc)
 
     def cannot_read(self, name: str, exc: Exception) -> None:
-        """``name`` could not be digested where it was copied: saved unchecked, named."""
-        self._unchecked(name, exc)
-
-    def _unchecked(self, name: str, exc: Exception) -> None:
+        """``name`` cannot be read by the checks (where it was copied, or here): it is saved
+        unchecked, and named in the findings."""
         log.debug("dckpt: %s cannot be checked (%r); it is saved unchecked", name, exc)
         self.unchecked.append(name)
 
@@ -328,15 +328,17 @@ class Inspection:
 
     def captured(self) -> dict[str, str]:
         """Every capture digest (GPU ones read once their kernels ran)."""
-        self._sync()
-        out = dict(self._captured)
-        for name in self._device_captured:
-            out[name] = fingerprint_digest(*self._device_prints[name])
-        return out
+        read = self._device_digests()
+        return {**self._captured, **{name: read[name] for name in self._device_captured}}
 
-    def _sync(self) -> None:
-        for event in self._queued.values():
-            event.synchronize()
+    def _device_digests(self) -> dict[str, str]:
+        """Each GPU fingerprint's digest, read once (a wait for the kernels queued in
+        ``save()``, then a few bytes from the device each) and kept."""
+        if self._read is None:
+            for event in self._queued.values():
+                event.synchronize()
+            self._read = {n: fingerprint_digest(*p) for n, p in self._device_prints.items()}
+        return self._read
 
     def findings(
         self,
@@ -350,9 +352,8 @@ class Inspection:
         the digest of the bytes written for each tensor (None: nothing is compared);
         ``copies``: which copy each one's bytes came from (``Findings.mismatched``)."""
         captured = self.captured()  # waits for the GPU's kernels
-        digests = dict(self._digests)
-        for name, key in self._device_replicas.items():
-            digests[key] = fingerprint_digest(*self._device_prints[name])
+        read = self._device_digests()
+        digests = {**self._digests, **{k: read[n] for n, k in self._device_replicas.items()}}
         nonfinite = dict(self._nonfinite)
         for name, pair in self._device_ranges.items():
             lo, hi = pair.tolist()

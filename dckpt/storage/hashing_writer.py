@@ -99,7 +99,7 @@ class _HashingStream(io.RawIOBase):
             return self._write(view)
         assert self._writes is not None
         also = item.start()  # a tensor item's storage: its own digest, as the bytes go out
-        if also is not None and self._direct:
+        if self._direct:  # piece by piece, from the bounce buffer (None: a ``g`` digest)
             self._raw.also = also  # type: ignore[attr-defined]
         elif also is not None:
             also.update(view)

@@ -41,7 +41,6 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,13 +172,13 @@ def write_into(
     buf: Any,
     plan: FlatPlan,
     *,
-    capture: Callable[[str], bool] | None = None,
+    capture: bool = False,
     tamper: tuple[str, str] | None = None,
 ) -> dict[str, str]:
     """Write the planned file into ``buf`` (a writable mapping of exactly ``plan.size``
     bytes, every page allocated: dckpt.tiers.memory_layout.Slots.open), copying every tensor
-    now (the snapshot). Returns the digest of each host tensor ``capture`` asks for, taken
-    from the source in the copy's pass (dckpt.storage.tensor_digest.copy_hashed); one whose
+    now (the snapshot). With ``capture``, returns each host tensor's digest, taken from the
+    source in the copy's pass (dckpt.storage.tensor_digest.copy_hashed); one whose
     bytes cannot be read so is copied and left out (the caller saves it unchecked).
     ``tamper``: (action, key), the fault hook's copy to get wrong (dckpt.storage.tamper)."""
     view = memoryview(buf)
@@ -189,7 +188,7 @@ def write_into(
     view[_HEAD.size : _HEAD.size + len(plan.header)] = plan.header
     digests: dict[str, str] = {}
     for key, local, offset, nbytes in plan.tensors:
-        wanted = capture is not None and not local.is_cuda and capture(key)
+        wanted = capture and not local.is_cuda
         if not nbytes:
             if wanted:
                 digests[key] = host_digest(local)
