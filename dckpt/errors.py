@@ -97,7 +97,12 @@ class ConfigMismatchError(CheckpointError):
 
 
 class LossDeviationError(CheckpointError):
-    """After a resume, the loss left the band recorded at save time (``loss_watch="raise"``)."""
+    """After a resume, the loss left the band recorded at save time, or the replay differed
+    from the run that stopped (``loss_watch="raise"``)."""
+
+    kind = ""
+    """The verdict that raised it, where known: ``"loss_watch"`` or ``"replay"``
+    (dckpt.root.resume_record's kinds); an instance's own travels with it to other ranks."""
 
 
 class WorldError(CheckpointError):

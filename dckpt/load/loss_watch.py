@@ -25,8 +25,8 @@ loss among the first ``steps`` fails at once, and ``steps`` finite ones pass, co
 nothing.
 
 The verdict is one line in the resume report's format, logged by rank 0 (each rank compares
-its own losses with rank 0's record); ``raise`` raises ``LossDeviationError`` on every rank
-whose verdict failed (with the same loss on every rank, that is all of them). Rank 0 also
+its own losses with rank 0's record); with ``raise`` the ranks agree first
+(dckpt.load.watch), and ``LossDeviationError`` is raised on every rank or on none. Rank 0 also
 records it in the root (dckpt.root.resume_record), so a checkpoint that fails on every
 resume is not picked again and again.
 """
@@ -120,6 +120,10 @@ class LossWatch:
         usable losses: a non-finite one fails, ``steps`` finite ones pass."""
         self._steps, self._checkpoint, self._after = steps, checkpoint, []
         self._tail, self._band, self._guard = [], None, True
+
+    def disarm(self) -> None:
+        """No verdict of this watch for this resume (the ranks agreed on another one)."""
+        self._band, self._guard, self._vouched = None, False, None
 
     @property
     def armed(self) -> bool:

@@ -16,8 +16,9 @@ check names the first step that differs, with both values.
 - Rank 0 judges: it journaled its own losses, so it compares its own (the loss a script
   gives ``observe()`` may be all-reduced or rank 0's own). It logs the verdict, one line in
   the resume report's format; with ``loss_watch="raise"`` a difference raises
-  ``LossDeviationError`` there, and the job ends as on any exception (torchrun stops the
-  other ranks). No collective: a script that calls ``observe()`` on rank 0 only never hangs.
+  ``LossDeviationError`` on every rank, once the ranks agreed (dckpt.load.watch: its proof
+  also outranks a loss watch that failed on another rank). No collective here: with ``warn``
+  a script that calls ``observe()`` on rank 0 only never hangs.
 - Not compared (and said so in the report): no journal (none was written, it was pruned
   when a newer step committed, or an s3:// root's rank 0 runs on another host than the run
   that stopped), a journal of another save of that step, a world size or a config that

@@ -68,7 +68,9 @@ candidate gets into the state), its name (the id its resume records carry) and i
    a non-finite loss fails); ``observe()`` compares the next losses with it, and rank 0
    records the verdict, passed or failed, in the root (``.dckpt-resumes/step-N.json``; the
    bucket for an s3:// root; a memory step's beside the root's, with its tier) before it is
-   logged or raised. A record that cannot be written is logged, never raised;
+   logged or raised. A record that cannot be written is logged, never raised. With
+   ``loss_watch="raise"`` the ranks agree on the verdicts on the control group before any is
+   raised or recorded: every rank raises, or none;
 9. the ``ResumeReport`` (the chosen candidate's checks and warnings, plus what was skipped) is
    logged as one block on rank 0 and returned. It names each config change that passed but
    that the restored state overrides (the optimizer's learning rate: dckpt.load.overrides),
@@ -405,7 +407,7 @@ class Resumer:
             "warmup": time.perf_counter() - t_loaded,
             "total": time.perf_counter() - t0,
         }
-        self.watch.arm(result, report)  # 8
+        self.watch.arm(result, report, self._ctl)  # 8
         if self.rank == 0:  # 9
             log.info("%s", report.format())
         return report
