@@ -9,6 +9,11 @@ was wrong) commits nothing more and moves nothing it did not find or write.
 - The holder renews its lease (``beat``) every third of it; a taker on another host watches
   the record on its own monotonic clock and takes over only after a whole lease without a
   renewal. A lock of a job that is gone is taken over after that lease, whatever the clocks.
+- Another pid namespace on this host (a container or pod sharing the node's host name, made
+  here by ``unshare --pid --fork --mount-proc``) is watched like another host: pid 5 there is
+  not pid 5 here, and the old rule took a live job's lock over because pid 5 here was another
+  process. Where the record names this host, boot and pid namespace, or is an older dckpt's
+  record without them, a dead pid is taken over at once, as before.
 - Fencing on both root kinds is in tests/tiers/test_root_contract.py; here, on a directory:
   a step another job committed while this one held the root is never moved aside as
   "superseded" by this job's rollback, nor deleted by its retention.
@@ -18,13 +23,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
+from lock_kit import gone, unshare_or_skip
 from torch import nn
 
 import dckpt
@@ -87,6 +98,155 @@ def _live_lock_against_a_skewed_clock(tmp_path: Path, skew_s: float) -> None:
             lock.check_held()  # the old owner, fenced
     finally:
         lock.release()
+
+
+# --- pid namespaces --------------------------------------------------------------------------
+
+_ATTEMPT = """
+import os, sys, time
+from dckpt.errors import LockError
+from dckpt.root.lock import RunLock
+lock = RunLock(__import__("pathlib").Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]))
+t0 = time.monotonic()
+try:
+    lock.acquire()
+except LockError as exc:
+    print("refused after %.1f s:" % (time.monotonic() - t0), exc)
+    sys.exit(7)
+print("took after %.1f s:" % (time.monotonic() - t0), lock.took_over, flush=True)
+if sys.argv[4] == "die":
+    os._exit(0)  # dies holding it: the record stays, and is never renewed again
+lock.release()
+"""
+
+
+def _attempt(
+    root: Path, run_id: str, lease_s: float, prefix: list[str], then: str = "release"
+) -> subprocess.CompletedProcess[str]:
+    """A RunLock.acquire by a new process (``prefix``: in a new pid namespace); 7 if refused."""
+    cmd = [*prefix, sys.executable, "-c", _ATTEMPT, str(root), run_id, str(lease_s), then]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_live_job_in_another_pid_namespace_keeps_its_lock(tmp_path: Path) -> None:
+    """The bug: a second launch in a container on the same node found the holder's pid gone
+    (or another process) in its own namespace, took the live job's lock and trained."""
+    from dckpt.root.lock import RunLock
+
+    prefix = unshare_or_skip()
+    lock = RunLock(tmp_path, "long-run", lease_s=6.0)  # renews every 2 s
+    lock.acquire()
+    try:
+        refused = _attempt(tmp_path, "second-run", 6.0, prefix)
+        out = refused.stdout + refused.stderr
+        assert refused.returncode == 7, out
+        assert f"in use by run long-run (pid {os.getpid()} on {socket.gethostname()}," in out
+        assert "in another pid namespace on this host (a container): it was renewed" in out
+        assert json.loads((tmp_path / ".dckpt-lock").read_text())["run_id"] == "long-run"
+        lock.check_held()  # still this job's: it may commit
+    finally:
+        lock.release()
+
+
+def test_a_dead_job_in_another_pid_namespace_is_taken_over_after_one_lease(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its pid there (1) is a live process here (init): judged here, it looked like "another
+    process now", and was taken at once. Watched, it is taken once a lease passed unrenewed."""
+    from conftest import dckpt_cli
+
+    from dckpt.root.lock import RunLock
+
+    prefix = unshare_or_skip()
+    left = _attempt(tmp_path, "dead-run", 3.0, prefix, then="die")
+    assert left.returncode == 0, left.stdout + left.stderr
+    record = json.loads((tmp_path / ".dckpt-lock").read_text())
+    assert record["pid"] == 1, record  # the first process of its namespace; here, init
+    # `dckpt gc` cannot watch a lease: it names the holder, and where it is, and refuses.
+    gc = dckpt_cli("gc", str(tmp_path), "--keep-last", "2")
+    assert gc.returncode == 2, gc.stdout + gc.stderr
+    held = f"is held by run dead-run (pid {record['pid']} on {socket.gethostname()},"
+    assert held in gc.stderr and "in another pid namespace on this host" in gc.stderr
+    lock = RunLock(tmp_path, "next-run", lease_s=3.0)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="dckpt"):
+        lock.acquire()
+    waited = time.monotonic() - t0
+    try:
+        assert waited >= 3.0, (waited, lock.took_over)  # its lease, not at once
+        assert "run dead-run" in str(lock.took_over), lock.took_over
+        assert "its renewal count stayed at 0" in str(lock.took_over), lock.took_over
+        assert (
+            "in another pid namespace on this host (a container); waiting up to 3 s (its lease)"
+        ) in caplog.text
+    finally:
+        lock.release()
+
+
+# The record a dead job of this host name left, changed: (fields, watched, what the log says)
+_DEAD_HERE: dict[str, tuple[dict[str, object], bool, str]] = {
+    "same boot and namespace": ({}, False, "is no longer running"),
+    "older dckpt, no boot id or namespace": (
+        {"boot_id": None, "pid_ns": None},
+        False,
+        "is no longer running",
+    ),
+    "another boot id": (
+        {"boot_id": str(uuid.UUID(int=7))},
+        True,
+        "on a host of this name in another boot",
+    ),
+    "another pid namespace": ({"pid_ns": 1}, True, "in another pid namespace on this host"),
+}
+
+
+@pytest.mark.parametrize("case", list(_DEAD_HERE))
+def test_a_dead_pid_is_taken_at_once_only_where_this_process_can_see_it(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dckpt.root.lock import RunLock
+
+    changes, watched, says = _DEAD_HERE[case]
+    record = gone("dead-run", 3.0, **changes)
+    (tmp_path / ".dckpt-lock").write_text(json.dumps(record))
+    lock = RunLock(tmp_path, "next-run", lease_s=30.0)  # the record's lease (3 s) is watched
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="dckpt"):
+        lock.acquire()
+    waited = time.monotonic() - t0
+    try:
+        took = str(lock.took_over)
+        if watched:  # not judged by its pid (a dead one), whatever it is here
+            assert waited >= 3.0 and "its renewal count stayed at 0" in took, (waited, took)
+            assert says in caplog.text, caplog.text
+        else:
+            assert f"pid {record['pid']} {says}" in took, took
+            assert "waiting up to" not in caplog.text, caplog.text
+    finally:
+        lock.release()
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["this-namespace", "older-dckpt"])
+def test_a_live_pid_of_this_namespace_is_refused_at_once(tmp_path: Path, older: bool) -> None:
+    """An older dckpt's record (no boot id, no namespace, no lease) keeps the host-name rule:
+    its live pid here is a live owner, refused at once, never watched."""
+    from dckpt.errors import LockError
+    from dckpt.root.lock import RunLock
+
+    with subprocess.Popen(["sleep", "60"]) as live:
+        try:
+            started = psutil.Process(live.pid).create_time()
+            record = gone("live-run", 30.0, pid=live.pid, started=started)
+            if older:
+                for field in ("boot_id", "pid_ns", "lease_s"):
+                    del record[field]
+            (tmp_path / ".dckpt-lock").write_text(json.dumps(record))
+            t0 = time.monotonic()
+            with pytest.raises(LockError, match=f"in use by run live-run \\(pid {live.pid} "):
+                RunLock(tmp_path, "next-run", lease_s=30.0).acquire()
+            assert time.monotonic() - t0 < 10.0  # not watched for a lease (30 s)
+        finally:
+            live.kill()
 
 
 def _manager(

@@ -8,6 +8,8 @@ example trainer under torchrun), for a directory root and an s3:// root on a rea
   leaves) still is taken over;
 - a missing bucket says so, and nothing about releasing a lock that was never taken;
 - a second job on one s3:// root, refused by its local mirror's lock, names the s3:// root;
+- the s3:// root's lock judges a pid only where the directory lock does: a record of another
+  pid namespace on this host is watched for its lease, and ``dckpt gc`` names it as a holder;
 - a store that cannot list open multipart uploads (501) starts with one warning naming the
   lifecycle rule to set instead;
 - ``dckpt gc`` on a directory root refuses while its lock record is unreadable, and runs
@@ -31,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import torchrun_train
-from lock_kit import renewing
+from lock_kit import gone, renewing
 from s3_kit import FaultProxy, MotoServer, moto_server
 from torch import nn
 
@@ -76,6 +78,20 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
     "host is a dict": (json.dumps(_record(host={"a": 1})).encode(), "field 'host' is an object"),
     "a list, not an object": (b'[{"pid": 1}]', 'it is a list [{"pid": 1}], not a JSON object'),
     "not JSON": (b"pid=4242 host=node-17", "it is not JSON"),
+    "pid namespace as readlink shows it": (
+        json.dumps(_record(pid_ns="pid:[4026531836]")).encode(),
+        "field 'pid_ns' is the string \"pid:[4026531836]\", not a pid namespace (the inode "
+        "number of /proc/self/ns/pid)",
+    ),
+    "pid namespace is null": (
+        json.dumps(_record(pid_ns=None)).encode(),
+        "field 'pid_ns' is null, not a pid namespace",
+    ),
+    "boot id is not a UUID": (
+        json.dumps(_record(boot_id="last tuesday")).encode(),
+        "field 'boot_id' is the string \"last tuesday\", not a boot id (a UUID, as "
+        "/proc/sys/kernel/random/boot_id holds)",
+    ),
     "a field missing": (
         json.dumps({k: v for k, v in _record().items() if k != "token"}).encode(),
         "it has no field 'token'",
@@ -170,6 +186,31 @@ def test_a_malformed_s3_lock_is_refused_naming_the_url_the_field_and_the_remedy(
     gc = dckpt_cli("gc", f"s3://{bucket}/run", "--keep-last", "2")
     assert gc.returncode == 2, gc.stdout + gc.stderr
     assert "is held by a lock dckpt cannot read" in gc.stderr and "Traceback" not in gc.stderr
+
+
+def test_an_s3_lock_of_another_pid_namespace_on_this_host_is_watched_not_judged_by_pid(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The s3:// root's lock follows the directory lock's rule (dckpt.root.lock.apart): a
+    record of a container beside this one names a pid that means nothing here (dead here)."""
+    from conftest import dckpt_cli
+
+    bucket = s3.bucket()
+    record = gone("boxed-run", 3.0, pid_ns=1)  # its pid: dead here, maybe alive in its own
+    s3.client().put_object(Bucket=bucket, Key="run/.dckpt-lock", Body=json.dumps(record))
+    gc = dckpt_cli("gc", f"s3://{bucket}/run", "--keep-last", "2")
+    assert gc.returncode == 2, gc.stdout + gc.stderr
+    assert "is held by run boxed-run" in gc.stderr, gc.stderr
+    assert "in another pid namespace on this host (a container)" in gc.stderr, gc.stderr
+    config = dckpt.CheckpointConfig(root=f"s3://{bucket}/run", mirror=tmp_path / "m")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="dckpt"):
+        dckpt.CheckpointManager(config, _state()).close()
+    assert time.monotonic() - t0 >= 3.0  # its lease, not at once
+    said = "held by run boxed-run (pid {} on {}".format(record["pid"], socket.gethostname())
+    assert said in caplog.text and "in another pid namespace on this host" in caplog.text
+    assert "took over the lock of run boxed-run" in caplog.text
+    assert "its renewal count stayed at 0" in caplog.text, caplog.text
 
 
 def test_a_missing_bucket_says_so_without_a_word_about_releasing_the_lock(

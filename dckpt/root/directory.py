@@ -30,7 +30,7 @@ from .layout import (
     read_small_file,
     step_dir_name,
 )
-from .lock import MAX_RECORD_BYTES, LockOwner, RunLock, stale_reason
+from .lock import MAX_RECORD_BYTES, LockOwner, RunLock, apart, stale_reason
 from .manifest import Manifest, read_manifest
 from .memory_ledger import DirectoryLedger, MemoryLedger
 from .protocol import Entry, Lock
@@ -195,8 +195,9 @@ class DirectoryRoot:
 
     def lock_holder(self) -> str | None:
         """Who holds the run lock now, unless it is stale (the same rules as a job's
-        takeover, dckpt.root.lock). A record dckpt cannot read may be a live job's, so it is
-        described, as a holder, not taken for free."""
+        takeover, dckpt.root.lock): an owner whose pid cannot be judged here (another host,
+        boot or pid namespace) is a holder, said where. A record dckpt cannot read may be a
+        live job's, so it is described, as a holder, not taken for free."""
         path = self.path / LOCK_FILE
         # Never follows a symlink or waits on a FIFO put in the lock's place.
         raw = read_small_file(path, MAX_RECORD_BYTES + 1)
@@ -206,7 +207,10 @@ class DirectoryRoot:
             owner = LockOwner.parse(raw, str(path), f"rm {path}")
         except LockError as exc:
             return f"a lock dckpt cannot read ({exc})"
-        return None if stale_reason(owner, run_id="") is not None else owner.describe()
+        if stale_reason(owner, run_id="") is not None:
+            return None
+        where = apart(owner)  # a container beside this one: its pid says nothing here
+        return owner.describe() if where is None else f"{owner.describe()} {where}"
 
     @contextlib.contextmanager
     def local_steps(

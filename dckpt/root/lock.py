@@ -1,16 +1,22 @@
 """The run lock: one training job per checkpoint root.
 
 ``ROOT/.dckpt-lock`` (JSON) names the owner: host, pid, process start time, run id, its lease
-(``lease_s``) and a renewal counter (``beat``) that the owner moves every ``lease_s / 3``
-while it lives. A second job on the same root fails fast with a message naming the owner. The
+(``lease_s``), a renewal counter (``beat``) that the owner moves every ``lease_s / 3`` while
+it lives, and, on Linux, the host's boot id and the owner's pid namespace (``boot_id``,
+``pid_ns``). A second job on the same root fails fast with a message naming the owner. The
 lock is taken over, with a log line, when the owner is provably gone:
 
 - a restart of the same run (same run id: a requeue) takes it over at once;
-- on the same host: its pid no longer runs, or runs another program;
-- on another host: its renewal counter did not move for a whole lease, watched on *this*
+- where its pid can be judged (``elsewhere`` is False: the same host name, and the same boot
+  and pid namespace where the record names them): its pid no longer runs, or runs another
+  program;
+- anywhere else: its renewal counter did not move for a whole lease, watched on *this*
   host's monotonic clock (``watch``): the new job waits that long, saying so. No wall clock
   of another host is ever compared with this one's (a host whose clock ran ten minutes ahead
-  took a live job's lock over), so clock skew between hosts changes nothing.
+  took a live job's lock over), so clock skew between hosts changes nothing. "Anywhere else"
+  includes another pid namespace on this host (a container or pod sharing the node's host
+  name): pid 5 there is not pid 5 here, and judging it here took a live job's lock over. A
+  record without ``boot_id`` and ``pid_ns`` (an older dckpt's) is judged by host name alone.
 
 A takeover that is wrong (a holder stalled for a whole lease, or a second launch with the
 same run id) loses nothing: every commit checks the lock right before its commit point
@@ -35,8 +41,10 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -56,6 +64,7 @@ __all__ = [
     "LockOwner",
     "OnWait",
     "RunLock",
+    "apart",
     "elsewhere",
     "stale_reason",
     "watch",
@@ -69,6 +78,8 @@ READ_BACKOFF_S = (0.2, 1.0, 3.0)
 """Pauses between reads of a lock file that failed to read (EIO, ESTALE)."""
 _PID_MAX = 1 << 22  # Linux's highest pid_max
 _EPOCH_MAX = 1e11  # seconds: the year 5138
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_UUID = re.compile(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")
 
 
 def _kind(value: object) -> str:
@@ -116,6 +127,20 @@ def _count(value: object) -> int:
     return value
 
 
+def _boot(value: object) -> str:
+    if not isinstance(value, str) or not _UUID.fullmatch(value):
+        raise ValueError(f"{_kind(value)}, not a boot id (a UUID, as {_BOOT_ID} holds)")
+    return value
+
+
+def _namespace(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 64:
+        raise ValueError(
+            f"{_kind(value)}, not a pid namespace (the inode number of /proc/self/ns/pid)"
+        )
+    return value
+
+
 def _lease(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{_kind(value)}, not a lease in seconds")
@@ -133,8 +158,14 @@ _FIELDS: dict[str, Callable[[object], object]] = {
     "lease_until": _seconds,
 }
 """Each field of a lock record, and its reader (ValueError saying what the value is not)."""
-_OPTIONAL: dict[str, Callable[[object], object]] = {"beat": _count, "lease_s": _lease}
-"""Fields an older dckpt's record lacks (then ``beat`` 0, ``lease_s`` unknown)."""
+_OPTIONAL: dict[str, Callable[[object], object]] = {
+    "beat": _count,
+    "lease_s": _lease,
+    "boot_id": _boot,
+    "pid_ns": _namespace,
+}
+"""Fields an older dckpt's record lacks (then ``beat`` 0, the others unknown: None), and that
+a record leaves out where they are unknown (``boot_id``, ``pid_ns`` off Linux)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +184,12 @@ class LockOwner:
     """How many times the owner renewed the lease: what a taker on another host watches."""
     lease_s: float | None = None
     """The owner's lease: it renews every third of it (None: an older dckpt's record)."""
+    boot_id: str | None = None
+    """The owner's host's boot id (``/proc/sys/kernel/random/boot_id``); None: not Linux, or
+    an older dckpt's record."""
+    pid_ns: int | None = None
+    """The owner's pid namespace (the inode of ``/proc/self/ns/pid``): ``pid`` means that
+    process only in this namespace. None: not Linux, or an older dckpt's record."""
 
     @classmethod
     def me(cls, run_id: str, token: str, lease_s: float, beat: int = 0) -> LockOwner:
@@ -167,7 +204,14 @@ class LockOwner:
             lease_until=time.time() + lease_s,
             beat=beat,
             lease_s=lease_s,
+            boot_id=_boot_id(),
+            pid_ns=_pid_ns(),
         )
+
+    def record(self) -> bytes:
+        """The lock record (JSON), without the fields that are unknown (None): ``parse``
+        reads an absent field as unknown, and refuses a null one like any ill-typed field."""
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}).encode()
 
     @classmethod
     def parse(cls, raw: bytes, where: str, remove: str) -> LockOwner:
@@ -209,12 +253,61 @@ class LockOwner:
         return f"run {self.run_id} (pid {self.pid} on {self.host}, started {when})"
 
 
+def _boot_id() -> str | None:
+    """This host's boot id; None where the kernel does not give one (not Linux)."""
+    try:
+        found = _BOOT_ID.read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return None
+    return found if _UUID.fullmatch(found) else None
+
+
+def _pid_ns() -> int | None:
+    """This process's pid namespace (its inode); None where /proc has none (not Linux)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _proc_is_mine() -> bool:
+    """Whether psutil sees this process's own pid namespace. On Linux it reads /proc, which
+    may be mounted from another namespace (``unshare --pid`` without ``--mount-proc``: pid
+    N there is another process) or not at all (every pid would look gone)."""
+    if not sys.platform.startswith("linux"):
+        return True  # psutil asks the kernel itself
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def apart(owner: LockOwner) -> str | None:
+    """Where ``owner`` runs, in words, when this process cannot judge its pid; None when it
+    can: the same host name, the same boot and pid namespace where the record names them (an
+    older dckpt's record does not: the host name decides), and a /proc of this process's
+    own namespace. The one rule ``stale_reason`` and ``elsewhere`` share: a pid is judged
+    only where it means the owner's process."""
+    if owner.host != socket.gethostname():
+        return "on another host"
+    if owner.boot_id is not None and owner.boot_id != _boot_id():
+        return (
+            "on a host of this name in another boot (another machine of the same name, or "
+            "this one before a reboot)"
+        )
+    if owner.pid_ns is not None and owner.pid_ns != _pid_ns():
+        return "in another pid namespace on this host (a container)"
+    if not _proc_is_mine():
+        return "on this host, whose processes this process cannot see (/proc is not its own)"
+    return None
+
+
 def stale_reason(owner: LockOwner, run_id: str) -> str | None:
     """Why ``owner``'s lock may be taken over by ``run_id`` at once, or None: it is live, or
-    (``elsewhere``) on another host, where only ``watch`` can tell."""
+    (``elsewhere``) its pid cannot be judged here, where only ``watch`` can tell."""
     if owner.run_id == run_id:
         return "the same run restarted"
-    if owner.host == socket.gethostname():
+    if apart(owner) is None:
         started = _proc_started(owner.pid)
         if started is None:
             return f"pid {owner.pid} is no longer running"
@@ -224,8 +317,9 @@ def stale_reason(owner: LockOwner, run_id: str) -> str | None:
 
 
 def elsewhere(owner: LockOwner) -> bool:
-    """Whether ``owner`` runs on another host (its liveness is watched, never assumed)."""
-    return owner.host != socket.gethostname()
+    """Whether ``owner``'s pid cannot be judged from this process (another host, boot or pid
+    namespace): its liveness is watched (``watch``), never assumed."""
+    return apart(owner) is not None
 
 
 OnWait = Callable[[float, str], None]
@@ -240,26 +334,28 @@ def watch(
     where: str,
     on_wait: OnWait | None = None,
 ) -> str | None:
-    """Watch the lock whose record ``first`` was, on another host: the reason to take it
-    over once its renewal counter stayed still for the owner's whole lease (``lease_s`` if
-    its record does not say) on this host's monotonic clock, or None when the lock went
-    away meanwhile. LockError naming the owner as soon as it moves (a renewal: it lives) or
-    another job takes it. Reads the record every 2 s at most (a small read), so a live
-    owner, which renews every third of its lease, is seen at its next renewal. ``on_wait``
-    is told the lease and why before the watch begins."""
+    """Watch the lock whose record ``first`` was, held where its pid cannot be judged
+    (``elsewhere``): the reason to take it over once its renewal counter stayed still for the
+    owner's whole lease (``lease_s`` if its record does not say) on this host's monotonic
+    clock, or None when the lock went away meanwhile. LockError naming the owner as soon as
+    it moves (a renewal: it lives) or another job takes it. Reads the record every 2 s at
+    most (a small read), so a live owner, which renews every third of its lease, is seen at
+    its next renewal. ``on_wait`` is told the lease and why before the watch begins."""
     lease = first.lease_s or lease_s
+    there = apart(first) or "on this host"
     log.warning(
-        "dckpt: the run lock %s is held by %s on another host; waiting up to %.0f s (its "
-        "lease) to see whether it is renewed before taking it over. A requeued job with the "
-        "same DCKPT_RUN_ID takes its own lock over at once.",
+        "dckpt: the run lock %s is held by %s %s; waiting up to %.0f s (its lease) to see "
+        "whether it is renewed before taking it over. A requeued job with the same "
+        "DCKPT_RUN_ID takes its own lock over at once.",
         where,
         first.describe(),
+        there,
         lease,
     )
     if on_wait is not None:
         on_wait(
             lease + 5.0,  # the watch, and its last read
-            f"it watches the run lock {where}, held by {first.describe()} on another host, "
+            f"it watches the run lock {where}, held by {first.describe()} {there}, "
             f"for up to {lease:.0f} s (the lock's lease) before taking it over",
         )
     start = time.monotonic()
@@ -271,7 +367,8 @@ def watch(
         if now.token != first.token or now.beat != first.beat:
             who = "it was renewed" if now.token == first.token else "another job took it"
             raise LockError(
-                f"{where} is in use by {now.describe()}: {who} while this job watched it "
+                f"{where} is in use by {now.describe()} {apart(now) or 'on this host'}: "
+                f"{who} while this job watched it "
                 f"({time.monotonic() - start:.0f} s). Two jobs writing one checkpoint root "
                 "would corrupt each other's history: stop that job, or point this one at "
                 "another root."
@@ -375,7 +472,7 @@ class RunLock:
         raise AssertionError("unreachable")
 
     def _write_over(self) -> None:
-        write_atomic(self.path.parent, LOCK_FILE, json.dumps(asdict(self._me())).encode())
+        write_atomic(self.path.parent, LOCK_FILE, self._me().record())
 
     def acquire(self, on_wait: OnWait | None = None) -> None:
         """Take the lock, or raise LockError naming the live owner (or what is wrong with
@@ -404,8 +501,8 @@ class RunLock:
             if self.took_over is not None:
                 log.warning("dckpt: %s", self.took_over)
         else:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(json.dumps(asdict(self._me())))
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._me().record())
         mine = self._read_retried()
         if not isinstance(mine, LockOwner) or mine.token != self._token:
             other = mine.describe() if isinstance(mine, LockOwner) else "another job"

@@ -1,10 +1,11 @@
 """The run lock on an object store: ``PREFIX/.dckpt-lock``, taken by a conditional put.
 
 The same owner record and staleness rules as the directory lock (dckpt.root.lock): a second
-job on the root fails fast, naming the owner; a restart of the same run, a dead pid on the same
-host, or an owner on another host whose renewal count stayed still for its whole lease on the
-taker's own clock (no host's wall clock compared with another's) lets the next job take over,
-with a log line.
+job on the root fails fast, naming the owner; a restart of the same run, a dead pid where this
+process can judge it (the same host, boot and pid namespace: ``elsewhere``), or an owner
+anywhere else (another host, or a container beside this one) whose renewal count stayed still
+for its whole lease on the taker's own clock (no host's wall clock compared with another's)
+lets the next job take over, with a log line.
 
 How, with no O_EXCL and no rename: acquire is ``PUT If-None-Match: *`` (exactly one of two
 racing jobs gets it); a takeover and every lease renewal is ``PUT If-Match: <the ETag read>``,
@@ -19,15 +20,21 @@ and a live job's record that a tool rewrote still means a live job.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import uuid
-from dataclasses import asdict
 
 from ..errors import LockError, StorageError
 from ..root.layout import LOCK_FILE
-from ..root.lock import MAX_RECORD_BYTES, LockOwner, OnWait, elsewhere, stale_reason, watch
+from ..root.lock import (
+    MAX_RECORD_BYTES,
+    LockOwner,
+    OnWait,
+    apart,
+    elsewhere,
+    stale_reason,
+    watch,
+)
 from .s3_store import S3Store
 
 __all__ = ["ObjectLock"]
@@ -54,8 +61,7 @@ class ObjectLock:
         """Set when a renewal found the lock in other hands: this job must not commit."""
 
     def _record(self) -> bytes:
-        owner = LockOwner.me(self.run_id, self._token, self.lease_s, self._beat)
-        return json.dumps(asdict(owner)).encode()
+        return LockOwner.me(self.run_id, self._token, self.lease_s, self._beat).record()
 
     def _owner(self) -> LockOwner | None:
         found = self._read()
@@ -73,7 +79,8 @@ class ObjectLock:
 
     def acquire(self, on_wait: OnWait | None = None) -> None:
         """Take the lock, or raise LockError naming the live owner. ``on_wait`` is told before
-        a lock of another host is watched (dckpt.root.lock.watch)."""
+        a lock whose pid cannot be judged here (another host or pid namespace) is watched
+        (dckpt.root.lock.watch)."""
         try:
             etag = self.store.put_small(self.key, self._record(), if_absent=True)
             if etag is None:
@@ -127,14 +134,17 @@ class ObjectLock:
 
     def holder(self) -> str | None:
         """Who holds the lock now, unless it is stale (for ``dckpt gc``); None if free. A
-        lock that is not a record dckpt can read may be a live job's: it is described."""
+        lock that is not a record dckpt can read may be a live job's: it is described, and so
+        is one whose pid cannot be judged here (``stale_reason``: a CLI does not wait a
+        lease to watch it)."""
         try:
             current = self._read()
         except LockError as exc:
             return f"a lock dckpt cannot read ({exc})"
         if current is None or stale_reason(current[0], self.run_id) is not None:
             return None
-        return current[0].describe()
+        where = apart(current[0])
+        return current[0].describe() + ("" if where is None else f" {where}")
 
     def _renew(self) -> None:
         # A daemon on purpose: if the process dies, the lease must stop being renewed.
