@@ -14,6 +14,7 @@ import shutil
 from .units import human_bytes
 
 __all__ = [
+    "MEDIA_ERRNOS",
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigMismatchError",
@@ -25,9 +26,11 @@ __all__ = [
     "SaveError",
     "StateMismatchError",
     "StorageError",
+    "UnreadableError",
     "WorldError",
     "add_note",
     "describe_os_error",
+    "read_failed",
     "unwrap_dcp_error",
     "with_rank",
 ]
@@ -122,6 +125,34 @@ class StorageError(CheckpointError):
     """The storage failed to serve a file (EIO, EMFILE, ESTALE, EACCES ...): the checkpoint
     is not known to be damaged, so it is never quarantined for this; retry or fix the storage."""
 
+    path = ""
+    """The file a read failed on, where one did (``read_failed``)."""
+    media = False
+    """The storage said the bytes are gone (EIO, EBADMSG, EUCLEAN: a sector, a checksum of
+    the file system), not that it is busy or forbidden: a resume reads such a file once more,
+    afresh, before it counts (``UnreadableError``)."""
+
+
+class UnreadableError(StorageError):
+    """The same file of a step failed to read twice, the second time afresh, with a media
+    error: the storage cannot serve it (a lost sector, a file system's checksum). Proof of
+    damage for this start: a resume with fallback sets the step aside, with the command that
+    restores it, and resumes the step before (dckpt.load.resumer)."""
+
+
+MEDIA_ERRNOS = frozenset(
+    e for e in (errno.EIO, errno.EBADMSG, getattr(errno, "EUCLEAN", None)) if e is not None
+)
+"""What a storage answers for bytes it cannot return (not: busy, forbidden, gone stale)."""
+
+
+def read_failed(message: str, path: str, exc: OSError) -> StorageError:
+    """A StorageError for a read of ``path`` that failed with ``exc``, carrying the path and
+    whether the bytes are gone (``StorageError.media``)."""
+    error = StorageError(message)
+    error.path, error.media = path, exc.errno in MEDIA_ERRNOS
+    return error
+
 
 class IncompatibleCheckpointError(ManifestError):
     """The checkpoint was written by a newer dckpt (a newer ``schema_version``), or by another
@@ -156,9 +187,14 @@ def unwrap_dcp_error(exc: BaseException) -> BaseException:
 
 
 def with_rank(exc: StorageError, rank: int) -> StorageError:
-    """``exc`` naming the rank it happened on (every rank raises it: it must say whose)."""
+    """``exc`` naming the rank it happened on (every rank raises it: it must say whose); of
+    the same kind, with the same path."""
     text = str(exc)
-    return exc if text.startswith("rank ") else StorageError(f"rank {rank}: {text}")
+    if text.startswith("rank "):
+        return exc
+    named = type(exc)(f"rank {rank}: {text}")
+    named.path, named.media = exc.path, exc.media
+    return named
 
 
 def describe_os_error(exc: BaseException, root: str | os.PathLike[str]) -> str:

@@ -26,6 +26,11 @@ process of that rank fire the action when it reaches that phase (of that step, i
   ``overlap_staging``, or a GPU buffer's copy to host memory) and ``memory_copy`` (the copy
   into the memory tier's file). The capture check (dckpt.save.capture) must refuse that save.
 
+Two more fields narrow where a spec fires: ``file=<text>``, only at a point that names a file
+(the reads of a resume) whose path contains the text (``file=step-00000002``: that step's
+files only); ``times=N``, only the first N times it matches in this process (``times=1``: a
+transient fault; without it, a fault that persists).
+
 Several specs separated by ``;`` each fire at their own point (a test that holds a run twice).
 Unset, it costs one cached lookup per phase. Phases (dckpt.phases.Phase), in save order:
 
@@ -107,6 +112,8 @@ class _Spec:
     seconds: float
     path: str
     item: str = ""
+    file: str = ""
+    times: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,8 @@ def _spec(part: str, raw: str | None) -> _Spec:
         seconds=float(fields.get("seconds", "3600")),
         path=fields.get("path", ""),
         item=fields.get("item", ""),
+        file=fields.get("file", ""),
+        times=int(fields["times"]) if "times" in fields else None,
     )
 
 
@@ -154,16 +163,26 @@ def process_rank() -> int:
         return 0
 
 
-def fault_point(phase: Phase | str, rank: int, step: int | None = None) -> bool:
-    """Fire the configured fault if this is its phase, rank and step; otherwise nothing.
-    Returns True only for ``corrupt``: the caller then falsifies its own result."""
+_FIRED: dict[_Spec, int] = {}
+"""How often each spec with ``times`` fired in this process."""
+
+
+def fault_point(phase: Phase | str, rank: int, step: int | None = None, path: str = "") -> bool:
+    """Fire the configured fault if this is its phase, rank and step (and file: ``path``,
+    the file this point reads); otherwise nothing. Returns True only for ``corrupt``: the
+    caller then falsifies its own result."""
     name = phase.value if isinstance(phase, Phase) else phase
     for spec in _specs(os.environ.get("DCKPT_FAULT")):
         if (
             spec.phase == name
             and (spec.rank is None or spec.rank == rank)
             and (spec.step is None or spec.step == step)
+            and (not spec.file or spec.file in path)
         ):
+            if spec.times is not None:
+                if _FIRED.get(spec, 0) >= spec.times:
+                    continue
+                _FIRED[spec] = _FIRED.get(spec, 0) + 1
             return _fire(spec, phase, rank)
     return False
 

@@ -104,6 +104,38 @@ def test_a_shard_damaged_in_the_mirror_is_fetched_again_and_nothing_is_quarantin
     assert not [k for k in keys if "quarantine" in k], keys
 
 
+def test_a_mirror_file_the_local_disk_cannot_read_sets_nothing_aside_in_the_bucket(
+    s3: MotoServer, s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 56: a read error that persists sets a directory root's step aside, but a read
+    error of an s3:// root's mirror is the local disk's: the bucket's objects match their
+    digests, so nothing is set aside there; the mirror's copy is dropped and the error says
+    so; the next start fetches the step afresh and resumes it."""
+    import dckpt
+
+    bucket = s3.bucket()
+    root, mirror = f"s3://{bucket}/eio", tmp_path / "mirror"
+    mgr, net = _one_rank(root, mirror)
+    with mgr:
+        mgr.save(1).result()
+        want = {k: v.clone() for k, v in net.state_dict().items()}
+    monkeypatch.setenv("DCKPT_FAULT", "phase=read_shard,action=eio,file=step-00000001")
+    mgr, net = _one_rank(root, mirror)
+    with mgr, pytest.raises(dckpt.CheckpointError) as refused:
+        mgr.resume()
+    assert "the local disk failed, not the checkpoint" in str(refused.value), refused.value
+    assert "twice" in str(refused.value), refused.value
+    assert not (mirror / step_dir_name(1)).exists()  # dropped: the next start fetches it
+    keys = s3.keys(bucket, "eio/")
+    assert "eio/step-00000001/manifest.json" in keys
+    assert not [k for k in keys if "quarantine" in k], keys
+    monkeypatch.delenv("DCKPT_FAULT")
+    mgr, net = _one_rank(root, mirror)
+    with mgr:
+        assert mgr.resume().step == 1
+    assert all(torch.equal(want[k], v) for k, v in net.state_dict().items())
+
+
 # --- how many times a ranged GET is tried -----------------------------------------------------
 
 

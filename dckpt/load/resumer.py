@@ -98,6 +98,7 @@ from ..errors import (
     IntegrityError,
     ManifestError,
     StorageError,
+    UnreadableError,
     WorldError,
 )
 from ..faults import fault_point
@@ -360,6 +361,7 @@ class Resumer:
         passed: list[str] = []
         surveyed = [note for tier in self.tiers if tier.survey for note in tier.survey()]
         self.watch.forget()
+        unreadable: int | None = None  # the step set aside for a file read twice in vain
         for step, index in candidates:
             tier = self.tiers[index]
             loop = loops.get((step, index))
@@ -369,16 +371,21 @@ class Resumer:
                 self._restart_loop(tier, step, loop, fallback)
                 looped.append((step, loop))
                 continue
-            candidate = CandidateReport(step, self._path(tier, step), tier.source.origin(step))
             self._ctl.mark(f"step {step} from the {tier.words}")
             try:
-                result = tier.reader.load(step, candidate, with_config=True)  # 2-5
+                result, candidate = self._load_twice(tier, step)  # 2-5
                 chosen = candidate
                 self._mark_loaded(step, tier.name, result.behind)
                 self.watch.loaded(step, tier.name, result.manifest.save_id)
                 break
             except CheckpointNotFoundError as exc:  # 6: this tier cannot restore it here
                 passed.append(f"{tier.words}: step {step} not used: {exc}")
+            except UnreadableError as exc:  # 6: a file the storage failed twice
+                if not fallback or unreadable is not None:
+                    raise self._unreadable_refusal(exc, step, unreadable) from exc
+                self._quarantine(tier, step, self._unreadable_reason(exc, step), exc)
+                unreadable = step
+                skipped.append((step, f"UnreadableError: {str(exc).split(': the storage')[0]}"))
             except (IntegrityError, ManifestError) as exc:  # 6
                 # Only evidence of damage moves a checkpoint aside: not a newer schema, and
                 # not ranks that disagree (that would quietly pick one rank's view).
@@ -411,6 +418,75 @@ class Resumer:
         if self.rank == 0:  # 9
             log.info("%s", report.format())
         return report
+
+    def _load_twice(self, tier: LoadTier, step: int) -> tuple[LoadResult, CandidateReport]:
+        """Steps 2-5 for one candidate, and its report. A read the storage failed with a
+        media error (EIO: ``StorageError.media``; every rank raises the same, naming the rank
+        and the file) is read once more, afresh: a transient fault passes. The same file
+        failing again is ``UnreadableError``, proof of damage for this start (step 6); any
+        other failure is raised as it is."""
+        candidate = CandidateReport(step, self._path(tier, step), tier.source.origin(step))
+        try:
+            return tier.reader.load(step, candidate, with_config=True), candidate
+        except StorageError as exc:
+            if not exc.media or not exc.path:
+                raise
+            first = exc
+        if self.rank == 0:
+            log.warning(
+                "dckpt resume: %s; reading step %d again, afresh, before it counts",
+                str(first).split(": the storage")[0],
+                step,
+            )
+        self._ctl.mark(f"step {step} from the {tier.words}, read again")
+        candidate = CandidateReport(step, self._path(tier, step), tier.source.origin(step))
+        candidate.warnings.append(
+            f"{str(first).split(': the storage')[0]}; read again, afresh, and it served it"
+        )
+        try:
+            return tier.reader.load(step, candidate, with_config=True), candidate
+        except StorageError as exc:
+            if not exc.media or exc.path != first.path:
+                raise
+            again = UnreadableError(
+                f"{str(exc).split(': the storage')[0]}, twice (the second time afresh): "
+                "the storage cannot serve this file (a lost sector, a file system's checksum)"
+            )
+            again.path, again.media = exc.path, True
+            raise again from exc
+
+    def _unreadable_reason(self, exc: UnreadableError, step: int) -> str:
+        """Why a step is set aside for a file the storage failed twice, and how to put it
+        back (a quarantine of this start, not a verdict on the bytes: they may come back)."""
+        return (
+            f"{exc}. Set aside so the run resumes the step before; the bytes may still be "
+            "there: once the storage serves the file again (check the disk and the file "
+            f"system: dmesg, a scrub), put it back with: dckpt restore {self.source} {step}"
+        )
+
+    def _unreadable_refusal(
+        self, exc: UnreadableError, step: int, before: int | None
+    ) -> UnreadableError:
+        """The error every rank raises when a step's file cannot be read twice and is not set
+        aside: fallback is off, or another step was set aside for the same reason in this
+        start (then the storage fails beyond one checkpoint, and setting more aside would
+        walk the run back through good steps)."""
+        if before is None:
+            then = (
+                f"fallback is off, so step {step} is not set aside: set it aside by hand "
+                f"(dckpt set-aside {self.source} {step}) or start with fallback on, to resume "
+                "the step before"
+            )
+        else:
+            then = (
+                f"step {before} was set aside in this start for the same reason, so the "
+                "storage fails beyond one checkpoint and nothing more is set aside: check the "
+                f"storage, then start again (step {before}: dckpt restore {self.source} "
+                f"{before} once it reads)"
+            )
+        refusal = UnreadableError(f"{exc}; {then}")
+        refusal.path, refusal.media = exc.path, True
+        return refusal
 
     def _agree_on_warmup(self, mine: WarmupResult) -> str:
         """Step 7's verdict, the same on every rank: the report line, or the WorldError

@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import IncompatibleCheckpointError, IntegrityError, ManifestError, StorageError
+from ..errors import (
+    IncompatibleCheckpointError,
+    IntegrityError,
+    ManifestError,
+    StorageError,
+    read_failed,
+)
 from ..faults import fault_point, process_rank
 from ..owned import write_atomic
 from ..phases import Phase
@@ -205,13 +211,15 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         if st.st_size > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{path} is {st.st_size} bytes, over {MAX_MANIFEST_BYTES}")
         with os.fdopen(os.dup(fd), "rb") as f:
-            fault_point(Phase.READ_MANIFEST, process_rank())
+            fault_point(Phase.READ_MANIFEST, process_rank(), path=str(path))
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as exc:  # the storage failed (EIO, ESTALE): no word on the bytes
-        raise StorageError(
+        raise read_failed(
             f"cannot read {path}: {os.strerror(exc.errno) if exc.errno else exc}: the storage "
             "failed to serve it (not damage: nothing was quarantined); retry once the storage "
-            "is healthy"
+            "is healthy",
+            str(path),
+            exc,
         ) from exc
     finally:
         os.close(fd)

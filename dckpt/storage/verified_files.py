@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Callable
 
-from ..errors import IntegrityError, StorageError
+from ..errors import IntegrityError, StorageError, read_failed
 from ..faults import fault_point, process_rank
 from ..phases import Phase
 from .digest import READ_CHUNK, format_digest, hash_stream, new_hasher, parse_digest
@@ -41,10 +41,12 @@ __all__ = [
 def unreadable(path: str, exc: OSError, doing: str = "read") -> StorageError:
     """The storage failed to serve ``path`` (EIO, ESTALE, EACCES ...): a StorageError that
     names the file and what failed, never damage (nothing says the bytes are bad)."""
-    return StorageError(
+    return read_failed(
         f"cannot {doing} {path}: {os.strerror(exc.errno) if exc.errno else exc}: the storage "
         "failed to serve it (not damage: nothing was quarantined); retry once the storage is "
-        "healthy"
+        "healthy",
+        path,
+        exc,
     )
 
 
@@ -135,7 +137,7 @@ def verify_span(f: io.FileIO, path: str, digests: ItemDigests, offset: int, leng
         while done < size:
             want = min(len(buf), size - done)
             try:
-                fault_point(Phase.READ_SHARD, process_rank())  # as the storage's EIO would be
+                fault_point(Phase.READ_SHARD, process_rank(), path=path)  # as the EIO would be
                 got = os.preadv(f.fileno(), [memoryview(buf)[:want]], start + done)
             except OSError as exc:
                 raise unreadable(path, exc) from exc
@@ -166,7 +168,7 @@ def open_verified(
     f, algorithm = _open_checked(path, record)
     try:
         try:
-            fault_point(Phase.READ_SHARD, process_rank())  # as the storage's EIO would be
+            fault_point(Phase.READ_SHARD, process_rank(), path=path)  # as the EIO would be
             actual, size = hash_stream(f, algorithm, progress)
         except OSError as exc:
             raise unreadable(path, exc) from exc

@@ -50,7 +50,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from ..errors import IntegrityError, ManifestError, StateMismatchError, StorageError
+from ..errors import (
+    IntegrityError,
+    ManifestError,
+    StateMismatchError,
+    read_failed,
+)
 from ..faults import fault_point, process_rank
 from ..phases import Phase
 from .item_digests import ItemDigests, items_name, parse_items
@@ -347,7 +352,7 @@ class VerifyingReader(FileSystemReader):
         where = os.path.join(str(self.path), relative_path)
         if relative_path == METADATA_FILE:
             try:
-                fault_point(Phase.READ_METADATA, process_rank())
+                fault_point(Phase.READ_METADATA, process_rank(), path=where)
             except OSError as exc:  # what the storage's own error would be here
                 raise unreadable(where, exc) from exc
         data, digest = read_verified_digest(where, record)
@@ -425,7 +430,7 @@ class VerifyingReader(FileSystemReader):
                     self._load_item(f, item, planner)
                 return f.digest
         with open_checked(where, record) as f:
-            fault_point(Phase.READ_SHARD, process_rank())  # as the storage's EIO would be
+            fault_point(Phase.READ_SHARD, process_rank(), path=where)  # as the EIO would be
             with ThreadPoolExecutor(self.read_threads, thread_name_prefix="dckpt-read") as pool:
                 once = OnePassFile(
                     f, where, record, pool, threads=self.read_threads, span=self._span,
@@ -436,7 +441,7 @@ class VerifyingReader(FileSystemReader):
                 except OSError as exc:  # a read failed part way: say what the state holds
                     failed = unreadable(where, exc)
                     if once.filled:
-                        failed = StorageError(f"{failed} {PARTLY_FILLED}")
+                        failed = read_failed(f"{failed} {PARTLY_FILLED}", where, exc)
                     raise failed from exc
                 finally:
                     self.times.add(once.times)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError, IntegrityError, StorageError
+from ..errors import CheckpointError, IntegrityError, StorageError, UnreadableError
 from ..owned import file_mode, make_dir, write_atomic
 from ..root.layout import step_dir_name
 from ..root.manifest import MANIFEST_FILE, Manifest, parse_manifest
@@ -230,6 +230,9 @@ class ObjectSource:
         (not while downloading) is checked against the bucket; if every object there matches
         its digest, the damage is local: the mirror's copy is dropped and StorageError
         raised, so an intact checkpoint is never quarantined for a local fault."""
+        if isinstance(exc, UnreadableError) and not exc.path.startswith("s3://"):
+            self._confirm_unreadable(step, exc)
+            return
         if not isinstance(exc, IntegrityError) or exc.path.startswith("s3://"):
             return
         _, problems = self.objects.check_objects(step)
@@ -242,6 +245,22 @@ class ObjectSource:
             "matches its digest: the local copy was damaged after it was downloaded (the "
             "disk, or a mirror shared by ranks that should not share it). It was not "
             "quarantined and the mirror's copy was removed; start the job again."
+        )
+
+    def _confirm_unreadable(self, step: int, exc: UnreadableError) -> None:
+        """A mirror's file the local disk failed to read twice says nothing of the bucket:
+        unless an object there is damaged too, the mirror's copy is dropped (the next start
+        fetches it afresh) and StorageError raised: nothing is set aside."""
+        _, problems = self.objects.check_objects(step)
+        if problems:
+            return
+        shutil.rmtree(self.local / step_dir_name(step), ignore_errors=True)
+        raise StorageError(
+            f"{exc.path} could not be read from the local mirror, twice, but every object of "
+            f"step {step} in {self.objects.url_of(step_dir_name(step))} matches its digest: "
+            "the local disk failed, not the checkpoint. It was not set aside, and the mirror's "
+            "copy was removed; check the mirror's disk, then start the job again (the step is "
+            "fetched afresh)."
         )
 
     def quarantine(self, step: int, reason: str, damage: CheckpointError | None = None) -> None:
