@@ -49,8 +49,12 @@ candidate gets into the state), its name (the id its resume records carry) and i
    ``quarantine/``; a memory step's record to ``memory/quarantine/``) and the next candidate
    is tried (``fallback=False``, ranks that disagree, and an incompatible checkpoint raise:
    a newer schema, or a ``.metadata`` another torch release wrote that this one cannot
-   read); one its tier cannot restore here (``CheckpointNotFoundError``: a memory copy lost
-   with its replica, another world) is passed over, and the report says why; a restart
+   read); a file the storage fails to read with a media error (EIO) is read once more,
+   afresh, and the same file failing again (``UnreadableError``) is damage for this start,
+   set aside with the command that restores it, once per start (a second such step stops
+   the start: the storage fails, not a step); one its tier cannot restore here
+   (``CheckpointNotFoundError``: a memory copy lost with its replica, another world) is
+   passed over, and the report says why; a restart
    loop is quarantined the same way, before it is loaded, with the reason ("resumed twice
    (attempts 3, 4) and the loss watch failed both times: ..."), on a line of its own in the
    report, and the next candidate is tried (``fallback=False`` raises instead;
