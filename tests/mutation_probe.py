@@ -48,6 +48,8 @@ LP = "tests/test_loader_position.py"
 AG = "tests/test_adoption_guards.py"
 CA = "tests/faults/test_capture.py"
 LF = "tests/test_lock_fencing.py"
+LV = "tests/faults/test_loss_verdict.py"
+GU = "tests/faults/test_guards.py"
 
 
 @dataclass(frozen=True)
@@ -749,6 +751,48 @@ MUTANTS = (
         (
             "tests/faults/test_start_faults.py::test_a_relaunch_from_another_host_waits_one_lease"
             "_on_every_rank_and_trains",
+        ),
+    ),
+    Mutant(
+        "loss verdict: with raise, each rank raises its own verdict (no agreement)",
+        "dckpt/load/watch.py",
+        '        if self._config.loss_watch == "raise":\n'
+        "            self._agreement = _Agreement(ctl, self._config.loss_watch_steps)",
+        '        if self._config.loss_watch == "raise" and False:\n'
+        "            self._agreement = _Agreement(ctl, self._config.loss_watch_steps)",
+        (f"{LV}::test_the_ranks_raise_together_or_not_at_all",),
+    ),
+    Mutant(
+        "loss verdict: rank 0's replay proof does not outrank another rank's loss watch",
+        "dckpt/load/watch.py",
+        "                vouched = ctl.broadcast(self.replay.vouched() if self.rank == 0"
+        " else None)",
+        "                vouched = ctl.broadcast(None)",
+        (f"{LV}::test_the_ranks_raise_together_or_not_at_all",),
+    ),
+    Mutant(
+        "read error: a media error is not read again (one EIO refuses the start)",
+        "dckpt/load/resumer.py",
+        "            if not exc.media or not exc.path:\n                raise\n"
+        "            first = exc",
+        "            raise",
+        (f"{GU}::test_a_transient_eio_at_each_resume_read_is_read_again_and_resumes",),
+    ),
+    Mutant(
+        "read error: every step that fails twice is set aside (a failing storage walks back)",
+        "dckpt/load/resumer.py",
+        "                if not fallback or unreadable is not None:",
+        "                if not fallback:",
+        (f"{GU}::test_a_read_error_on_every_step_sets_one_aside_and_stops",),
+    ),
+    Mutant(
+        "read error: an s3:// mirror's unreadable file sets the bucket's step aside",
+        "dckpt/tiers/object_source.py",
+        "            self._confirm_unreadable(step, exc)\n            return",
+        "            return",
+        (
+            "tests/test_s3_gaps.py::test_a_mirror_file_the_local_disk_cannot_read_sets_nothing_aside"
+            "_in_the_bucket",
         ),
     ),
 )
