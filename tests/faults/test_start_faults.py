@@ -9,6 +9,10 @@
   the first copy stays whole (bit-exact); after it, the new copy is committed whole.
 - A crash during retention (victims renamed to trash, not yet removed): the newest
   checkpoints and the milestones are whole, the next start finishes the deletion.
+- Two jobs on one node in different pid namespaces (containers sharing the node's host name,
+  issue 56): the second, started under ``unshare --pid``, found the first's pid gone in its own
+  namespace and took the live job's lock; now it watches the lock for its lease (10 s here),
+  sees it renewed, and is refused naming the first, which finishes untouched.
 - A relaunch from another host after the whole job died (issue 56): the dead job's lock names
   another host, so rank 0 watches it for a lease (10 s) before taking it over, longer than
   ``timeout_s`` (3 s); rank 1 waits with it, says so once, and the job resumes exactly. It
@@ -23,13 +27,16 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import torchrun_start, torchrun_train, torchrun_workers
+from conftest import REPO, torchrun_start, torchrun_train, torchrun_workers
 from dist_harness import run_world
 from fault_kit import (
     Baseline,
@@ -40,6 +47,7 @@ from fault_kit import (
     resume_world,
     saving_world,
 )
+from lock_kit import unshare_or_skip
 
 from dckpt.root.layout import committed_steps, read_latest, step_dir_name
 
@@ -176,6 +184,95 @@ def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
     outcome = check(root, {})
     fault_trials.record_check(
         "two jobs on one root", "torchrun while another runs", outcome, detail="; ".join(why)
+    )
+    assert not why and outcome.ok, why + outcome.problems
+
+
+_LEASED = """
+import functools, os, runpy, sys
+import dckpt
+# launch/train.py has no flag for the run lock's lease: its CheckpointConfig gets this one
+dckpt.CheckpointConfig = functools.partial(
+    dckpt.CheckpointConfig, lock_lease_s=float(sys.argv.pop(1))
+)
+sys.argv[0] = {train!r}
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _leased_train(tmp: Path, root: Path, lease_s: float, args: list[str]) -> list[str]:
+    """torchrun of launch/train.py (2 ranks, gloo) whose run lock has a lease of ``lease_s``."""
+    script = tmp / "leased_train.py"
+    script.write_text(_LEASED.format(train=str(REPO / "launch" / "train.py")))
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(script), str(lease_s), "--ckpt-dir", str(root), *args,
+    ]  # fmt: skip
+
+
+def test_a_second_job_in_another_pid_namespace_on_this_node_is_refused(
+    tmp_path: Path, fault_trials: Trials
+) -> None:
+    """Like the trial above, but the second launch runs in a pid namespace of its own, as in a
+    second container on the node: the first's pid means nothing there, so it watches the lock
+    for its lease (10 s: renewed every 3.3 s) and is refused at the first renewal it sees."""
+    unshare = [*unshare_or_skip(), "--kill-child"]  # the namespace dies with its unshare
+    root = tmp_path / "ckpt"
+    args = ["--steps", "1000000", "--save-every", "5", "--d-model", "32", "--no-async"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    first = subprocess.Popen(
+        _leased_train(tmp_path, root, 10.0, args), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    why: list[str] = []
+    second: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (root.exists() and committed_steps(root)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        holder = torchrun_workers(first).get(0)  # rank 0 holds the lock
+        if holder is None:
+            why.append("the first job has no rank 0 running")
+        second = subprocess.Popen(
+            [*unshare, *_leased_train(tmp_path, root, 10.0, args)], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        )  # fmt: skip
+        try:  # refused within a lease of its start; one that took the lock trains for ever
+            out, _ = second.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(second.pid, signal.SIGKILL)
+            out = second.communicate()[0]
+            why.append("the second job did not end within 60 s: it took the lock and trained")
+        if second.returncode == 0:
+            why.append("the second job ran")
+        if (
+            "is in use by run " not in out
+            or f"(pid {getattr(holder, 'pid', '?')} on {socket.gethostname()}," not in out
+        ):
+            why.append(f"the second job's error does not name the first: {out[-800:]}")
+        elif "in another pid namespace on this host (a container)" not in out:
+            why.append(f"the second job's error does not say where the first runs: {out[-800:]}")
+        if first.poll() is not None:
+            why.append("the first job did not survive the second one's attempt")
+        else:
+            torchrun_workers(first)[0].send_signal(signal.SIGTERM)  # done: stop, with a save
+        first_out, _ = first.communicate(timeout=120)
+        if first.returncode != 0:
+            why.append(f"the first job failed: {first_out[-800:]}")
+        agreed = re.search(r"the ranks agreed on step (\d+)", first_out)
+        if agreed is None or committed_steps(root)[-1:] != [int(agreed.group(1))]:
+            why.append(f"the first job's final checkpoint is missing: {committed_steps(root)}")
+    finally:
+        for job in (first, second):
+            if job is not None and job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    outcome = check(root, {})
+    fault_trials.record_check(
+        "two jobs on one root",
+        "torchrun in another pid namespace, same host name",
+        outcome,
+        detail="; ".join(why),
     )
     assert not why and outcome.ok, why + outcome.problems
 
