@@ -36,7 +36,12 @@ from pathlib import Path
 # it: a map kept by hand because coverage cannot see into the ranks these tests spawn.
 # Fastest files first: the run stops at the first failure.
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
-    "dckpt/load/replay.py": ("tests/test_replay.py",),
+    "dckpt/load/replay.py": ("tests/test_replay.py", "tests/faults/test_loss_verdict.py"),
+    "dckpt/load/watch.py": (
+        "tests/test_replay.py",
+        "tests/test_restart_loop.py",
+        "tests/faults/test_loss_verdict.py",
+    ),
     "dckpt/root/replay_journal.py": ("tests/test_replay.py",),
     "dckpt/load/overrides.py": ("tests/test_replay.py",),
     "dckpt/save/coordinator.py": (
@@ -66,6 +71,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "dckpt/root/lock.py": (
         "tests/test_retention_lock.py",
         "tests/test_lock_refusals.py",
+        "tests/test_lock_fencing.py",
         "tests/test_save_root_gaps.py",
     ),
     "dckpt/root/verify.py": (

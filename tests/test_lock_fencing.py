@@ -317,13 +317,23 @@ def _until(done: Any, bound_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.faults
 def test_an_unreadable_lock_is_a_storage_error_never_a_lost_lock(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fault_trials: Any,
 ) -> None:
     """Issue 56: one EIO on the lock file ended the job, "held by" its own rank 0. A read
     that fails is retried; one that keeps failing fails that commit (StorageError), never
     marks the lock lost; renewals skip a beat and go on once the storage heals."""
+    with fault_trials.trial("an EIO on the lock file", "twice, then on every read, then healed"):
+        _unreadable_lock(tmp_path, monkeypatch, caplog)
 
+
+def _unreadable_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from dckpt.errors import LockError, StorageError
     from dckpt.root.lock import RunLock
 
