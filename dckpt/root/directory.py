@@ -44,6 +44,7 @@ from .upkeep import (
     plan_retention,
     quarantine,
     recover,
+    restore,
     unpin,
 )
 from .verify import VerifyResult, read_verification, record_verification, verify_checkpoint
@@ -222,6 +223,15 @@ class DirectoryRoot:
 
     def quarantine(self, step: int, reason: str) -> str:
         return str(quarantine(self.path, self.path / step_dir_name(step), reason))
+
+    def restore(
+        self,
+        step: int,
+        name: str | None = None,
+        *,
+        progress: Callable[[int], None] = lambda _n: None,
+    ) -> str:
+        return str(restore(self.path, step, name, progress=progress)[0])
 
     def delete_steps(self, steps: list[int]) -> list[str]:
         return delete_checkpoints(self.path, steps)

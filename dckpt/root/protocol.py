@@ -12,9 +12,10 @@ What a root answers and does:
   ``committed_steps`` (the one rule of what is committed for that kind: a directory's
   ``manifest.json`` inside a real step directory; a bucket's ``step-N/manifest.json``
   object), manifests, pins, the records of verifications and resumes;
-- **its upkeep**: ``quarantine``, ``delete_steps`` (the manifest's commit undone first, so a
-  half-deleted step is never whole), ``pin``/``unpin``, retention, ``recover`` (a crash's
-  debris removed, at a job's start under its lock);
+- **its upkeep**: ``quarantine`` and ``restore`` (back from it, verified first),
+  ``delete_steps`` (the manifest's commit undone first, so a half-deleted step is never
+  whole), ``pin``/``unpin``, retention, ``recover`` (a crash's debris removed, at a job's
+  start under its lock);
 - **a job's parts**: ``locks`` (the run lock, not yet taken), the ``FileCommit`` a save
   commits with, the ``CheckpointSource`` a resume reads, the memory tier's ledger;
 - **a local copy** of committed steps for commands that read tensors (``local_steps``): the
@@ -25,7 +26,9 @@ Invariants every kind keeps (tests/tiers/ checks each against every kind):
   never listed, never loaded;
 - retention never deletes the newest committed step or a pinned one;
 - a second job is refused by the lock while the first holds it;
-- ``recover`` removes what a crash left and nothing committed.
+- ``recover`` removes what a crash left and nothing committed;
+- ``restore`` commits a quarantined step only once it verified, never over a committed one
+  (tests/test_set_aside.py, for every kind).
 
 Knows names, manifests and files, never tensors.
 """
@@ -200,6 +203,23 @@ class Root(Protocol):
 
     def quarantine(self, step: int, reason: str) -> str:
         """Move the committed ``step`` to ``quarantine/`` with ``reason``; where it went."""
+        ...
+
+    def restore(
+        self,
+        step: int,
+        name: str | None = None,
+        *,
+        progress: Callable[[int], None] = lambda _n: None,
+    ) -> str:
+        """Put the quarantined ``step`` back as committed; where it is now. ``name``: which
+        quarantined copy (``quarantine/step-N-1a2b3c4d``), needed when there are several.
+        Refused (dckpt.root.upkeep.RestoreError, CheckpointNotFoundError) while a step of that
+        number is committed, and when the copy does not verify as ``verify`` would (it stays
+        in quarantine; ``progress`` gets the bytes hashed). Its commit is the kind's own commit
+        point, made last (a rename; the manifest), so a crash never leaves it looking committed
+        but not whole; then ``latest`` is republished and the quarantined copy and its reason
+        are gone."""
         ...
 
     def delete_steps(self, steps: list[int]) -> list[str]:

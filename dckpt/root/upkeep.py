@@ -4,7 +4,11 @@
   removed, a replaced copy whose successor never landed is renamed back, an interrupted delete
   is finished, and a dangling ``latest`` is repointed;
 - ``quarantine`` moves a committed checkpoint that failed verification (or was superseded by a
-  rollback) to ``quarantine/`` with the reason;
+  rollback, or was set aside by hand: ``dckpt set-aside``) to ``quarantine/`` with the reason;
+- ``restore`` puts a quarantined checkpoint back (``dckpt restore``): it is verified where it
+  lies, then one rename is its commit, so a crash leaves it either in quarantine or committed
+  and whole; never over a committed step of that number (``pick_quarantined`` says which
+  quarantined copy, and the words of a refusal are ``RestoreError``'s, for every root kind);
 - ``delete_checkpoints`` renames to a trash name first, so a crash mid-delete never leaves a
   half-deleted directory that looks committed;
 - ``pin``/``unpin`` mark steps retention must keep; ``plan_retention``/``apply_retention``
@@ -17,15 +21,19 @@ Knows directories and files only, never tensors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import logging
 import os
 import shutil
+import stat
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..errors import IntegrityError, ManifestError
+from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ManifestError
 from ..faults import fault_point
-from ..owned import create_new, make_dir, write_atomic
+from ..owned import create_new, make_dir, open_dir, write_atomic
 from ..phases import Phase
 from .durable import fsync_dir, publish_latest
 from .fence import Fence
@@ -33,26 +41,34 @@ from .layout import (
     LATEST_FILE,
     PINS_DIR,
     QUARANTINE_DIR,
+    QUARANTINED_RE,
     REPLACED_RE,
     STEP_RE,
     TMP_RE,
     TRASH_RE,
     committed_steps,
+    is_committed_dir,
+    list_checkpoints,
     pinned_steps,
     step_dir_name,
 )
 from .manifest import MANIFEST_FILE, Manifest, read_manifest
 from .retention import Candidate, Decision, RetentionPolicy, decide
+from .verify import FileProblem, VerifyResult, record_verification, verify_checkpoint
 
 __all__ = [
+    "RestoreError",
     "apply_retention",
     "decide_for",
     "delete_checkpoints",
     "log_retention",
+    "pick_quarantined",
     "pin",
     "plan_retention",
     "quarantine",
     "recover",
+    "refused_restore",
+    "restore",
     "unpin",
 ]
 
@@ -115,6 +131,188 @@ def quarantine(root: str | os.PathLike[str], step_dir: Path, reason: str) -> Pat
         "dckpt: moved %s to %s: %s", step_dir.name, target, reason.split(". ", maxsplit=1)[0]
     )
     return target
+
+
+class RestoreError(CheckpointError):
+    """A restore refused, in words: step N is committed (a newer save of it), several
+    quarantined copies and none named, or the copy did not pass verification (``result``:
+    what it found; it stays in quarantine). Nothing was committed."""
+
+    def __init__(self, message: str, result: VerifyResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def committed_refusal(root: str, step: int) -> str:
+    """Why a restore of ``step`` is refused while a step of that number is committed."""
+    return (
+        f"step {step} is committed under {root} (a newer save of that step); set it aside "
+        f"first: dckpt set-aside {root} {step}"
+    )
+
+
+def _quarantined_step(name: str) -> int | None:
+    """The step of ``quarantine/step-N[-<8hex>]``, else None."""
+    head, _, tail = name.partition("/")
+    m = QUARANTINED_RE.fullmatch(tail) if head == QUARANTINE_DIR else None
+    return int(m.group(1)) if m else None
+
+
+def pick_quarantined(
+    names: Sequence[str], step: int, name: str | None, root: str, *, committed: bool = False
+) -> str:
+    """The quarantined entry of ``step`` a restore takes, among ``names`` (every quarantined
+    entry, relative to the root: ``quarantine/step-N``, ``quarantine/step-N-<8hex>``):
+    ``name`` when given (``step-N-1a2b3c4d`` alone is read under ``quarantine/``), else the
+    step's only one. CheckpointNotFoundError when there is none; RestoreError when a step of
+    that number is ``committed`` (a newer save), and, listing them, when there are several
+    and no name says which."""
+    mine = sorted(n for n in names if _quarantined_step(n) == step)
+    wanted: str | None = None
+    if name is not None:
+        wanted = name.strip("/")
+        if "/" not in wanted:
+            wanted = f"{QUARANTINE_DIR}/{wanted}"
+        other = _quarantined_step(wanted)
+        if other is not None and other != step:
+            raise RestoreError(f"{wanted} holds step {other}, not step {step}")
+        if wanted not in mine:
+            raise CheckpointNotFoundError(
+                f"no {wanted} under {root}; step {step} in quarantine: "
+                f"{', '.join(mine) or 'none'} (see `dckpt ls {root}`)"
+            )
+    elif not mine:
+        held = sorted({s for n in names if (s := _quarantined_step(n)) is not None})
+        raise CheckpointNotFoundError(
+            f"step {step} is not in quarantine under {root}"
+            + (" (it is committed)" if committed else "")
+            + f"; quarantined steps: {', '.join(map(str, held)) or 'none'} (see `dckpt ls "
+            f"{root}`)"
+        )
+    if committed:
+        raise RestoreError(committed_refusal(root, step))
+    if wanted is not None:
+        return wanted
+    if len(mine) > 1:
+        raise RestoreError(
+            f"step {step} is in quarantine {len(mine)} times under {root}: {', '.join(mine)} "
+            "(each a save of that step set aside, its reason beside it in NAME.reason.txt); "
+            f"say which to restore: dckpt restore {root} {step} --name {mine[-1]}"
+        )
+    return mine[0]
+
+
+def _problem_text(problem: FileProblem) -> str:
+    detail = f" (expected {problem.expected}, got {problem.actual})" if problem.expected else ""
+    return f"{problem.path}: {problem.error}{detail}"
+
+
+def refused_restore(step: int, where: str, result: VerifyResult) -> RestoreError:
+    """The refusal of a restore whose copy at ``where`` did not verify; names what is
+    damaged (or what the storage did not serve), five files at most, then a count."""
+    shown = "; ".join(_problem_text(p) for p in result.problems[:5])
+    if len(result.problems) > 5:
+        shown += f"; and {len(result.problems) - 5} more"
+    if result.damaged:
+        why = (
+            f"step {step} in {where} is damaged, so it stays in quarantine and nothing was "
+            f"committed: {shown}. Do not restore it; resume from another step (dckpt ls)."
+        )
+    else:
+        why = (
+            f"the storage did not serve every file of step {step} in {where}, so nothing is "
+            f"known about their bytes; it stays in quarantine and nothing was committed: "
+            f"{shown}. Run the restore again once the storage is healthy."
+        )
+    return RestoreError(why, result)
+
+
+def restore(
+    root: str | os.PathLike[str],
+    step: int,
+    name: str | None = None,
+    *,
+    threads: int = 4,
+    progress: Callable[[int], None] = lambda _n: None,
+) -> tuple[Path, VerifyResult]:
+    """Put the quarantined ``step`` (``name``: which copy, see ``pick_quarantined``) back as
+    the committed ``ROOT/step-N``; returns where it is and its verification.
+
+    Refused (RestoreError, CheckpointNotFoundError) while ``step-N`` is there, when no copy
+    or several are in quarantine (``pick_quarantined``), and when the copy does not verify
+    as ``dckpt verify`` would (every file re-hashed against its manifest, which must be of
+    ``step``): it stays in quarantine. The commit point is one rename of the quarantined
+    directory to ``step-N`` (one file system), relative to descriptors of both directories
+    opened without following a link; both are fsynced, then ``latest`` is republished and
+    the reason file removed. A crash before the rename leaves it in quarantine, after it
+    committed and whole (``recover`` brings ``latest`` forward)."""
+    base = Path(root)
+    final = step_dir_name(step)
+    names = [
+        e.path.relative_to(base).as_posix()
+        for e in list_checkpoints(base)
+        if e.status == "quarantined"
+    ]
+    committed = is_committed_dir(base / final)
+    chosen = pick_quarantined(names, step, name, str(base), committed=committed)
+    source = chosen.split("/", 1)[1]
+    qfd = open_dir(base / QUARANTINE_DIR)  # never through a link put in its place
+    try:
+        bfd = open_dir(base)
+        try:
+            if os.path.lexists(base / final):
+                raise RestoreError(
+                    f"{base / final} exists and is not a committed step (no {MANIFEST_FILE} "
+                    "in a real directory): dckpt never leaves one, so it is left for you to "
+                    "look at; move it away, then restore again"
+                )
+            result = verify_checkpoint(base / chosen, threads=threads, progress=progress)
+            if not result.ok:
+                raise refused_restore(step, str(base / chosen), result)
+            if result.step != step:
+                raise RestoreError(
+                    f"{base / chosen / MANIFEST_FILE} is of step {result.step}, not {step}: it "
+                    "stays in quarantine"
+                )
+            if not stat.S_ISDIR(os.stat(source, dir_fd=qfd, follow_symlinks=False).st_mode):
+                raise RestoreError(f"{base / chosen} is no longer a directory: nothing restored")
+            try:
+                os.rename(source, final, src_dir_fd=qfd, dst_dir_fd=bfd)  # the commit point
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                raise RestoreError(
+                    f"{base / final} appeared while {base / chosen} was verified (a job saving "
+                    "that step?): nothing restored"
+                ) from exc
+            try:
+                os.fsync(bfd)
+                os.fsync(qfd)
+                publish_latest(base)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{source}.reason.txt", dir_fd=qfd)
+                os.fsync(qfd)
+            except OSError as exc:  # committed already: said, not raised
+                log.warning(
+                    "dckpt: %s is restored, but syncing and tidying up after it failed (%s): "
+                    "the next start brings latest forward; remove %s by hand",
+                    base / final,
+                    exc,
+                    base / f"{chosen}.reason.txt",
+                )
+        finally:
+            os.close(bfd)
+    finally:
+        os.close(qfd)
+    result = dataclasses.replace(result, step_dir=base / final)
+    record_verification(result)  # `dckpt ls` shows it verified (best effort)
+    log.info(
+        "dckpt: restored %s from %s (%d files verified)",
+        base / final,
+        base / chosen,
+        result.files_checked,
+    )
+    return base / final, result
 
 
 def delete_checkpoints(root: str | os.PathLike[str], steps: list[int]) -> list[str]:

@@ -19,7 +19,12 @@ Invariants (an object store has no rename, so the manifest is the commit):
 - a delete removes the manifest first, then the rest: a half-deleted step is never whole;
 - ``latest`` only ever names a committed step, and is written after the manifest;
 - ``recover`` (at a job's start, under the run lock) removes prefixes without a manifest and
-  aborts multipart uploads left open.
+  aborts multipart uploads left open;
+- ``restore`` brings a quarantined step back as a save does: every object but the manifest
+  copied to ``step-N/`` and re-hashed there against the quarantined manifest, then that
+  manifest PUT last (the commit point, refused if one is there), then the quarantined objects
+  and the reason deleted and ``latest`` republished. A crash before the manifest leaves a
+  prefix without one (``recover`` removes it, and so does the next restore).
 
 Knows keys and manifests, never tensors.
 """
@@ -76,7 +81,13 @@ from ..root.resume_record import (
 )
 from ..root.retention import Decision, RetentionPolicy
 from ..root.source import CheckpointSource
-from ..root.upkeep import decide_for, log_retention
+from ..root.upkeep import (
+    RestoreError,
+    decide_for,
+    log_retention,
+    pick_quarantined,
+    refused_restore,
+)
 from ..root.verify import (
     MAX_RECORD_BYTES,
     VERIFIED_DIR,
@@ -370,7 +381,13 @@ class ObjectRoot:
         """Stream every object of ``step`` through its digest and compare it with the
         manifest (nothing is written to disk); returns the manifest and the problems."""
         manifest = self.read_manifest(step)
-        name = step_dir_name(step)
+        return manifest, self._check_files(manifest, step_dir_name(step), progress)
+
+    def _check_files(
+        self, manifest: Manifest, name: str, progress: Callable[[int], None] | None
+    ) -> list[FileProblem]:
+        """Every object ``manifest`` lists, under ``name`` (``step-N``), streamed through
+        its digest; the problems found (paths relative to ``name``)."""
         listed = {o.key: o.size for o in self.store.list(self.key(name) + "/")}
         problems: list[FileProblem] = []
         for record in manifest.files:
@@ -405,7 +422,7 @@ class ObjectRoot:
                         actual=actual,
                     )
                 )
-        return manifest, problems
+        return problems
 
     def record_verification(self, result: VerifyResult) -> None:
         """Remember a ``dckpt verify`` outcome in the bucket, as a directory root does beside
@@ -483,6 +500,114 @@ class ObjectRoot:
             reason.split(". ", maxsplit=1)[0],
         )
         return self.url_of(target)
+
+    def restore(
+        self,
+        step: int,
+        name: str | None = None,
+        *,
+        progress: Callable[[int], None] = lambda _n: None,
+    ) -> str:
+        """Put the quarantined ``step`` back as committed (the module docstring says how,
+        dckpt.root.protocol what); returns its URL. The copies are re-hashed before the
+        manifest goes up: damage is named and the copies deleted, the quarantined step left
+        where it is. Objects under ``step-N/`` without a manifest (a save or a restore cut
+        short: never a checkpoint) are deleted first."""
+        final = step_dir_name(step)
+        entries = self.entries()
+        committed = any(e.step == step and e.status == "committed" for e in entries)
+        quarantined = [e.name for e in entries if e.status == "quarantined"]
+        chosen = pick_quarantined(quarantined, step, name, str(self), committed=committed)
+        manifest, raw = self._quarantined_manifest(step, chosen)
+        debris = self._keys(final)
+        if debris:  # no manifest: not a checkpoint (the entries said so), as recover finds
+            self.store.delete(debris)
+            log.warning(
+                "dckpt: removed %d object(s) of the uncommitted %s before restoring into it",
+                len(debris),
+                self.url_of(final),
+            )
+        source = self._keys(chosen)
+        for key in source:
+            if key != self.key(chosen, MANIFEST_FILE):
+                self.store.copy(key, self.key(final, key[len(self.key(chosen)) + 1 :]))
+        problems = self._check_files(manifest, final, progress)
+        result = VerifyResult(
+            step_dir=Path(final),
+            step=step,
+            files_checked=len(manifest.files),
+            bytes_checked=manifest.total_bytes,
+            problems=problems,
+            where=self.url_of(final),
+            files_digest=manifest.files_digest,
+            captured=(manifest.capture.get("items"), manifest.capture.get("uncompared", 0)),
+        )
+        if problems:
+            self.store.delete(self._keys(final))  # copies without a manifest: never a step
+            raise refused_restore(step, self.url_of(chosen), result)
+        self._commit_restored(step, raw)
+        try:
+            self.store.delete(source)
+            self.store.delete([self.key(f"{chosen}.reason.txt")])
+            self.publish_latest()
+            self.record_verification(result)
+        except StorageError as exc:  # committed already: said, not raised
+            log.warning(
+                "dckpt: %s is restored, but tidying up after it failed (%s): the next start "
+                "brings latest forward; delete what is left of %s by hand",
+                self.url_of(final),
+                exc,
+                self.url_of(chosen),
+            )
+        log.info(
+            "dckpt: restored %s from %s (%d objects verified)",
+            self.url_of(final),
+            self.url_of(chosen),
+            len(manifest.files),
+        )
+        return self.url_of(final)
+
+    def _quarantined_manifest(self, step: int, chosen: str) -> tuple[Manifest, bytes]:
+        """The manifest of the quarantined ``chosen`` and its bytes (what the restore
+        commits), validated and of ``step``; RestoreError (it stays) when it is not."""
+        where = self.url_of(chosen, MANIFEST_FILE)
+        got = self.store.get_small(self.key(chosen, MANIFEST_FILE), MAX_MANIFEST_BYTES)
+        try:
+            if got is None or len(got[0]) > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"{where} is missing or over {MAX_MANIFEST_BYTES} bytes")
+            manifest = parse_manifest(got[0], where)
+        except (ManifestError, IntegrityError) as exc:
+            problem = FileProblem(path=MANIFEST_FILE, error=str(exc))
+            damaged = VerifyResult(step_dir=Path(chosen), step=step, problems=[problem])
+            raise refused_restore(step, self.url_of(chosen), damaged) from exc
+        if manifest.step != step:
+            raise RestoreError(f"{where} is of step {manifest.step}, not {step}: it stays")
+        return manifest, got[0]
+
+    def _commit_restored(self, step: int, raw: bytes) -> None:
+        """PUT ``step``'s manifest unless one is there: the commit point of a restore. A
+        manifest found there that is not ``raw`` (a save of that step meanwhile) refuses."""
+        key = self.key(step_dir_name(step), MANIFEST_FILE)
+        failed: StorageError | None = None
+        try:
+            if self.store.put_small(key, raw, if_absent=True) is not None:
+                return
+        except StorageError as exc:  # a reply lost after the store applied it? read back
+            failed = exc
+        there = self.store.get_small(key, MAX_MANIFEST_BYTES)
+        if there is not None and there[0] == raw:
+            return  # ours: a retried PUT found its own first one
+        where = self.url_of(step_dir_name(step), MANIFEST_FILE)
+        if there is None:
+            raise StorageError(
+                f"the PUT of {where} failed ({failed or 'refused, yet nothing is there'}): "
+                f"step {step} is not restored, its quarantined copy stays; run the restore "
+                "again"
+            )
+        raise RestoreError(
+            f"{where} appeared while step {step} was restored (a job saving that step?): the "
+            f"quarantined copy stays; check what is committed: dckpt verify {self} --step {step}"
+        )
 
     def recover(self) -> list[str]:
         """At a job's start, under the run lock: tidy the mirror as a directory root is
