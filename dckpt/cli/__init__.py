@@ -1,13 +1,14 @@
 """The ``dckpt`` command: look at, check, inspect and manage checkpoints without Python.
 
-Commands: ``ls``, ``verify``, ``inspect`` (reading.py); ``gc``, ``pin``, ``unpin``
-(manage.py); ``diff``, ``export`` (tensors.py); ``plan`` (planning.py, with plan_model.py);
-``memory clear`` (memory_tier.py). Every command takes a directory or an s3:// root and reads
-it through the ``Root`` protocol (``common.cli_root``): none asks which kind it has; ``diff``
-and ``export`` read tensors from local step directories (``common.step_dirs``: an object
-store's steps fetched, verified, into a temporary directory). Exit codes: 0 ok; 2 bad usage,
-or a root/step that does not exist or is not dckpt's; 3 an integrity failure; 4 a checkpoint
-this torch cannot read. Importing this package does not import torch.
+Commands: ``ls``, ``verify``, ``inspect`` (reading.py); ``gc``, ``pin``, ``unpin``,
+``set-aside``, ``restore`` (manage.py); ``diff``, ``export`` (tensors.py); ``plan``
+(planning.py, with plan_model.py); ``memory clear`` (memory_tier.py). Every command takes a
+directory or an s3:// root and reads it through the ``Root`` protocol (``common.cli_root``):
+none asks which kind it has; ``diff`` and ``export`` read tensors from local step directories
+(``common.step_dirs``: an object store's steps fetched, verified, into a temporary
+directory). Exit codes: 0 ok; 2 bad usage, or a root/step that does not exist or is not
+dckpt's; 3 an integrity failure; 4 a checkpoint this torch cannot read; 5 the storage did not
+serve a file (nothing known about its bytes). Importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .manage import cmd_gc, cmd_pin, cmd_unpin
+    from .manage import cmd_gc, cmd_pin, cmd_restore, cmd_set_aside, cmd_unpin
     from .memory_tier import cmd_memory_clear
     from .planning import cmd_plan
     from .reading import cmd_inspect, cmd_ls, cmd_verify
@@ -158,6 +159,29 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--force", action="store_true", help="even while a job holds the lock")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=cmd_memory_clear)
+
+    p = sub.add_parser(
+        "set-aside",
+        help="move a committed step to quarantine/ by hand: no resume picks it",
+    )
+    p.add_argument("root")
+    p.add_argument("step", type=int)
+    p.add_argument("--reason", default="", metavar="TEXT", help="why, kept in its reason file")
+    p.add_argument("--force", action="store_true", help="even while a job holds the lock")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_set_aside)
+
+    p = sub.add_parser("restore", help="put a quarantined step back as committed, once it verifies")
+    p.add_argument("root")
+    p.add_argument("step", type=int)
+    p.add_argument(
+        "--name",
+        metavar="quarantine/step-N-HEX",
+        help="which quarantined copy (dckpt ls lists them), when the step is there twice",
+    )
+    p.add_argument("--force", action="store_true", help="even while a job holds the lock")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_restore)
 
     for name, func, what in (
         ("pin", cmd_pin, "keep a step through retention"),
