@@ -62,7 +62,9 @@ def _end_the_frozen(root: str) -> None:
         os.kill(int((Path(root).parent / "pid-1").read_text()), signal.SIGKILL)
 
 
-def _resume(rank: int, world: int, root: str, fault: str | None) -> dict[str, Any]:
+def _resume(
+    rank: int, world: int, root: str, fault: str | None, fallback: bool = True
+) -> dict[str, Any]:
     """One start: resume ``root`` with ``fault`` armed; what this rank raised or loaded."""
     import dckpt
 
@@ -72,9 +74,13 @@ def _resume(rank: int, world: int, root: str, fault: str | None) -> dict[str, An
     model, opt, sched = build(rank)
     t0 = time.monotonic()
     try:
-        with manager(root, model, opt, sched, timeout_s=TIMEOUT_S) as mgr:
+        with manager(root, model, opt, sched, timeout_s=TIMEOUT_S, fallback=fallback) as mgr:
             report = mgr.resume()
-            return {"step": report.step, "seconds": time.monotonic() - t0}
+            return {
+                "step": report.step,
+                "seconds": time.monotonic() - t0,
+                "report": report.format(),
+            }
     except dckpt.CheckpointError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
     finally:
@@ -83,8 +89,7 @@ def _resume(rank: int, world: int, root: str, fault: str | None) -> dict[str, An
             _end_the_frozen(root)
 
 
-EIO_CASES = [
-    ("list_steps", 0, "cannot list"),
+TRANSIENT_CASES = [
     ("read_manifest", 1, "manifest.json"),
     ("read_manifest", 0, "manifest.json"),
     ("read_metadata", 1, ".metadata"),
@@ -93,36 +98,112 @@ EIO_CASES = [
 ]
 
 
-def test_eio_on_one_rank_at_each_resume_phase_is_a_storage_error_on_every_rank(
+def _errors(got: list[Any]) -> list[str]:
+    return [r.get("error") or "" if isinstance(r, dict) else str(r) for r in got]
+
+
+def test_a_transient_eio_at_each_resume_read_is_read_again_and_resumes(
     saved: Path, tmp_path: Path, fault_trials: Trials
 ) -> None:
-    """The storage fails one read of one rank: every rank raises the same StorageError
-    naming the file and the rank (never a bare OSError, never a quarantine, never a hang);
-    the same start without the fault resumes step 2 exactly."""
+    """The storage fails one read of one rank, once (``times=1``): every rank reads the step
+    again, afresh, and resumes it; the report says which file on which rank was read again;
+    nothing is moved (never a bare OSError, never a quarantine, never a hang)."""
     failed: list[str] = []
-    for phase, rank, file_word in EIO_CASES:
+    for phase, rank, file_word in TRANSIENT_CASES:
         root = fresh_root(saved, tmp_path / f"{phase}-{rank}")
-        fault = f"phase={phase},rank={rank},action=eio"
+        fault = f"phase={phase},rank={rank},action=eio,times=1"
         got = run_world(_resume, 2, str(root), fault, expect_failure=True, timeout=120)
-        why = []
+        why = [f"rank {r}: {e}" for r, e in enumerate(_errors(got)) if e]
         for r, result in enumerate(got):
-            error = result.get("error", "") if isinstance(result, dict) else str(result)
-            if not error.startswith("StorageError:"):
-                why.append(f"rank {r} did not raise a StorageError: {str(result)[:300]}")
-            elif file_word not in error or f"rank {rank}" not in error:
-                why.append(f"rank {r}'s error names neither the file nor rank {rank}: {error}")
+            if isinstance(result, dict) and result.get("step") != 2:
+                why.append(f"rank {r} did not resume step 2: {str(result)[:300]}")
+        report = got[0].get("report", "") if isinstance(got[0], dict) else ""
+        if "read again, afresh" not in report or file_word not in report:
+            why.append(f"the report does not say what was read again: {report[:600]}")
         if (root / "quarantine").exists() or committed_steps(root) != [1, 2]:
             why.append(f"something moved: {list_checkpoints(root)}")
-        restart = run_world(resume_world, 2, [str(root)], expect_failure=True, timeout=120)
-        if [r[0].get("step") if isinstance(r, list) else r for r in restart] != [2, 2] or not all(
-            isinstance(r, list) and r[0].get("exact") for r in restart
-        ):
-            why.append(f"the restart without the fault did not resume step 2: {restart}")
-        case = f"EIO at {phase} on rank {rank}"
+        case = f"one EIO at {phase} on rank {rank}"
         fault_trials.record("I/O error at a resume", case, survived=not why, detail="; ".join(why))
         if why:
             failed.append(f"{case}: {'; '.join(why)}")
     assert not failed, "\n".join(failed)
+
+
+def test_eio_listing_the_steps_is_a_storage_error_on_every_rank(
+    saved: Path, tmp_path: Path, fault_trials: Trials
+) -> None:
+    """A listing that fails names no file: every rank raises the same StorageError naming
+    the root and rank 0, nothing moves, and the start without the fault resumes step 2."""
+    root = fresh_root(saved, tmp_path / "list")
+    fault = "phase=list_steps,rank=0,action=eio"
+    with fault_trials.trial("I/O error at a resume", "EIO listing the steps on rank 0"):
+        got = run_world(_resume, 2, str(root), fault, expect_failure=True, timeout=120)
+        for r, error in enumerate(_errors(got)):
+            assert error.startswith("StorageError:"), (r, got)
+            assert "cannot list" in error and "rank 0" in error, (r, error)
+        assert not (root / "quarantine").exists() and committed_steps(root) == [1, 2]
+        restart = run_world(resume_world, 2, [str(root)], expect_failure=True, timeout=120)
+        assert [r[0].get("step") for r in restart] == [2, 2], restart
+        assert all(r[0].get("exact") for r in restart), restart
+
+
+def _restore(root: Path, step: int) -> None:
+    from dckpt.cli import main
+
+    assert main(["restore", str(root), str(step)]) == 0
+
+
+def test_a_read_error_that_persists_sets_the_step_aside_and_resumes_the_one_before(
+    saved: Path, tmp_path: Path, fault_trials: Trials
+) -> None:
+    """One shard of step 2 cannot be read, every time (a lost sector: ``file=`` names it):
+    the resume reads it again, afresh, fails the same way, sets step 2 aside (moved to
+    quarantine/, with the reason and the command that restores it) and resumes step 1 on
+    every rank. ``dckpt restore`` puts it back once the storage serves it, and the next
+    start resumes step 2 exactly."""
+    root = fresh_root(saved, tmp_path / "persists")
+    fault = "phase=read_shard,rank=1,action=eio,file=step-00000002"
+    with fault_trials.trial("a persistent read error", "one file of the newest step (rank 1)"):
+        got = run_world(_resume, 2, str(root), fault, expect_failure=True, timeout=120)
+        assert _errors(got) == ["", ""], got
+        assert [r["step"] for r in got] == [1, 1], got
+        assert "skipped step 2" in got[0]["report"], got[0]["report"]
+        assert committed_steps(root) == [1], list_checkpoints(root)
+        reason = (root / "quarantine" / "step-00000002.reason.txt").read_text()
+        assert "twice (the second time afresh)" in reason and ".distcp" in reason, reason
+        assert f"dckpt restore {root} 2" in reason, reason
+        _restore(root, 2)
+        assert committed_steps(root) == [1, 2], list_checkpoints(root)
+        restart = run_world(resume_world, 2, [str(root)], expect_failure=True, timeout=120)
+        assert [r[0].get("step") for r in restart] == [2, 2], restart
+        assert all(r[0].get("exact") for r in restart), restart
+
+
+def test_a_read_error_on_every_step_sets_one_aside_and_stops(
+    saved: Path, tmp_path: Path, fault_trials: Trials
+) -> None:
+    """Every shard read of rank 1 fails, on every step (the storage, not a step): the newest
+    step is set aside, the one before fails the same way, and every rank raises the same
+    UnreadableError naming rank 1 and the file, saying the storage fails beyond one
+    checkpoint: nothing more is set aside. Without fallback nothing is set aside at all,
+    and the error says the command that would."""
+    root = fresh_root(saved, tmp_path / "everywhere")
+    with fault_trials.trial("a persistent read error", "every step's files (rank 1)"):
+        fault = "phase=read_shard,rank=1,action=eio"
+        got = run_world(_resume, 2, str(root), fault, expect_failure=True, timeout=120)
+        for r, error in enumerate(_errors(got)):
+            assert error.startswith("UnreadableError: rank 1: cannot read"), (r, error)
+            assert "beyond one checkpoint" in error and ".distcp" in error, (r, error)
+            assert f"dckpt restore {root} 2" in error, (r, error)
+        assert committed_steps(root) == [1], list_checkpoints(root)
+    root = fresh_root(saved, tmp_path / "no-fallback")
+    with fault_trials.trial("a persistent read error", "fallback off"):
+        fault = "phase=read_shard,rank=0,action=eio,file=step-00000002"
+        got = run_world(_resume, 2, str(root), fault, False, expect_failure=True, timeout=120)
+        for r, error in enumerate(_errors(got)):
+            assert error.startswith("UnreadableError: rank 0: cannot read"), (r, error)
+            assert f"dckpt set-aside {root} 2" in error, (r, error)
+        assert committed_steps(root) == [1, 2] and not (root / "quarantine").exists()
 
 
 def test_a_lost_commit_reply_is_resolved_by_looking(
