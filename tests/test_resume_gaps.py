@@ -267,7 +267,8 @@ def test_a_root_whose_every_checkpoint_is_damaged_is_refused_naming_each(
     with _manager(tmp_path, fresh) as mgr, pytest.raises(dckpt.CheckpointError) as again:
         mgr.resume()
     assert "no committed checkpoint but 3 in quarantine/" in str(again.value), again.value
-    assert "restore one, or remove quarantine/ to really start over" in str(again.value)
+    assert "restore one (dckpt restore " in str(again.value)
+    assert "or remove quarantine/ to really start over" in str(again.value)
     assert all(torch.equal(_tensors(fresh)[k], v) for k, v in before.items())
     assert _tree(tmp_path) == after  # looking deleted nothing
 

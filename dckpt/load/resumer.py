@@ -647,7 +647,8 @@ class Resumer:
             tier,
             step,
             f"restart loop: {loop}. Resuming it again would fail the same way; to try it "
-            f"anyway once the cause is fixed, restore it and remove its resume records ({where})",
+            f"anyway once the cause is fixed, restore it (dckpt restore {self.source} {step}) "
+            f"and remove its resume records ({where})",
         )
 
     def _nothing_loaded(
@@ -701,8 +702,8 @@ class Resumer:
                 f"no checkpoint under {self.source} could be resumed: {listed}. The restart "
                 "loops were quarantined (their last two replays differed from the run that "
                 "stopped) and no older step loaded; starting from scratch would silently throw "
-                f"that run away. Fix the cause, then move step {newest} back from quarantine/ "
-                f"and run: {self._forget(newest)}."
+                f"that run away. Fix the cause, then put step {newest} back "
+                f"(dckpt restore {self.source} {newest}) and run: {self._forget(newest)}."
             )
         if report.skipped:
             return (
@@ -723,7 +724,8 @@ class Resumer:
             return (
                 f"{self.source} has no committed checkpoint but {quarantined} in quarantine/: "
                 "starting from scratch would silently throw that run away. Inspect them "
-                "(dckpt ls), restore one, or remove quarantine/ to really start over."
+                f"(dckpt ls {self.source}), restore one (dckpt restore {self.source} STEP), or "
+                "remove quarantine/ to really start over."
             )
         return None
 
