@@ -17,6 +17,14 @@ a binomial tree and broadcast the result (``_reduce``): their latency grows with
 world, not with the world as gloo's ring all-reduce does. ``gather`` is for what rank 0 alone
 needs; ``all_gather`` hands every rank N objects and is kept for what every rank must see.
 
+After a failed wait, ``late`` names the ranks to blame, from what each rank keeps in the
+job's store while a save or a resume runs (``begin`` to ``end``): a heartbeat every
+``beat_s`` that also says where the rank is (how many of this group's collectives it
+entered, since when, its host), and a mark per phase. A rank whose beat stood still is
+*silent*; one whose beat moves but which has not reached where the others wait is *slow*.
+Nothing of it runs in a collective: the beat's thread reads a few fields, and the reading
+happens on a failure only.
+
 Every agreement's box has the same size, whatever it carries, plus a tag (the agreement's
 number on this ``Comm`` and its width): ranks that reached different agreements, a dckpt bug,
 get a ``DivergedError`` on every rank that names both, where boxes of different sizes made
@@ -30,6 +38,7 @@ import copy
 import datetime
 import os
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -41,6 +50,7 @@ import torch.distributed as dist
 import xxhash
 
 from ..errors import CheckpointError
+from ..units import plural
 from .store import HINT_S, StoreUnreachableError, call, default_store
 
 __all__ = ["Comm", "DivergedError", "Failed"]
@@ -76,17 +86,55 @@ def _read(store: Any, key: str) -> str | None:
     return call(store.get, key).decode() if call(store.check, [key]) else None
 
 
-def _beat(key: str, every_s: float, stop: threading.Event) -> None:
-    """A rank's heartbeat: a counter in the job's store, moved every ``every_s``."""
+def _read_all(store: Any, keys: list[str]) -> list[str | None]:
+    """Each key's value (None where it is not set): two store calls when every key is set,
+    the usual case (a rank's heartbeat and marks exist once it began), else one or two per
+    key. Never waits for a key."""
+    if keys and call(store.check, keys):
+        return [v.decode() for v in call(store.multi_get, keys)]
+    return [_read(store, key) for key in keys]
+
+
+def _beat(key: str, every_s: float, stop: threading.Event, say: Callable[[], str]) -> None:
+    """A rank's heartbeat: a counter in the job's store, moved every ``every_s``, with where
+    this rank is (``say``: ``Comm._position``), so a survivor tells a rank that moves but
+    lags from one that waits like itself."""
     store = default_store()
     n = 0
     while not stop.is_set():
         n += 1
         with contextlib.suppress(Exception):  # a hint: a store that fails is ignored
-            call(store.set, key, str(n))
+            call(store.set, key, f"{n}|{say()}")
         stop.wait(every_s)
 
 
+@dataclass(frozen=True)
+class _Heard:
+    """A rank's heartbeat as ``Comm.late`` reads it (``Comm._position`` wrote it): the
+    durations are on that rank's own clock, so no two hosts' clocks are compared."""
+
+    entered: int
+    """The collectives of this group it entered so far (every rank enters the same ones,
+    in the same order: one that entered fewer has not reached where the others wait)."""
+    since_entered: float
+    """Seconds since it entered the last of them."""
+    since_mark: float
+    """Seconds since its last mark (``Comm.mark``)."""
+    host: str
+    op: str
+    """The operation it was beating for (another than the observer's: it has not begun
+    that one)."""
+
+    @staticmethod
+    def parse(value: str | None) -> _Heard | None:
+        try:
+            _, entered, since_entered, since_mark, host, op = (value or "").split("|", 5)
+            return _Heard(int(entered), float(since_entered), float(since_mark), host, op)
+        except ValueError:  # absent, or written by an older dckpt: nothing to say
+            return None
+
+
+_HOST = socket.gethostname()
 LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
 _GONE = "gone"  # a meeting the first to arrive gave up on (``Comm.meet``)
 _WIDTH = 4  # ints in every agreement's box (the widest carries 2), then the tag and its negation
@@ -132,7 +180,8 @@ class Comm:
         self.distributed = dist.is_available() and dist.is_initialized()
         self._op = ""  # what this rank is doing on this group (``begin``, ``mark``)
         self._phase = 0
-        self._t0 = time.monotonic()
+        self._t0 = self._marked_at = self._entered_at = time.monotonic()
+        self._entered = 0  # collectives entered on this group (``_enter``), read by the beat
         self._beating: threading.Event | None = None
         if not self.distributed:
             self.group: dist.ProcessGroup | None = None
@@ -170,16 +219,20 @@ class Comm:
     def begin(self, op: str) -> None:
         """This rank starts ``op`` (a resume, a save) on this group: its phase marks
         (``mark``) count from here, and a heartbeat thread sets this rank's beat in the job's
-        store every ``beat_s`` until ``end``, so ``late`` can tell a frozen or gone rank (its
-        beat stands still) from one that waits like this one."""
+        store every ``beat_s`` until ``end``, with where the rank is (``_position``), so
+        ``late`` can tell a frozen or gone rank (its beat stands still) and a slow one (its
+        beat moves, its position lags) from one that waits like this one."""
         self._op, self._phase, self._t0 = op, 0, time.monotonic()
         self.mark("started")
         if self.distributed and self._beating is None:
             stop = threading.Event()
             self._beating = stop
-            key = f"{self.keys}/beat/{self.rank}"
+            key = self._beat_key(self.rank)
             threading.Thread(
-                target=_beat, args=(key, self.beat_s, stop), name="dckpt-beat", daemon=True
+                target=_beat,
+                args=(key, self.beat_s, stop, self._position),
+                name="dckpt-beat",
+                daemon=True,
             ).start()
 
     def end(self) -> None:
@@ -202,42 +255,125 @@ class Comm:
         if not self.distributed:
             return
         self._phase += 1
-        value = f"{self._phase}|{time.monotonic() - self._t0:.1f}|{phase}"
+        self._marked_at = now = time.monotonic()
+        value = f"{self._phase}|{now - self._t0:.1f}|{phase}"
         with contextlib.suppress(Exception):
             call(default_store().set, f"{self.keys}/at/{self._op}/{self.rank}", value)
 
+    def _beat_key(self, rank: int) -> str:
+        """``rank``'s heartbeat on this group: dckpt's two groups beat apart (a save in
+        flight on one says nothing of where a rank is on the other)."""
+        assert self.group is not None
+        return f"{self.keys}/beat/{self.group.group_name}/{rank}"
+
+    def _position(self) -> str:
+        """Where this rank is, for its heartbeat (``_Heard`` reads it back): the collectives
+        of this group it entered, seconds since the last of them and since its last mark,
+        its host, its operation. A few plain reads, on the beat's thread, every ``beat_s``:
+        nothing is added to a collective or to a mark."""
+        now = time.monotonic()
+        return (
+            f"{self._entered}|{now - self._entered_at:.1f}|{now - self._marked_at:.1f}|"
+            f"{_HOST}|{self._op}"
+        )
+
+    def _enter(self) -> None:
+        """This rank enters a collective of this group: counted, for ``late`` (every rank
+        enters the same ones in the same order, so the counts of ranks that reached the
+        same point are equal). Only the calls every rank makes count (not ``meet``, whose
+        pairs differ)."""
+        self._entered_at = time.monotonic()
+        self._entered += 1
+
     def late(self) -> str:
-        """After a wait on this group failed: the ranks that stopped answering, each with
-        what it was doing when last heard of ("" when none is known). A rank is silent when
-        its heartbeat does not move over two of its intervals, watched here (no clock of
-        another host is read); failing that, the ranks behind the furthest phase any rank
-        reached. Reads two keys per rank, on a failure only."""
-        if not self.distributed or not self._op:
-            return ""
+        """After a wait on this group failed: the ranks that stopped answering or fell
+        behind, each with its host, what it was doing and for how long ("" when none is
+        known). Words only: nothing is decided on them.
+
+        *Silent*: its heartbeat did not move over two of its intervals, watched here (no
+        clock of another host is read): frozen, or gone. *Slow*: its heartbeat moves, but it
+        has not reached where the furthest rank is: it entered fewer of this group's
+        collectives (or as many, and passed fewer of the operation's marks). Alive, and
+        still at its own phase: storage slower than ``timeout_s`` allows, or a rank held up.
+        A rank that waits like this one is neither. Silent ranks are named first.
+
+        Reads every rank's mark and heartbeat (twice, ``2 * beat_s`` apart), on a failure
+        only: a few store calls when every rank's keys exist, the usual case."""
+        if not self.distributed or self._beating is None:
+            return ""  # between operations no rank beats here: a still beat means nothing
+        ranks = list(self._ranks())
+        beats = [self._beat_key(r) for r in ranks]
         try:
             store = default_store()
-            marks = {r: _read(store, f"{self.keys}/at/{self._op}/{r}") for r in self._ranks()}
-            first = {r: _read(store, f"{self.keys}/beat/{r}") for r in self._ranks()}
+            marks = _read_all(store, [f"{self.keys}/at/{self._op}/{r}" for r in ranks])
+            first = _read_all(store, beats)
             time.sleep(2 * self.beat_s + 0.2)
-            again = {r: _read(store, f"{self.keys}/beat/{r}") for r in self._ranks()}
+            again = _read_all(store, beats)
         except Exception:
             return ""
-        silent = [r for r in self._ranks() if r != self.rank and first[r] == again[r]]
-        phases = {r: int(m.split("|", 1)[0]) if m else 0 for r, m in marks.items()}
-        ahead = max(phases.values(), default=0)
-        behind = silent or [r for r in self._ranks() if phases[r] < ahead]
-        words = []
-        for r in behind[:8]:
-            mark = marks[r]
-            what = "silent: its heartbeat stood still" if r in silent else "behind"
-            if mark:
-                _, seconds, phase = mark.split("|", 2)
-                heard = f"last heard of {seconds} s into the {self._op}: {phase}"
-                words.append(f"rank {r} ({what}; {heard})")
+        # where each rank was when this wait failed (the first look): a slow rank that
+        # arrives during the watch was still behind when it counted
+        heard = [_Heard.parse(value) for value in first]
+        phases = [int(m.split("|", 1)[0]) if m else 0 for m in marks]
+        where = [(h.entered if h is not None else -1, phases[r]) for r, h in enumerate(heard)]
+        furthest = max(where)
+        silent = [r for r in ranks if r != self.rank and first[r] == again[r]]
+        slow = {
+            r: h
+            for r, h in enumerate(heard[r] or _Heard.parse(again[r]) for r in ranks)
+            if r != self.rank and r not in silent and h is not None and where[r] < furthest
+        }
+        # How long the live ranks furthest on have been there (each on its own clock).
+        ahead = [
+            h
+            for r, h in enumerate(heard)
+            if h is not None and where[r] == furthest and r not in silent
+        ]
+        waited = max((h.since_entered for h in ahead), default=0.0)
+        words = [self._silent(r, marks[r], heard[r]) for r in silent]
+        for r, h in sorted(slow.items(), key=lambda item: where[item[0]]):  # furthest back first
+            short = furthest[0] - where[r][0]
+            if heard[r] is None:
+                gap = f"it had not begun the {self._op} when this rank's wait failed"
+            elif short > 0:
+                gap = (
+                    f"{plural(short, 'collective')} of dckpt's group short of the furthest "
+                    f"rank, which has waited {waited:.1f} s"
+                )
             else:
-                words.append(f"rank {r} ({what}; it never began the {self._op})")
-        more = f" and {len(behind) - 8} more" if len(behind) > 8 else ""
-        return ", ".join(words) + more
+                gap = (
+                    f"{plural(furthest[1] - where[r][1], 'phase')} of the {self._op} behind "
+                    "the furthest rank"
+                )
+            words.append(self._slow(r, marks[r], h, gap))
+        # silent ranks first (a rank that stopped outranks one that lags), at most 8 named
+        more = f" and {len(words) - 8} more" if len(words) > 8 else ""
+        return ", ".join(words[:8]) + more
+
+    def _silent(self, rank: int, mark: str | None, heard: _Heard | None) -> str:
+        host = f"; on host {heard.host}" if heard is not None else ""
+        if heard is not None and heard.op != self._op:
+            return (
+                f"rank {rank} (silent: its heartbeat stood still{host}; it has not begun the "
+                f"{self._op}: its last heartbeat was in the {heard.op})"
+            )
+        if not mark:
+            return (
+                f"rank {rank} (silent: its heartbeat stood still{host}; it never began the "
+                f"{self._op})"
+            )
+        _, seconds, phase = mark.split("|", 2)
+        return (
+            f"rank {rank} (silent: its heartbeat stood still{host}; last heard of {seconds} s "
+            f"into the {self._op}: {phase})"
+        )
+
+    def _slow(self, rank: int, mark: str | None, heard: _Heard, gap: str) -> str:
+        doing = mark.split("|", 2)[2] if mark else f"not yet begun the {self._op}"
+        return (
+            f"rank {rank} (slow: its heartbeat moves, but it is behind; on host {heard.host}; "
+            f'at "{doing}" for {heard.since_mark:.1f} s; {gap})'
+        )
 
     def _ranks(self) -> range:
         return range(self.world_size)
@@ -254,6 +390,7 @@ class Comm:
     def all_gather(self, obj: T) -> list[T]:
         if not self.distributed:
             return [obj]
+        self._enter()
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -265,6 +402,7 @@ class Comm:
             return [obj]
         group = self.group
         assert group is not None
+        self._enter()
         # Point to point, not ``gather_object``: that one first all-gathers every rank's size,
         # so each rank would still receive N of them (and wait on a ring of N hops).
         if self.rank != dst:
@@ -292,6 +430,7 @@ class Comm:
         if not self.distributed:
             return obj
         assert self.group is not None
+        self._enter()
         box: list[Any] = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         return box[0]  # type: ignore[no-any-return]
@@ -359,6 +498,7 @@ class Comm:
         assert group is not None
         width = box.numel()
         assert width <= _WIDTH
+        self._enter()
         self._agreements += 1
         tag = self._agreements * 8 + width
         full = torch.zeros(_WIDTH + 2, dtype=torch.int64)
@@ -437,6 +577,7 @@ class Comm:
 
     def barrier(self) -> None:
         if self.distributed:
+            self._enter()
             dist.barrier(group=self.group)
 
     def close(self) -> None:

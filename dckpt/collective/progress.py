@@ -62,12 +62,23 @@ class Progress:
     def _has(self, save_id: str, phase: Phase, rank: int) -> bool:
         return bool(call(self._store.check, [self._key(save_id, phase, rank)]))
 
+    def _all_have(self, save_id: str, phase: Phase) -> bool:
+        """Whether every rank marked ``phase``: one store call for all of them (the store's
+        ``check`` of many keys), so a look costs a call per phase, not per rank, until the
+        phase some rank lacks."""
+        keys = [self._key(save_id, phase, r) for r in range(self._world)]
+        return bool(call(self._store.check, keys))
+
     def lagging(self, save_id: str) -> str:
-        """'rank(s) 1 did not complete writing shards', or '' when nobody is known to lag."""
+        """'rank(s) 1 did not complete writing shards', or '' when nobody is known to lag.
+        A call per phase every rank passed, then one per rank for the first phase some rank
+        did not: on a failure only."""
         if self._store is None:
             return ""
         try:
             for phase in MARKED:
+                if self._all_have(save_id, phase):
+                    continue
                 late = [r for r in range(self._world) if not self._has(save_id, phase, r)]
                 if late:
                     who = ", ".join(str(r) for r in late)
@@ -86,7 +97,7 @@ class Progress:
         if self._store is None:
             return False
         try:
-            return all(self._has(save_id, Phase.DCP_FINISH, r) for r in range(self._world))
+            return self._all_have(save_id, Phase.DCP_FINISH)
         except Exception:
             return False
 
