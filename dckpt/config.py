@@ -114,7 +114,21 @@ class CheckpointConfig:
     # -- How long a rank waits for the others -------------------------------------------------
 
     timeout_s: float = 600.0
-    """The longest any rank waits for the others in a save or load collective (> 0)."""
+    """The longest any rank waits for the others in a save or load collective (> 0).
+
+    A wait that fails names the late rank, about two heartbeats (1 s up to 1000 ranks, at
+    most 10 s) after ``timeout_s``: *silent* (frozen or gone: its heartbeat stood still) or
+    *slow* (alive, its heartbeat moves, but it is not yet where the others wait), with its
+    host, what it was doing and for how long.
+
+    A background save that lost a rank this way raises that verdict in the training thread
+    at the next ``observe()``, ``save()`` or ``wait()``. A loop stuck first in a collective
+    of its own (DDP's all-reduce waiting for the frozen rank) learns it when that collective
+    fails: the manager's ``with`` block (or ``close()``) then raises dckpt's verdict, gloo's
+    error as its cause. The rule: keep the training group's own timeout
+    (``init_process_group(timeout=...)``) above ``timeout_s`` + 10 s, so dckpt's verdict is
+    in before the loop's collective gives up; with a shorter one, the exit waits for the
+    verdict (within ``timeout_s`` and the heartbeat watch) before raising it."""
     save_timeout_s: float | None = None
     """The longest one save may take from ``save()`` to its commit before the watchdog
     declares it stuck (a hung write, a dead rank): it logs which rank and phase, and the next

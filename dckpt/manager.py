@@ -45,7 +45,7 @@ from .collective.comm import Comm
 from .collective.gate import Gate
 from .collective.progress import Progress
 from .config import CheckpointConfig
-from .errors import CheckpointError, LockError
+from .errors import CheckpointError, LockError, WorldError
 from .load.checks import CandidateChecks
 from .load.config_check import ConfigPolicy
 from .load.loss_watch import LossWatch
@@ -56,6 +56,7 @@ from .load.watch import ResumeWatch
 from .memory_tier import Off, memory_tier
 from .preemption import CHECK_EVERY_S, DEFAULT_SIGNALS, Preemption, PreemptionStop
 from .root.protocol import Lock, Root
+from .save.background import FAILING_GRACE_S
 from .save.handle import SaveHandle, SaveResult
 from .save.mode import SaveMode
 from .save.pipeline import SavePipeline
@@ -91,6 +92,16 @@ def _replay_mode(config: CheckpointConfig, state: TrainState) -> ReplayMode | No
         return config.replay_check
     on_cpu = all(p.device.type == "cpu" for p in state.model.parameters())
     return "exact" if on_cpu or torch.are_deterministic_algorithms_enabled() else "close"
+
+
+def _raw_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a failed collective raises (gloo's and NCCL's timeouts and
+    closed connections are plain RuntimeErrors, or torch.distributed's DistError), not one
+    of dckpt's own errors nor another kind (an out-of-memory is a RuntimeError too)."""
+    if isinstance(exc, (CheckpointError, torch.OutOfMemoryError)):
+        return False
+    dist_error = getattr(torch.distributed, "DistError", ())  # absent in a build without it
+    return isinstance(exc, dist_error) or type(exc) is RuntimeError
 
 
 def _tidy(what: str, action: Callable[[], object]) -> None:
@@ -387,7 +398,10 @@ class CheckpointManager:
         checkpoint through retention; ``metric`` ranks it for ``best_k``.
 
         The returned handle's ``result()`` blocks until the checkpoint is committed. An error
-        of this save is raised by the next ``save()``, ``wait()`` or ``close()`` on every rank.
+        of this save is raised by the next ``save()``, ``wait()`` or ``close()`` on every rank;
+        one that lost a rank (a wait of the save on the others failed: a rank frozen, gone, or
+        slower than ``timeout_s``) also by the next ``observe()``, naming that rank (see
+        ``CheckpointConfig.timeout_s`` for a loop stuck in a collective of its own).
         """
         self._check_open()
         if type(step) is not int or step < 0:
@@ -400,17 +414,23 @@ class CheckpointManager:
             raise ValueError(
                 f"save(tier={tier!r}) needs the {tier} tier: CheckpointConfig({tier}=True)"
             )
+        self._raise_if_peer_lost()
         self._resumer.settle()  # a memory copy the resume left running is done first
-        handle = self._saver.save(
-            step,
-            epoch=epoch,
-            milestone=milestone,
-            metric=metric,
-            loss=self._loss_watch.summary(),
-            tier=tier,
-            when=when,
-            resumed_unchanged=self._resumer.unchanged_since(step, tier),
-        )
+        try:
+            handle = self._saver.save(
+                step,
+                epoch=epoch,
+                milestone=milestone,
+                metric=metric,
+                loss=self._loss_watch.summary(),
+                tier=tier,
+                when=when,
+                resumed_unchanged=self._resumer.unchanged_since(step, tier),
+            )
+        except CheckpointError:
+            raise
+        except RuntimeError as exc:  # a wait of save() on dckpt's control group failed
+            raise self._lost_in_save(step, exc) from exc
         if not handle.skipped:  # from here on, observe() journals the steps after this save
             self._watch.saved(step, handle.save_id, self._saver.last_committed_step)
         return handle
@@ -429,7 +449,42 @@ class CheckpointManager:
         failed, on every rank (a memory save's failure fails only its handle: logged, agreed,
         and the next save goes on). Returns the result of the save that was in flight on this
         rank, if any (None when this rank's had already ended, or a memory save failed)."""
+        self._raise_if_peer_lost()
         return self._saver.wait()
+
+    def _raise_if_peer_lost(self) -> None:
+        """A wait of the background save on the other ranks failed (dckpt's group is lost:
+        this job saves nothing more): that save's verdict, naming the rank that was silent
+        or behind, raised here in the training thread, once. Costs one attribute read while
+        nothing failed. The verdict is being worded on the save thread (the heartbeat watch,
+        a few store calls, each with its deadline): it is waited for, so the error names the
+        rank rather than the bare failure."""
+        if self._pipeline.group_lost is None:
+            return
+        ticket = self._saver.latest
+        if ticket is not None:
+            ticket.wait(FAILING_GRACE_S)  # its verdict is latched before its ticket ends
+        self._saver.raise_if_failed()
+
+    def _lost_in_save(self, step: int, exc: BaseException) -> CheckpointError:
+        """``save()``'s own wait on dckpt's control group failed (a gloo timeout after
+        ``timeout_s``, or a peer whose connection closed). A background save in flight
+        waits on the same ranks, with heartbeats that tell which one is late: its verdict,
+        within its own deadlines, is the error; else the words of this failure."""
+        ticket = self._saver.current
+        if ticket is not None:
+            ticket.wait(self.config.timeout_s + FAILING_GRACE_S)
+        try:
+            self._raise_if_peer_lost()
+        except CheckpointError as verdict:
+            return verdict
+        return WorldError(
+            f"save({step}) stopped on rank {self.rank}: a wait on dckpt's control group failed "
+            f"({str(exc).splitlines()[0][:200]}): a rank did not come to save() within "
+            f"timeout_s ({self.config.timeout_s:.0f} s): frozen, gone, or not calling save() "
+            "on every rank. dckpt's groups cannot be used after that: restart the job once "
+            "every host is healthy; it resumes from the last committed checkpoint."
+        )
 
     # --- loading ----------------------------------------------------------------------------
 
@@ -483,7 +538,11 @@ class CheckpointManager:
         Rank 0 also journals every loss since the newest save (``ROOT/.dckpt-replay/``), and
         after a resume the steps replayed are compared with the run that stopped, bit for bit
         (``replay_check``; dckpt.load.replay). ``step``: the step this loss is of; without
-        it, the first ``observe()`` after ``save(N)`` is step N+1, and so on."""
+        it, the first ``observe()`` after ``save(N)`` is step N+1, and so on.
+
+        A background save that lost a rank (see ``save()``) raises its error here, naming
+        the rank: no collective, one attribute read while nothing failed."""
+        self._raise_if_peer_lost()
         if self.state.optimizer is None:  # nothing else tells that the state is training
             self._resumer.touched()
         self._watch.observe(loss, step)
@@ -565,6 +624,12 @@ class CheckpointManager:
             return
         try:
             self.close()
+        except CheckpointError as verdict:
+            if self._pipeline.group_lost is not None and _raw_collective(exc):
+                # The loop's own collective failed (gloo's bare timeout) where dckpt's save
+                # lost a rank: the same failure, and only dckpt's words name the rank.
+                raise verdict from exc
+            log.error("dckpt: while closing after an error: %r", verdict)
         except Exception as close_exc:  # the error already in flight matters more
             log.error("dckpt: while closing after an error: %r", close_exc)
 

@@ -9,7 +9,11 @@ Invariants:
 - at most one save in flight: ``start`` refuses while the previous one runs (the manager waits
   or skips first, and says which);
 - a save's exception is kept and raised, once, by the next ``raise_if_failed`` (the manager
-  calls it at the next ``save()``, ``wait()`` or ``close()``); never lost, never raised twice;
+  calls it at the next ``save()``, ``wait()`` or ``close()``, and at the next ``observe()``
+  when the save lost a rank: a wait of it on the others failed, so no later save can run and
+  the training thread hears of it before a collective of its own stalls on the same rank);
+  never lost, never raised twice. Its ticket ends only after it is kept, so waiting for the
+  ticket is waiting for the verdict;
 - the thread is started and joined by the manager's public methods, never by a finalizer. It
   is a daemon, so no save can keep a process alive: an interpreter that exits after
   ``save()`` still finishes the write, because an exit handler joins the save in flight, for
