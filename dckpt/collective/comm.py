@@ -295,12 +295,14 @@ class Comm:
         has not reached where the furthest rank is: it entered fewer of this group's
         collectives (or as many, and passed fewer of the operation's marks). Alive, and
         still at its own phase: storage slower than ``timeout_s`` allows, or a rank held up.
-        A rank that waits like this one is neither. Silent ranks are named first.
+        A rank that waits like this one is neither. Silent ranks are named first. Between
+        two operations (an agreement of the loss watch after a resume) no rank beats: each
+        other rank reads as silent, with where its last operation left it.
 
         Reads every rank's mark and heartbeat (twice, ``2 * beat_s`` apart), on a failure
         only: a few store calls when every rank's keys exist, the usual case."""
-        if not self.distributed or self._beating is None:
-            return ""  # between operations no rank beats here: a still beat means nothing
+        if not self.distributed or not self._op:
+            return ""
         ranks = list(self._ranks())
         beats = [self._beat_key(r) for r in ranks]
         try:
