@@ -34,10 +34,9 @@ from rich.table import Table
 from ..errors import CheckpointError
 from ..root.layout import QUARANTINE_DIR
 from ..root.protocol import Root
+from ..root.quarantined import RestoreError, pick_quarantined
 from ..root.resume_record import restart_loop
 from ..root.retention import Decision, RetentionPolicy
-from ..root.upkeep import RestoreError, pick_quarantined
-from ..tier import DURABLE
 from .common import (
     EXIT_INTEGRITY,
     EXIT_OK,
@@ -200,7 +199,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     records = root.resume_records()
     loop: str | None = None
     try:  # the resume's own rule, on the records of this very checkpoint and tier
-        mine = [r for r in records.read(args.step) if r.tier == DURABLE]
+        mine = [r for r in records.read(args.step) if r.tier == "durable"]  # the root's tier
         loop = restart_loop([r for r in mine if r.save_id == manifest.save_id])
     except (OSError, CheckpointError) as exc:
         out.print(f"(cannot read its resume records in {escape(str(records))}: {exc})")

@@ -214,7 +214,7 @@ class Root(Protocol):
     ) -> str:
         """Put the quarantined ``step`` back as committed; where it is now. ``name``: which
         quarantined copy (``quarantine/step-N-1a2b3c4d``), needed when there are several.
-        Refused (dckpt.root.upkeep.RestoreError, CheckpointNotFoundError) while a step of that
+        Refused (dckpt.root.quarantined.RestoreError, CheckpointNotFoundError) while a step of that
         number is committed, and when the copy does not verify as ``verify`` would (it stays
         in quarantine; ``progress`` gets the bytes hashed). Its commit is the kind's own commit
         point, made last (a rename; the manifest), so a crash never leaves it looking committed

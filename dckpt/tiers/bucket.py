@@ -49,7 +49,10 @@ class Bucket(Protocol):
     def quarantine(self, step: int, reason: str) -> str: ...
 
     def check_objects(
-        self, step: int, progress: Callable[[int], None] | None = None
+        self,
+        step: int,
+        progress: Callable[[int], None] | None = None,
+        only: frozenset[str] | None = None,
     ) -> tuple[Manifest, list[FileProblem]]: ...
 
     def apply_retention(

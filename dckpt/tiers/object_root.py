@@ -69,6 +69,12 @@ from ..root.lock import RunLock
 from ..root.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from ..root.memory_ledger import MemoryLedger
 from ..root.protocol import Entry, Lock
+from ..root.quarantined import (
+    RestoreError,
+    committed_refusal,
+    pick_quarantined,
+    refused_restore,
+)
 from ..root.resume_record import (
     KEEP,
     MAX_RECORDS_BYTES,
@@ -81,13 +87,7 @@ from ..root.resume_record import (
 )
 from ..root.retention import Decision, RetentionPolicy
 from ..root.source import CheckpointSource
-from ..root.upkeep import (
-    RestoreError,
-    decide_for,
-    log_retention,
-    pick_quarantined,
-    refused_restore,
-)
+from ..root.upkeep import decide_for, log_retention
 from ..root.verify import (
     MAX_RECORD_BYTES,
     VERIFIED_DIR,
@@ -376,21 +376,32 @@ class ObjectRoot:
         return problems, deeper.incompatible
 
     def check_objects(
-        self, step: int, progress: Callable[[int], None] | None = None
+        self,
+        step: int,
+        progress: Callable[[int], None] | None = None,
+        only: frozenset[str] | None = None,
     ) -> tuple[Manifest, list[FileProblem]]:
-        """Stream every object of ``step`` through its digest and compare it with the
-        manifest (nothing is written to disk); returns the manifest and the problems."""
+        """Stream every object of ``step`` (``only``: those files of it) through its digest
+        and compare it with the manifest (nothing is written to disk); returns the manifest
+        and the problems."""
         manifest = self.read_manifest(step)
-        return manifest, self._check_files(manifest, step_dir_name(step), progress)
+        return manifest, self._check_files(manifest, step_dir_name(step), progress, only)
 
     def _check_files(
-        self, manifest: Manifest, name: str, progress: Callable[[int], None] | None
+        self,
+        manifest: Manifest,
+        name: str,
+        progress: Callable[[int], None] | None,
+        only: frozenset[str] | None = None,
     ) -> list[FileProblem]:
-        """Every object ``manifest`` lists, under ``name`` (``step-N``), streamed through
-        its digest; the problems found (paths relative to ``name``)."""
+        """Every object ``manifest`` lists (``only``: of those files), under ``name``
+        (``step-N``), streamed through its digest; the problems found (paths relative to
+        ``name``)."""
         listed = {o.key: o.size for o in self.store.list(self.key(name) + "/")}
         problems: list[FileProblem] = []
         for record in manifest.files:
+            if only is not None and record.path not in only:
+                continue
             key = self.key(name, record.path)
             if key not in listed:
                 problems.append(FileProblem(path=record.path, error="object missing"))
@@ -520,6 +531,8 @@ class ObjectRoot:
         chosen = pick_quarantined(quarantined, step, name, str(self), committed=committed)
         manifest, raw = self._quarantined_manifest(step, chosen)
         debris = self._keys(final)
+        if self.key(final, MANIFEST_FILE) in debris:  # committed since entries() was read
+            raise RestoreError(committed_refusal(str(self), step))
         if debris:  # no manifest: not a checkpoint (the entries said so), as recover finds
             self.store.delete(debris)
             log.warning(
