@@ -94,6 +94,10 @@ class IntegrityError(CheckpointError):
 class SaveError(CheckpointError):
     """A save failed on some rank; nothing was committed and older checkpoints are intact."""
 
+    agreed = True
+    """Every rank reached this outcome together (False: this rank's own words for a
+    collective that failed, so dckpt's group is lost and the outcome is not shared)."""
+
 
 class ConfigMismatchError(CheckpointError):
     """The run's config differs from the checkpoint's in a key that changes the training math."""

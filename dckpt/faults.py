@@ -64,6 +64,7 @@ import errno
 import functools
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -165,6 +166,7 @@ def process_rank() -> int:
 
 _FIRED: dict[_Spec, int] = {}
 """How often each spec with ``times`` fired in this process."""
+_FIRED_LOCK = threading.Lock()  # a load's read threads pass the same point at once
 
 
 def fault_point(phase: Phase | str, rank: int, step: int | None = None, path: str = "") -> bool:
@@ -180,9 +182,11 @@ def fault_point(phase: Phase | str, rank: int, step: int | None = None, path: st
             and (not spec.file or spec.file in path)
         ):
             if spec.times is not None:
-                if _FIRED.get(spec, 0) >= spec.times:
+                with _FIRED_LOCK:
+                    fired = _FIRED.get(spec, 0)
+                    _FIRED[spec] = fired + 1
+                if fired >= spec.times:
                     continue
-                _FIRED[spec] = _FIRED.get(spec, 0) + 1
             return _fire(spec, phase, rank)
     return False
 

@@ -779,11 +779,19 @@ MUTANTS = (
         (f"{GU}::test_a_transient_eio_at_each_resume_read_is_read_again_and_resumes",),
     ),
     Mutant(
-        "read error: every step that fails twice is set aside (a failing storage walks back)",
+        "read error: a second unreadable step does not stop the start (the storage is failing)",
         "dckpt/load/resumer.py",
         "                if not fallback or unreadable is not None:",
         "                if not fallback:",
-        (f"{GU}::test_a_read_error_on_every_step_sets_one_aside_and_stops",),
+        (f"{GU}::test_a_read_error_on_every_step_sets_nothing_aside_and_stops",),
+    ),
+    Mutant(
+        "read error: a step is set aside at its second failed read, before an older one loads",
+        "dckpt/load/resumer.py",
+        "                unreadable = (tier, step, exc)\n",
+        "                self._quarantine(tier, step, self._unreadable_reason(exc, step), exc)\n"
+        "                unreadable = None\n",
+        (f"{GU}::test_a_read_error_on_every_step_sets_nothing_aside_and_stops",),
     ),
     Mutant(
         "read error: an s3:// mirror's unreadable file sets the bucket's step aside",

@@ -50,9 +50,10 @@ candidate gets into the state), its name (the id its resume records carry) and i
    is tried (``fallback=False``, ranks that disagree, and an incompatible checkpoint raise:
    a newer schema, or a ``.metadata`` another torch release wrote that this one cannot
    read); a file the storage fails to read with a media error (EIO) is read once more,
-   afresh, and the same file failing again (``UnreadableError``) is damage for this start,
-   set aside with the command that restores it, once per start (a second such step stops
-   the start: the storage fails, not a step); one its tier cannot restore here
+   afresh, and the same file failing again (``UnreadableError``) is damage for this start
+   once an older step loads (the storage serves the others): then it is set aside with the
+   command that restores it; a second such step, or no older step loading, stops the start
+   with nothing set aside (the storage fails, not a step); one its tier cannot restore here
    (``CheckpointNotFoundError``: a memory copy lost with its replica, another world) is
    passed over, and the report says why; a restart
    loop is quarantined the same way, before it is loaded, with the reason ("resumed twice
@@ -125,6 +126,9 @@ from .watch import ResumeWatch
 __all__ = ["LoadResult", "LoadTier", "Reader", "Resumer"]
 
 log = logging.getLogger("dckpt")
+
+REREAD_PAUSE_S = 1.0
+"""Between a media read error and the second read of that step: a blip passes in it."""
 
 
 def _versions(state: TrainState) -> tuple[int, ...]:
@@ -365,7 +369,9 @@ class Resumer:
         passed: list[str] = []
         surveyed = [note for tier in self.tiers if tier.survey for note in tier.survey()]
         self.watch.forget()
-        unreadable: int | None = None  # the step set aside for a file read twice in vain
+        # A step with a file read twice in vain: set aside only once an older step loads
+        # (the storage serves the others), else nothing moves.
+        unreadable: tuple[LoadTier, int, UnreadableError] | None = None
         for step, index in candidates:
             tier = self.tiers[index]
             loop = loops.get((step, index))
@@ -378,6 +384,9 @@ class Resumer:
             self._ctl.mark(f"step {step} from the {tier.words}")
             try:
                 result, candidate = self._load_twice(tier, step)  # 2-5
+                if unreadable is not None:  # proof now: the storage serves an older step
+                    gone_tier, gone, why = unreadable
+                    self._quarantine(gone_tier, gone, self._unreadable_reason(why, gone), why)
                 chosen = candidate
                 self._mark_loaded(step, tier.name, result.behind)
                 self.watch.loaded(step, tier.name, result.manifest.save_id)
@@ -386,9 +395,9 @@ class Resumer:
                 passed.append(f"{tier.words}: step {step} not used: {exc}")
             except UnreadableError as exc:  # 6: a file the storage failed twice
                 if not fallback or unreadable is not None:
-                    raise self._unreadable_refusal(exc, step, unreadable) from exc
-                self._quarantine(tier, step, self._unreadable_reason(exc, step), exc)
-                unreadable = step
+                    before = None if unreadable is None else unreadable[1]
+                    raise self._unreadable_refusal(exc, step, before) from exc
+                unreadable = (tier, step, exc)
                 skipped.append((step, f"UnreadableError: {str(exc).split(': the storage')[0]}"))
             except (IntegrityError, ManifestError) as exc:  # 6
                 # Only evidence of damage moves a checkpoint aside: not a newer schema, and
@@ -399,6 +408,9 @@ class Resumer:
                 self._quarantine(tier, step, f"{type(exc).__name__}: {exc}", exc)
                 # The report keeps the first sentence; the reason file has it all.
                 skipped.append((step, f"{type(exc).__name__}: {str(exc).split('. ')[0]}"))
+        if result is None and unreadable is not None:  # no proof that the storage serves
+            _, gone, why = unreadable
+            raise self._unreadable_refusal(why, gone, None, alone=True)
         report = ResumeReport.of(chosen, skipped, self.world_size, looped)
         report.warnings.extend([*self._notes, *passed, *surveyed])
         if result is None:
@@ -426,9 +438,10 @@ class Resumer:
     def _load_twice(self, tier: LoadTier, step: int) -> tuple[LoadResult, CandidateReport]:
         """Steps 2-5 for one candidate, and its report. A read the storage failed with a
         media error (EIO: ``StorageError.media``; every rank raises the same, naming the rank
-        and the file) is read once more, afresh: a transient fault passes. The same file
-        failing again is ``UnreadableError``, proof of damage for this start (step 6); any
-        other failure is raised as it is."""
+        and the file) is read once more, afresh (after ``REREAD_PAUSE_S``, any local copy of
+        the file dropped: ``Fetcher.forget``): a transient fault passes. The same
+        file failing again is ``UnreadableError``, evidence of damage that ``_resume`` acts
+        on only once an older step loads; any other failure is raised as it is."""
         candidate = CandidateReport(step, self._path(tier, step), tier.source.origin(step))
         try:
             return tier.reader.load(step, candidate, with_config=True), candidate
@@ -443,6 +456,13 @@ class Resumer:
                 step,
             )
         self._ctl.mark(f"step {step} from the {tier.words}, read again")
+        fetcher = tier.source.fetcher  # a source read in place has no copy to drop
+        if fetcher is not None:
+            try:
+                fetcher.forget(step, first.path)  # every rank: its node's copy, if any
+            except OSError as exc:
+                log.warning("dckpt: could not drop the local copy of %s: %s", first.path, exc)
+        time.sleep(REREAD_PAUSE_S)  # every rank alike: the same collectives follow
         candidate = CandidateReport(step, self._path(tier, step), tier.source.origin(step))
         candidate.warnings.append(
             f"{str(first).split(': the storage')[0]}; read again, afresh, and it served it"
@@ -453,40 +473,47 @@ class Resumer:
             if not exc.media or exc.path != first.path:
                 raise
             again = UnreadableError(
-                f"{str(exc).split(': the storage')[0]}, twice (the second time afresh): "
-                "the storage cannot serve this file (a lost sector, a file system's checksum)"
+                f"{str(exc).split(': the storage')[0]}, twice (the second time afresh, "
+                f"{REREAD_PAUSE_S:g} s later): the storage cannot serve this file (a lost "
+                "sector, a file system's checksum)"
             )
             again.path, again.media = exc.path, True
             raise again from exc
 
     def _unreadable_reason(self, exc: UnreadableError, step: int) -> str:
-        """Why a step is set aside for a file the storage failed twice, and how to put it
-        back (a quarantine of this start, not a verdict on the bytes: they may come back)."""
+        """Why a step is set aside for a file the storage failed twice while it served an
+        older step, and how to put it back (the bytes may come back with the storage)."""
         return (
-            f"{exc}. Set aside so the run resumes the step before; the bytes may still be "
-            "there: once the storage serves the file again (check the disk and the file "
-            f"system: dmesg, a scrub), put it back with: dckpt restore {self.source} {step}"
+            f"{exc}, while it served an older step. Set aside so the run resumes the step "
+            "before; the bytes may still be there: once the storage serves the file again "
+            f"(check the disk and the file system: dmesg, a scrub), put it back with: dckpt "
+            f"restore {self.source} {step}"
         )
 
     def _unreadable_refusal(
-        self, exc: UnreadableError, step: int, before: int | None
+        self, exc: UnreadableError, step: int, before: int | None, *, alone: bool = False
     ) -> UnreadableError:
-        """The error every rank raises when a step's file cannot be read twice and is not set
-        aside: fallback is off, or another step was set aside for the same reason in this
-        start (then the storage fails beyond one checkpoint, and setting more aside would
-        walk the run back through good steps)."""
-        if before is None:
+        """The error every rank raises when a step's file cannot be read twice and nothing
+        is set aside: fallback is off; or an older step failed so too (the storage fails
+        beyond one checkpoint: setting more aside would walk the run back through good
+        steps); or (``alone``) no older step loaded to show that the storage serves."""
+        if before is not None:
+            then = (
+                f"step {before}'s file failed the same way, so the storage fails beyond one "
+                "checkpoint and nothing was set aside: check the storage (dmesg, the file "
+                "system), then start again"
+            )
+        elif alone:
+            then = (
+                "no older step loaded to show that the storage serves the others, so nothing "
+                "was set aside: check the storage, then start again; to resume without it, set "
+                f"it aside by hand: dckpt set-aside {self.source} {step}"
+            )
+        else:
             then = (
                 f"fallback is off, so step {step} is not set aside: set it aside by hand "
                 f"(dckpt set-aside {self.source} {step}) or start with fallback on, to resume "
                 "the step before"
-            )
-        else:
-            then = (
-                f"step {before} was set aside in this start for the same reason, so the "
-                "storage fails beyond one checkpoint and nothing more is set aside: check the "
-                f"storage, then start again (step {before}: dckpt restore {self.source} "
-                f"{before} once it reads)"
             )
         refusal = UnreadableError(f"{exc}; {then}")
         refusal.path, refusal.media = exc.path, True
@@ -735,13 +762,15 @@ class Resumer:
     def _quarantine(
         self, tier: LoadTier, step: int, reason: str, exc: CheckpointError | None = None
     ) -> None:
-        error: str | None = None
+        error: tuple[bool, str] | None = None  # (a storage's failure?, its words)
         if self.rank == 0:
             try:
                 # with the damage as proof: a local fault raises StorageError
                 tier.source.quarantine(step, reason, exc)
             except (OSError, ValueError, CheckpointError) as failed:
-                error = f"could not quarantine step {step}: {failed}"
+                local = isinstance(failed, (OSError, StorageError))
+                error = (local, f"could not quarantine step {step}: {failed}")
         error = self._ctl.broadcast(error)
         if error is not None:
-            raise CheckpointError(error)
+            local, words = error
+            raise StorageError(words) if local else CheckpointError(words)

@@ -86,6 +86,11 @@ class Fetcher(Protocol):
         (of ``files``, when given)."""
         ...
 
+    def forget(self, step: int, path: str) -> None:
+        """Every rank, after a read of ``path`` (a file of ``step`` in ``local``) failed:
+        drop this node's copy of it, so the next fetch brings it afresh."""
+        ...
+
     def digest_remote(self, step: int, name: str) -> str:
         """The digest of ``step``'s file ``name`` where it lives, nothing written locally
         (for the files no rank brought)."""

@@ -248,20 +248,34 @@ class ObjectSource:
         )
 
     def _confirm_unreadable(self, step: int, exc: UnreadableError) -> None:
-        """A mirror's file the local disk failed to read twice says nothing of the bucket:
-        unless an object there is damaged too, the mirror's copy is dropped (the next start
-        fetches it afresh) and StorageError raised: nothing is set aside."""
-        _, problems = self.objects.check_objects(step)
+        """A mirror's file the local disk failed to read twice (the second time a fresh
+        download: ``forget``) says nothing of the bucket: its object is streamed through its
+        digest (that one object, on rank 0), and unless it is damaged too, StorageError:
+        nothing is set aside, and the next start fetches it afresh."""
+        try:
+            relative = Path(exc.path).relative_to(self.local / step_dir_name(step)).as_posix()
+        except ValueError:  # not a mirror's file: the bucket's own failure, as it is
+            return
+        _, problems = self.objects.check_objects(step, only=frozenset({relative}))
         if problems:
             return
-        shutil.rmtree(self.local / step_dir_name(step), ignore_errors=True)
         raise StorageError(
-            f"{exc.path} could not be read from the local mirror, twice, but every object of "
-            f"step {step} in {self.objects.url_of(step_dir_name(step))} matches its digest: "
-            "the local disk failed, not the checkpoint. It was not set aside, and the mirror's "
-            "copy was removed; check the mirror's disk, then start the job again (the step is "
-            "fetched afresh)."
+            f"{exc.path} could not be read from the local mirror, twice, but its object in "
+            f"{self.objects.url_of(step_dir_name(step), relative)} matches its digest: the "
+            "local disk failed, not the checkpoint. Nothing was set aside; check the mirror's "
+            "disk, then start the job again (the file is fetched afresh)."
         )
+
+    def forget(self, step: int, path: str) -> None:
+        """Every rank: drop this node's mirror copy of ``path`` (a file of ``step`` that
+        failed to read), so the next read downloads it afresh; a path outside the mirror's
+        step is left alone."""
+        try:
+            Path(path).relative_to(self.local / step_dir_name(step))
+        except ValueError:
+            return
+        with contextlib.suppress(FileNotFoundError):  # another rank of this node dropped it
+            os.unlink(path)  # the link itself, never what it points at
 
     def quarantine(self, step: int, reason: str, damage: CheckpointError | None = None) -> None:
         """Rank 0: moved aside in the bucket, once ``damage`` (the failure that condemns the
