@@ -109,7 +109,7 @@ class SaveThread:
                 result = run()
             except BaseException as exc:
                 with self._lock:
-                    agreed = soft and isinstance(exc, SaveError)
+                    agreed = soft and isinstance(exc, SaveError) and exc.agreed
                     reported = self.stuck is ticket  # the watchdog said it already
                     if not reported and not agreed:
                         self._failed = exc

@@ -257,9 +257,11 @@ class SavePipeline:
                     )
                 raise
             outcome = self._failed_outcome(job)
-            raise SaveError(
+            lost = SaveError(
                 f"save of step {job.step} failed (seen from rank {self.rank}), {outcome} ({exc})"
-            ) from exc
+            )
+            lost.agreed = False  # kept and raised in the training thread, even for a soft save
+            raise lost from exc
         finally:
             self.io.end()
             ticket.staged.set()

@@ -206,6 +206,7 @@ LOOPS = {
     "observe": (1, "the next observe() (a loop accumulating gradients: no collective)"),
     "save": (0, "the next save() (saving every step; rank 1 waits for rank 0's broadcast)"),
     "collective": (1, "the loop's own all-reduce (DDP; the training group's timeout 2x)"),
+    "memory": (1, "the next observe() after a memory save (a soft save: its verdict kept)"),
 }
 """Per loop: the rank frozen, and the trial's words. The frozen rank waits for its save,
 inside which it stops: its loop never reaches a collective the survivor's waits on (as a
@@ -228,14 +229,17 @@ def _frozen_mid_save(rank: int, world: int, root: str, loop: str) -> dict[str, A
     calling = "start"
     t0 = time.monotonic()
     try:
-        with manager(root, model, opt, sched, timeout_s=TIMEOUT_S, async_save=True) as mgr:
+        memory = {"memory": True, "memory_dir": Path(root).parent / "mem"}
+        extra = memory if loop == "memory" else {}
+        with manager(root, model, opt, sched, timeout_s=TIMEOUT_S, async_save=True, **extra) as mgr:
             # two synced steps: DDP's second forward rebuilds its buckets, a broadcast from
             # rank 0 that the loop's later local steps must not wait in
             for step in (2, 3):
                 mgr.observe(_train_step(model, opt, sched, step, rank))
             # armed for step 3 alone, and left armed: its save reaches the phase later
-            os.environ["DCKPT_FAULT"] = f"phase=write_shards,rank={frozen},action=sigstop,step=3"
-            mgr.save(3)
+            phase = "memory_hash" if loop == "memory" else "write_shards"
+            os.environ["DCKPT_FAULT"] = f"phase={phase},rank={frozen},action=sigstop,step=3"
+            mgr.save(3, tier="memory" if loop == "memory" else "durable")
             if rank == frozen:  # it stops inside that save: its loop goes no further
                 mgr.wait()
             t0 = time.monotonic()
@@ -293,7 +297,8 @@ def test_a_frozen_rank_mid_background_save_is_named_in_the_loops_exception(
         why.append(f"rank {1 - frozen}'s loop saw no dckpt error: {text[:700]}")
     if f"rank {frozen} (silent: its heartbeat stood still" not in text:
         why.append(f"its error does not name rank {frozen} as silent: {text[:700]}")
-    wanted = {"observe": "observe()", "save": "save()", "collective": "the loop's step"}[loop]
+    wanted = {"observe": "observe()", "save": "save()", "collective": "the loop's step",
+              "memory": "observe()"}[loop]  # fmt: skip
     if seen.get("raised_by") != wanted:
         why.append(f"raised by {seen.get('raised_by')}, not {wanted}")
     if loop == "collective" and not (seen.get("cause") or "").startswith("RuntimeError"):
