@@ -248,7 +248,10 @@ class CheckpointConfig:
     loss_watch: LossWatchAction = "warn"
     """After a resume, compare the first ``loss_watch_steps`` losses given to ``observe()``
     with the loss recorded at save time; a loss above the bound is ``warn``-ed about,
-    ``raise``-s ``LossDeviationError``, or is not looked at (``off``)."""
+    ``raise``-s ``LossDeviationError``, or is not looked at (``off``). With ``raise`` the
+    ranks agree on the verdict (every rank raises, or none: dckpt.load.watch), so
+    ``observe()`` is a collective at the 1st, 2nd, 4th ... call after a resume: call it on
+    every rank at every step (``warn`` never waits for another rank)."""
     loss_watch_steps: int = 5
     """How many losses after a resume ``loss_watch`` compares (>= 1)."""
     replay_check: ReplayCheckMode = "auto"

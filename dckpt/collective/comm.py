@@ -295,9 +295,9 @@ class Comm:
         has not reached where the furthest rank is: it entered fewer of this group's
         collectives (or as many, and passed fewer of the operation's marks). Alive, and
         still at its own phase: storage slower than ``timeout_s`` allows, or a rank held up.
-        A rank that waits like this one is neither. Silent ranks are named first. Between
-        two operations (an agreement of the loss watch after a resume) no rank beats: each
-        other rank reads as silent, with where its last operation left it.
+        A rank that waits like this one is neither. Silent ranks are named first. A rank
+        that never began this operation (it is elsewhere in its loop: the loss watch's
+        agreement begins its own) reads as silent, "it never began" it.
 
         Reads every rank's mark and heartbeat (twice, ``2 * beat_s`` apart), on a failure
         only: a few store calls when every rank's keys exist, the usual case."""

@@ -25,11 +25,11 @@ held and agreed on dckpt's control group before anything is raised or recorded: 
 any rank still has something to judge. A replay that differs raises its line on every rank;
 a loss watch that fails on some rank raises that rank's line on every rank, unless rank 0's
 replay vouched for the steps (then no rank raises). A failure is raised at most twice as many
-steps after it was seen; an agreement costs two all-reduces of a few ints (plus a broadcast
-on failure), at O(log window) steps per resume, whatever the world's size. With ``raise``,
-every rank must call ``observe()`` at every step (a rank that does not is named, after
-``timeout_s``); ``warn`` and ``off`` use no collective, so a script that calls ``observe()``
-on rank 0 alone never hangs.
+steps after it was seen; an agreement costs two all-reduces of a few ints (plus two
+broadcasts on failure), at O(log window) steps per resume, whatever the world's size. With
+``raise``, every rank must call ``observe()`` at every step (a rank that does not is named,
+after ``timeout_s``); ``warn`` and ``off`` use no collective, so a script that calls
+``observe()`` on rank 0 alone never hangs.
 """
 
 from __future__ import annotations
@@ -251,7 +251,11 @@ class ResumeWatch:
             judging = self._loss_watch.armed or self.replay.check.armed
             if not ctl.any(judging):
                 self._agreement = None  # every verdict is in, on every rank
+        except CheckpointError:  # dckpt's own words (ranks that diverged: a bug in dckpt)
+            self._agreement = None
+            raise
         except RuntimeError as exc:  # a rank did not come to the agreement
+            self._agreement = None  # the group is broken: no collective on it again
             raise self._absent(ctl, exc) from exc
         finally:
             ctl.end()

@@ -181,7 +181,8 @@ class LockOwner:
     """This host's wall clock plus the lease, at the last renewal: for people only (``ls``,
     messages); staleness never compares it with another host's clock."""
     beat: int = 0
-    """How many times the owner renewed the lease: what a taker on another host watches."""
+    """How many times the owner renewed the lease: what a taker that cannot judge its pid
+    (another host, boot or pid namespace) watches."""
     lease_s: float | None = None
     """The owner's lease: it renews every third of it (None: an older dckpt's record)."""
     boot_id: str | None = None
@@ -198,7 +199,7 @@ class LockOwner:
         return cls(
             host=socket.gethostname(),
             pid=pid,
-            started=_proc_started(pid) or time.time(),
+            started=_my_start() or time.time(),
             run_id=run_id,
             token=token,
             lease_until=time.time() + lease_s,
@@ -379,6 +380,21 @@ def watch(
     )
 
 
+def _my_start() -> float | None:
+    """When this process started, as a taker in its own pid namespace reads it
+    (``_proc_started``). Where /proc is another namespace's (``unshare --pid`` without
+    ``--mount-proc``), psutil would read another process by this pid: ``/proc/self`` is
+    still this process, so its start is read there."""
+    if _proc_is_mine():
+        return _proc_started(os.getpid())
+    try:
+        raw = Path("/proc/self/stat").read_text(encoding="ascii", errors="replace")
+        ticks = int(raw.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return float(psutil.boot_time()) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _proc_started(pid: int) -> float | None:
     try:
         return float(psutil.Process(pid).create_time())
@@ -477,7 +493,8 @@ class RunLock:
     def acquire(self, on_wait: OnWait | None = None) -> None:
         """Take the lock, or raise LockError naming the live owner (or what is wrong with
         the lock record found); StorageError if the lock file cannot be read. ``on_wait`` is
-        told before a lock of another host is watched (``watch``)."""
+        told before a lock whose pid cannot be judged here (another host, boot or pid
+        namespace: ``apart``) is watched (``watch``)."""
         try:
             fd = create_new(self.path)
         except FileExistsError:
@@ -527,7 +544,7 @@ class RunLock:
                 mine = self._mine(self._read)
             except StorageError as exc:
                 # Not renewed this time: writing over a record this job cannot read could
-                # overwrite another job's. A taker on another host waits a whole lease.
+                # overwrite another job's. A taker that cannot judge the pid waits a lease.
                 log.warning("dckpt: could not renew the run lock (will retry): %s", exc)
                 continue
             if not mine:

@@ -118,6 +118,14 @@ class ObjectLock:
             again = self._read()  # the record watched: a takeover needs its ETag now
             if again is None:
                 return self._take_over(on_wait)
+            if (again[0].token, again[0].beat) != (owner.token, owner.beat):
+                # renewed (or taken) between the watch's last look and this one: it lives
+                raise LockError(
+                    f"{self.store.url} is in use by {again[0].describe()}: its lock moved "
+                    "as this job was about to take it over. Two jobs writing one checkpoint "
+                    "root would corrupt each other's history: stop that job, or point this "
+                    "one at another root."
+                )
             seen = again[1]
         if reason is None:
             raise LockError(
