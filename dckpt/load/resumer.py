@@ -384,9 +384,17 @@ class Resumer:
             self._ctl.mark(f"step {step} from the {tier.words}")
             try:
                 result, candidate = self._load_twice(tier, step)  # 2-5
-                if unreadable is not None:  # proof now: the storage serves an older step
+                if unreadable is not None:
                     gone_tier, gone, why = unreadable
-                    self._quarantine(gone_tier, gone, self._unreadable_reason(why, gone), why)
+                    if gone_tier.name == tier.name:  # proof now: its storage serves an older step
+                        reason = self._unreadable_reason(why, gone)
+                        self._quarantine(gone_tier, gone, reason, why)
+                    else:  # another tier's storage proves nothing of that one's: left alone
+                        skipped.remove((gone, self._unreadable_line(why)))
+                        passed.append(
+                            f"{gone_tier.words}: step {gone} not used: {self._unreadable_line(why)}"
+                            " (not set aside: no older step of that tier loaded)"
+                        )
                 chosen = candidate
                 self._mark_loaded(step, tier.name, result.behind)
                 self.watch.loaded(step, tier.name, result.manifest.save_id)
@@ -398,7 +406,7 @@ class Resumer:
                     before = None if unreadable is None else unreadable[1]
                     raise self._unreadable_refusal(exc, step, before) from exc
                 unreadable = (tier, step, exc)
-                skipped.append((step, f"UnreadableError: {str(exc).split(': the storage')[0]}"))
+                skipped.append((step, self._unreadable_line(exc)))
             except (IntegrityError, ManifestError) as exc:  # 6
                 # Only evidence of damage moves a checkpoint aside: not a newer schema, and
                 # not ranks that disagree (that would quietly pick one rank's view).
@@ -479,6 +487,11 @@ class Resumer:
             )
             again.path, again.media = exc.path, True
             raise again from exc
+
+    @staticmethod
+    def _unreadable_line(exc: UnreadableError) -> str:
+        """The report's line for a step whose file the storage failed twice."""
+        return f"UnreadableError: {str(exc).split(': the storage')[0]}"
 
     def _unreadable_reason(self, exc: UnreadableError, step: int) -> str:
         """Why a step is set aside for a file the storage failed twice while it served an
