@@ -117,6 +117,8 @@ class DurableReader:
             mark(f"fetching the files of step {step} it reads")
             checks.fetch_candidate(self.ctl, fetcher, self.source.local, step, report, reads)
         mark(f"loading step {step} (reading and hashing its share of the files)")
+        # a rank that read its share says so: one still reading is then named as behind
+        reader.read_done = lambda: mark(f"step {step}: its share read, waiting for the others")
         try:
             dcp_load(
                 state_dict,

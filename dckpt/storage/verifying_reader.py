@@ -37,7 +37,7 @@ import io
 import itertools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -291,6 +291,9 @@ class VerifyingReader(FileSystemReader):
         """Reads in flight per file (storage.one_pass)."""
         self.times = LoadTimes()
         """Where the whole-file reads' time went (read, hash, fill)."""
+        self.read_done: Callable[[], None] | None = None
+        """Told when this rank's share is read and proven, before DCP's collective waits for
+        the other ranks': a rank still reading is then behind in its marks, and named."""
         self._metadata: Metadata | None = None
         self._items: dict[str, ItemDigests | None] = {}
 
@@ -415,6 +418,8 @@ class VerifyingReader(FileSystemReader):
                 self.hashed_bytes += record.bytes
             except OSError as exc:  # a read DCP's loading made through the proven descriptor
                 raise unreadable(where, exc) from exc
+        if self.read_done is not None:
+            self.read_done()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

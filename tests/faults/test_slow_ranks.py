@@ -131,14 +131,27 @@ def _note_when_held(root: str) -> None:
 # --- a slow rank at a resume ------------------------------------------------------------------
 
 
-def _slow_resume(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Resume ``root``; rank 1 sleeps at ``verify`` far past ``timeout_s``, alive."""
+SLOW_AT = {
+    "verify": ("agreeing on step 2's digests", "asleep at verify"),
+    "read_shard": (
+        "loading step 2 (reading and hashing its share of the files)",
+        "asleep reading its shard, inside DCP's load",
+    ),
+}
+"""Per phase rank 1 sleeps at: the phase it must be named at, and the trial's words. Inside
+DCP's load the survivor waits in DCP's own collective, which dckpt does not count: the rank
+that read its share says so (``VerifyingReader.read_done``), so the one still reading is
+behind in its marks."""
+
+
+def _slow_resume(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
+    """Resume ``root``; rank 1 sleeps at ``phase`` far past ``timeout_s``, alive."""
     import dckpt
 
     _pid_file(root, rank)
     if rank == 1:
         _note_when_held(root)
-        os.environ["DCKPT_FAULT"] = f"phase=verify,rank=1,action=sleep,seconds={10 * BOUND_S}"
+        os.environ["DCKPT_FAULT"] = f"phase={phase},rank=1,action=sleep,seconds={10 * BOUND_S}"
     model, opt, sched = _build(rank)
     t0 = time.monotonic()
     try:
@@ -164,22 +177,24 @@ def _held_at(root: Path) -> float | None:
         return None
 
 
+@pytest.mark.parametrize("phase", list(SLOW_AT))
 def test_a_slow_rank_at_resume_is_named_slow_with_its_phase(
-    saved: Path, tmp_path: Path, fault_trials: Trials
+    saved: Path, tmp_path: Path, fault_trials: Trials, phase: str
 ) -> None:
     """Rank 1 sleeps at ``verify`` (alive: its heartbeat moves) while rank 0 waits for it at
     the digests' agreement: rank 0 names rank 1 as slow, on its host, at its phase and for
     how long, within ``timeout_s`` + 10 s of rank 1 falling behind; it never says that no
     rank is known to be behind. The root is untouched and resumes step 2 exactly."""
+    at, words = SLOW_AT[phase]
     root = fresh_root(saved, tmp_path / "slow-resume")
     baseline = capture(root)
-    got = run_world(_slow_resume, 2, str(root), expect_failure=True, timeout=BOUND_S + 30)
+    got = run_world(_slow_resume, 2, str(root), phase, expect_failure=True, timeout=BOUND_S + 30)
     first = got[0] if isinstance(got[0], dict) else {"error": str(got[0])}
     text = first.get("error") or f"rank 0 resumed: {first}"
     why = []
     if "rank 1 (slow: its heartbeat moves, but it is behind" not in text:
         why.append(f"rank 0 did not name rank 1 as slow: {text[:700]}")
-    elif not re.search(r"""at "agreeing on step 2's digests" for [0-9.]+ s""", text):
+    elif not re.search(rf"""at "{re.escape(at)}" for [0-9.]+ s""", text):
         why.append(f"rank 0 named rank 1 without its phase or how long: {text[:700]}")
     if "no rank is known to be behind" in text:
         why.append(f"rank 0 blamed its own link: {text[:700]}")
@@ -195,7 +210,7 @@ def test_a_slow_rank_at_resume_is_named_slow_with_its_phase(
         why.append(f"rank 0 took {first['seconds']:.0f} s in all")
     why += _nothing_lost(root, baseline)
     detail = "; ".join(why) or (f"{first['at'] - held:.1f} s" if held and "at" in first else "")
-    fault_trials.record("a slow rank at resume", "rank 1 asleep at verify, alive",
+    fault_trials.record("a slow rank at resume", f"rank 1 {words}, alive",
                         survived=not why, detail=detail)  # fmt: skip
     assert not why, why
 
