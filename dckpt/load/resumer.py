@@ -386,14 +386,15 @@ class Resumer:
                 result, candidate = self._load_twice(tier, step)  # 2-5
                 if unreadable is not None:
                     gone_tier, gone, why = unreadable
+                    line = f"UnreadableError: {str(why).split(': the storage')[0]}"
                     if gone_tier.name == tier.name:  # proof now: its storage serves an older step
                         reason = self._unreadable_reason(why, gone)
                         self._quarantine(gone_tier, gone, reason, why)
+                        skipped.append((gone, line))
                     else:  # another tier's storage proves nothing of that one's: left alone
-                        skipped.remove((gone, self._unreadable_line(why)))
                         passed.append(
-                            f"{gone_tier.words}: step {gone} not used: {self._unreadable_line(why)}"
-                            " (not set aside: no older step of that tier loaded)"
+                            f"{gone_tier.words}: step {gone} not used: {line} (not set aside: "
+                            "no older step of that tier loaded)"
                         )
                 chosen = candidate
                 self._mark_loaded(step, tier.name, result.behind)
@@ -405,8 +406,7 @@ class Resumer:
                 if not fallback or unreadable is not None:
                     before = None if unreadable is None else unreadable[1]
                     raise self._unreadable_refusal(exc, step, before) from exc
-                unreadable = (tier, step, exc)
-                skipped.append((step, self._unreadable_line(exc)))
+                unreadable = (tier, step, exc)  # set aside (and reported) once one loads
             except (IntegrityError, ManifestError) as exc:  # 6
                 # Only evidence of damage moves a checkpoint aside: not a newer schema, and
                 # not ranks that disagree (that would quietly pick one rank's view).
@@ -487,11 +487,6 @@ class Resumer:
             )
             again.path, again.media = exc.path, True
             raise again from exc
-
-    @staticmethod
-    def _unreadable_line(exc: UnreadableError) -> str:
-        """The report's line for a step whose file the storage failed twice."""
-        return f"UnreadableError: {str(exc).split(': the storage')[0]}"
 
     def _unreadable_reason(self, exc: UnreadableError, step: int) -> str:
         """Why a step is set aside for a file the storage failed twice while it served an

@@ -40,6 +40,7 @@ from fault_kit import (
     manager,
     resume_world,
     saving_world,
+    train_step,
 )
 
 from dckpt.root.layout import committed_steps
@@ -87,19 +88,6 @@ def _local_step(model: Any, step: int, rank: int) -> float:
     with model.no_sync():
         loss = model(torch.randn(8, 16, generator=gen)).pow(2).mean()
         loss.backward()
-    return float(loss.detach())
-
-
-def _train_step(model: Any, opt: Any, sched: Any, step: int, rank: int) -> float:
-    """A step whose backward all-reduces on the model's training group."""
-    import torch
-
-    gen = torch.Generator().manual_seed(step * 100 + rank)
-    opt.zero_grad()
-    loss = model(torch.randn(8, 16, generator=gen)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    sched.step()
     return float(loss.detach())
 
 
@@ -250,7 +238,7 @@ def _frozen_mid_save(rank: int, world: int, root: str, loop: str) -> dict[str, A
             # two synced steps: DDP's second forward rebuilds its buckets, a broadcast from
             # rank 0 that the loop's later local steps must not wait in
             for step in (2, 3):
-                mgr.observe(_train_step(model, opt, sched, step, rank))
+                mgr.observe(train_step(model, opt, sched, step, rank))
             # armed for step 3 alone, and left armed: its save reaches the phase later
             phase = "memory_hash" if loop == "memory" else "write_shards"
             os.environ["DCKPT_FAULT"] = f"phase={phase},rank={frozen},action=sigstop,step=3"
@@ -262,7 +250,7 @@ def _frozen_mid_save(rank: int, world: int, root: str, loop: str) -> dict[str, A
             while time.monotonic() - t0 < BOUND_S:
                 calling = "the loop's step"
                 if loop == "collective":
-                    loss = _train_step(model, opt, sched, step, rank)
+                    loss = train_step(model, opt, sched, step, rank)
                 else:
                     loss = _local_step(model, step, rank)
                 calling = "observe()"

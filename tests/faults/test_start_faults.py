@@ -146,6 +146,23 @@ def test_stale_state_resaves_and_retention_crashes_leave_every_checkpoint_whole(
     assert not failures, failures
 
 
+def _first_job_finishes(first: subprocess.Popen[str], root: Path) -> list[str]:
+    """The first job, refused nothing, outlived the second one's attempt: stopped now with a
+    SIGTERM, it saves the step its ranks agree on and ends cleanly; what went wrong, if any."""
+    why = []
+    if first.poll() is not None:
+        why.append("the first job did not survive the second one's attempt")
+    else:
+        torchrun_workers(first)[0].send_signal(signal.SIGTERM)  # done: stop, with a save
+    first_out, _ = first.communicate(timeout=120)
+    if first.returncode != 0:
+        why.append(f"the first job failed: {first_out[-800:]}")
+    agreed = re.search(r"the ranks agreed on step (\d+)", first_out)
+    if agreed is None or committed_steps(root)[-1:] != [int(agreed.group(1))]:
+        why.append(f"the first job's final checkpoint is missing: {committed_steps(root)}")
+    return why
+
+
 def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
     tmp_path: Path, fault_trials: Trials
 ) -> None:
@@ -168,16 +185,7 @@ def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
             why.append("the second job ran")
         if "lock" not in out.lower() or "pid" not in out:
             why.append(f"the second job's error does not name the owner: {out[-600:]}")
-        if first.poll() is not None:
-            why.append("the first job did not survive the second one's attempt")
-        else:
-            torchrun_workers(first)[0].send_signal(signal.SIGTERM)  # done: stop, with a save
-        first_out, _ = first.communicate(timeout=120)
-        if first.returncode != 0:
-            why.append(f"the first job failed: {first_out[-800:]}")
-        agreed = re.search(r"the ranks agreed on step (\d+)", first_out)
-        if agreed is None or committed_steps(root)[-1:] != [int(agreed.group(1))]:
-            why.append(f"the first job's final checkpoint is missing: {committed_steps(root)}")
+        why += _first_job_finishes(first, root)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
@@ -253,16 +261,7 @@ def test_a_second_job_in_another_pid_namespace_on_this_node_is_refused(
             why.append(f"the second job's error does not name the first: {out[-800:]}")
         elif "in another pid namespace on this host (a container)" not in out:
             why.append(f"the second job's error does not say where the first runs: {out[-800:]}")
-        if first.poll() is not None:
-            why.append("the first job did not survive the second one's attempt")
-        else:
-            torchrun_workers(first)[0].send_signal(signal.SIGTERM)  # done: stop, with a save
-        first_out, _ = first.communicate(timeout=120)
-        if first.returncode != 0:
-            why.append(f"the first job failed: {first_out[-800:]}")
-        agreed = re.search(r"the ranks agreed on step (\d+)", first_out)
-        if agreed is None or committed_steps(root)[-1:] != [int(agreed.group(1))]:
-            why.append(f"the first job's final checkpoint is missing: {committed_steps(root)}")
+        why += _first_job_finishes(first, root)
     finally:
         for job in (first, second):
             if job is not None and job.poll() is None:
