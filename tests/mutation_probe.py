@@ -788,7 +788,7 @@ MUTANTS = (
     Mutant(
         "read error: a step is set aside at its second failed read, before an older one loads",
         "dckpt/load/resumer.py",
-        "                unreadable = (tier, step, exc)\n",
+        "                unreadable = (tier, step, exc)  # set aside (and reported) once one loads\n",
         "                self._quarantine(tier, step, self._unreadable_reason(exc, step), exc)\n"
         "                unreadable = None\n",
         (f"{GU}::test_a_read_error_on_every_step_sets_nothing_aside_and_stops",),
