@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigMismatchError",
+    "ForeignStepError",
     "IncompatibleCheckpointError",
     "IntegrityError",
     "LockError",
@@ -42,6 +43,13 @@ class CheckpointError(RuntimeError):
 
 class CheckpointNotFoundError(CheckpointError):
     """The root or the requested step does not exist, or holds no committed checkpoint."""
+
+
+class ForeignStepError(CheckpointNotFoundError):
+    """A committed step this job cannot prove its own: its directory or one of its files
+    belongs to another user, or, with a key (``CheckpointConfig.key_file``), its manifest is
+    unsigned or signed with another key. A resume passes it over and names it; it is never
+    quarantined, deleted or retained away (it is not the job's to move)."""
 
 
 class ManifestError(CheckpointError):
