@@ -83,7 +83,13 @@ class DurableReader:
             checks.fetch_candidate(self.ctl, fetcher, self.source.local, step, None, first)
         mark(f"reading step {step}'s manifest, layout and metadata")
         manifest, reader = checks.read_candidate(
-            self.ctl, path, step, report, first, read_threads=self.read_threads
+            self.ctl,
+            path,
+            step,
+            report,
+            first,
+            read_threads=self.read_threads,
+            provenance=self.checks.provenance,
         )
         checks.agree_on_manifest(self.ctl, manifest, path, report)
         mark(f"checking step {step}'s config and state")
