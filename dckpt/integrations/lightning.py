@@ -24,6 +24,20 @@ Invariants:
   to the dckpt root (``ckpt_path="last"`` then resumes the newest verified checkpoint, and
   falls back past a damaged one), any other name to its ``step-N`` directory. Retention is
   dckpt's (``CheckpointConfig(keep_last=...)``); removing a top-k file removes the link only.
+- Lightning never loads a file through these strategies. Whatever path Lightning hands to
+  ``load_checkpoint`` (the newest ``last*`` of ``ckpt_path="last"`` by modification time, a
+  top-k file, ``"best"``, an explicit path) must be the strategy's own link: a symbolic link
+  the job's user owns, in a directory proven the job's own (``_prove_links_dir``), leading
+  (through such links only) to the dckpt root or one of its ``step-N`` directories; or that
+  root or step directory itself. Anything else (a pickle, a link elsewhere or another
+  user's) is refused in words on every rank before anything is read (rank 0 decides). The
+  path is never read again: the verdict is "resume the root" or "load step N", which the
+  manager does from its own root.
+- The directories ModelCheckpoint names its files in (``dirpath``) are proven as the root
+  is, at setup and at each save: owned by the job's user (or root), writable by nobody else,
+  not a link, each parent owned by the job's user or root and writable by others only when
+  sticky; one missing is made private. Another user's directory, or one every user can write,
+  is refused in words.
 - A save requested at step N (after step N's optimizer step) is taken at the start of step
   N+1 (or when training ends), before anything of step N+1 runs: the RNG then is what step
   N+1 draws from, whatever ran in between (the end of an epoch, validation, a new DataLoader
@@ -45,6 +59,7 @@ import logging
 import os
 import pickle
 import secrets
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -68,7 +83,8 @@ except ImportError as exc:  # tests/test_integration_lightning.py hides lightnin
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..manager import CheckpointManager
-from ..root.layout import step_dir_name
+from ..owned import NotOwnedError, check_ancestors, make_dir, owner_name
+from ..root.layout import STEP_RE, step_dir_name
 from ..train import rng
 from ..train.state import TrainState
 
@@ -77,6 +93,7 @@ __all__ = ["DckptModelParallelStrategy", "DckptStrategy"]
 log = logging.getLogger("dckpt")
 
 _LAST = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST: a file whose name starts so is "resume"
+_MAX_HOPS = 8  # links followed from a checkpoint path: ours, then save_last="link"'s to ours
 
 
 class _LightningState:
@@ -201,12 +218,40 @@ class _Driver:
     def root(self) -> Path:
         return Path(self.config.directory)
 
+    @staticmethod
+    def links_dirs(trainer: pl.Trainer) -> list[str]:
+        """The directories the checkpoint callbacks name their files in (resolved by their own
+        setup, which runs before the strategy's)."""
+        dirs = {getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks}
+        return sorted(os.fspath(d) for d in dirs if d is not None)
+
+    def agree(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` on rank 0, its result or its error the same on every rank: a path's
+        verdict cannot differ between ranks (one raising while the others go on into a
+        collective would leave them waiting out the timeout). Rank 0 raises its own error,
+        the others a ``NotOwnedError`` (a refusal) or ``CheckpointError`` in its words."""
+        verdict: tuple[Any, str | None, bool] = (None, None, False)
+        error: Exception | None = None
+        if self.strategy.is_global_zero:
+            try:
+                verdict = (decide(), None, False)
+            except Exception as exc:  # an OSError too: every rank must hear of it
+                error = exc
+                verdict = (None, str(exc), isinstance(exc, NotOwnedError))
+        result, words, refused = self.strategy.broadcast(verdict, src=0)
+        if error is not None:
+            raise error
+        if words is not None:
+            raise NotOwnedError(words) if refused else CheckpointError(f"on rank 0: {words}")
+        return result
+
     # --- lifetime ---------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer) -> None:
         """After the strategy set up the model and optimizers: build the manager (fit only)."""
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        self.agree(lambda: [_prove_links_dir(d, make=True) for d in self.links_dirs(trainer)])
         optimizers = [getattr(o, "_optimizer", o) for o in self.strategy.optimizers]
         if len(optimizers) > 1:
             raise ValueError(
@@ -264,10 +309,13 @@ class _Driver:
                 if k not in ("state_dict", "optimizer_states", "lr_schedulers")
             }
             self.pending = (step, trainer.current_epoch, rest)  # a later dump of it wins
+        # The directory proven (made private if missing) before the link goes in, every save:
+        # an explicit trainer.save_checkpoint(path) may name any directory.
+        links = self.agree(lambda: _prove_links_dir(Path(filepath).parent, make=True))
         if self.strategy.is_global_zero:
             name = Path(filepath).name
             target = self.root if name.startswith(_LAST) else self.root / step_dir_name(step)
-            _link(Path(filepath), target)
+            _link(links / name, target)
 
     def flush(self) -> None:
         """Take the save Lightning asked for, if any (every rank, the same step)."""
@@ -295,28 +343,27 @@ class _Driver:
 
     # --- loading ----------------------------------------------------------------------------
 
-    def owns(self, path: _PATH) -> bool:
-        """Whether ``path`` is the dckpt root or one of its steps (one of our links, or the
-        directory itself); else Lightning loads it itself (a .ckpt file)."""
-        target, root = Path(path).resolve(), self.root.resolve()
-        return target == root or (target.parent == root and target.name.startswith("step-"))
-
     def load_checkpoint(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
-        """A ``last*`` link: ``resume()`` (the newest verified, falling back past a damaged
-        one); a step's link: ``load(step)``. Returns the dict Lightning restores the rest from;
-        the model, optimizer and schedulers hold the checkpoint's values already.
-        ``weights_only``: how the Lightning part is unpickled (``_LightningState.checkpoint``)."""
+        """Whatever Lightning picked (every rank, the same path) is first proven one of the
+        strategy's own links or the root itself (``_own_target``, on rank 0, its verdict on
+        every rank), else refused before anything of it is read: Lightning never loads a
+        file here. A ``last*`` link or the root: ``resume()`` (the newest verified, falling
+        back past a damaged one); a step's link: ``load(step)``. Returns the dict Lightning
+        restores the rest from; the model, optimizer and schedulers hold the checkpoint's
+        values already. ``weights_only``: how the Lightning part is unpickled
+        (``_LightningState.checkpoint``)."""
+        step: int | None = self.agree(lambda: _own_target(path, self.root))
         if self.manager is None:
             raise RuntimeError(
                 "dckpt loads a checkpoint only to fit (validate/test: load it with fit first, "
                 "or export it with `dckpt export`)"
             )
         self.from_dckpt = True
-        if Path(path).name.startswith(_LAST) or Path(path).resolve() == self.root.resolve():
+        if step is None or Path(path).name.startswith(_LAST):
             report = self.manager.resume()
             resumed, report_step = report.resumed, report.step or 0
         else:
-            report_step = int(Path(path).resolve().name.removeprefix("step-"))
+            report_step = step
             self.manager.load(report_step)
             resumed = True
         module = self.strategy.lightning_module
@@ -402,8 +449,8 @@ def _link(path: Path, target: Path) -> None:
     """``path`` -> ``target``, relative, replacing what is there in one rename. The link is
     made under a name of its own (random: nothing there to remove first, which another user
     of a shared directory could have put there, and which would stop the save) and renamed
-    over ``path``; neither step follows a link."""
-    path.parent.mkdir(parents=True, exist_ok=True)  # the user's directory, the user's mode
+    over ``path``; neither step follows a link. ``path.parent`` exists, proven by the caller
+    (``_prove_links_dir``)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.dckpt-link")
     tmp.symlink_to(os.path.relpath(target.resolve(), path.parent.resolve()))
     try:
@@ -411,6 +458,149 @@ def _link(path: Path, target: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# --- whose paths ---------------------------------------------------------------------------
+# A shared host is hostile: another user can make a ModelCheckpoint directory first, or put a
+# file in one she can write, and ckpt_path="last" picks the newest last*.ckpt by mtime, which
+# she sets. Lightning would load it, and dckpt's next save would seal her weights as verified.
+
+
+def _mode(st: os.stat_result) -> str:
+    return f"{stat.S_IMODE(st.st_mode):04o}"
+
+
+def _existing(path: Path) -> Path:
+    while not os.path.lexists(path) and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _prove_links_dir(path: str | os.PathLike[str], *, make: bool) -> Path:
+    """The real path of ``path``, a directory the strategy writes its links in and Lightning
+    picks checkpoints from (a ModelCheckpoint's ``dirpath``), proven the job's own as the root
+    is: a real directory (not a link) owned by the job's user or root that nobody else may
+    write (a sticky one neither: it is used, not only passed through), and every directory on
+    the way owned by the job's user or root, writable by others only when sticky, a link on
+    the way the job's user's or root's (``dckpt.owned.check_ancestors``). ``make``: a missing
+    one is made with the private mode, after the existing part of the way is proven (nothing
+    is made inside another user's directory). Nothing is changed on a directory that exists.
+    ``NotOwnedError`` in words otherwise."""
+    if "://" in os.fspath(path):  # ModelCheckpoint takes fsspec URLs; a link is local
+        raise NotOwnedError(
+            f"ModelCheckpoint's directory {os.fspath(path)} is not on a local file system: "
+            "dckpt's strategy keeps its links there, and proves the directory its job's own; "
+            "give ModelCheckpoint(dirpath=...) a local directory (the checkpoints go to "
+            "dckpt's root, an s3:// one included)"
+        )
+    given = Path(os.path.abspath(path))
+    me = os.geteuid()
+    fix = (
+        "give ModelCheckpoint(dirpath=...) a directory of your own (one under "
+        f"{os.path.expanduser('~')}, say; dckpt makes a missing one private)"
+    )
+    try:
+        if make and not os.path.lexists(given):
+            check_ancestors(_existing(given))  # before anything is made on the way
+            make_dir(given, parents=True)
+        st = os.lstat(given)
+        if stat.S_ISLNK(st.st_mode):
+            raise NotOwnedError(
+                f"it is a symbolic link (owned by {owner_name(st.st_uid)}) to "
+                f"{os.path.realpath(given)}: dckpt reads and writes its links only in a real "
+                "directory, where no one but its owner decides what is found"
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotOwnedError(f"it is not a directory (owned by {owner_name(st.st_uid)})")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = "every user" if st.st_mode & stat.S_IWOTH else "its group"
+            if st.st_uid == me:
+                fix = f"run `chmod go-w {given}` if it is yours alone, or {fix}"
+            raise NotOwnedError(
+                f"it is owned by {owner_name(st.st_uid)} and {who} may write it (mode "
+                f"{_mode(st)}): anyone who can write it can put a last*.ckpt there for "
+                "ckpt_path='last' to pick"
+            )
+        return check_ancestors(given)  # its owner, and the way to it
+    except NotOwnedError as exc:
+        raise NotOwnedError(
+            f"ModelCheckpoint's directory {given} is not this job's user's ({owner_name(me)}): "
+            f"{exc}. dckpt's strategy writes its links there and resumes from what it finds "
+            f"there; {fix}"
+        ) from None
+
+
+def _own_target(path: str | os.PathLike[str], root: Path) -> int | None:
+    """What the checkpoint path Lightning hands over stands for, proven: None for the dckpt
+    root (resume the newest verified step), N for its ``step-N`` directory. ``path`` is the
+    root or a step directory itself, or one of the strategy's links: a symbolic link the job's
+    user owns, in a directory ``_prove_links_dir`` proves, leading through such links only
+    (ModelCheckpoint's ``save_last="link"`` links ``last.ckpt`` to a top-k link) to one of
+    them. ``NotOwnedError`` in words for anything else, before anything of it is read; the
+    path is not looked at again (the manager reads its own root)."""
+    given = Path(os.path.abspath(path))
+    me = os.geteuid()
+    real_root = Path(os.path.realpath(root))
+    fix = (
+        f"remove it if you did not put it there (`rm {given}`), or pass "
+        f"trainer.fit(ckpt_path={os.fspath(root)!r}) to resume dckpt's newest verified "
+        "checkpoint whatever that directory holds (ckpt_path=None starts from scratch)"
+    )
+
+    def refuse(what: str) -> NotOwnedError:
+        return NotOwnedError(
+            f"Lightning's checkpoint path {given} {what}. dckpt's strategy resumes only its own "
+            f"links (a symbolic link owned by this job's user {owner_name(me)}, in a "
+            f"directory of the job's own, to the dckpt root {root} or one of its step-N "
+            f"directories) and never lets Lightning load a file: its weights would be sealed "
+            f"as verified at the next save. Nothing was loaded; {fix}"
+        )
+
+    cur = given
+    for _ in range(_MAX_HOPS):
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            raise refuse(f"leads to {cur}, which does not exist") from None
+        if not stat.S_ISLNK(st.st_mode):
+            break
+        this = "is" if cur == given else f"leads to {cur}, which is"
+        if st.st_uid != me:
+            raise refuse(
+                f"{this} a symbolic link owned by {owner_name(st.st_uid)}: another user "
+                "decides where it leads"
+            )
+        try:  # the user's directory as named; a later hop's as the kernel reaches it
+            parent = cur.parent if cur == given else os.path.realpath(cur.parent)
+            where = _prove_links_dir(parent, make=False)
+        except NotOwnedError as exc:
+            raise NotOwnedError(
+                f"Lightning's checkpoint path {given}: {exc}. Nothing was loaded."
+            ) from None
+        # The next hop, relative to the proven directory; a ".." in it stays for the kernel to
+        # read after what comes before it (os.path.realpath below does the same).
+        cur = where / os.readlink(cur)
+    else:
+        raise refuse(f"is a chain of more than {_MAX_HOPS} symbolic links")
+    real = Path(os.path.realpath(cur))
+    if stat.S_ISDIR(st.st_mode):
+        if real == real_root:
+            return None
+        match = STEP_RE.fullmatch(real.name)
+        if match and real.parent == real_root:
+            return int(match.group(1))
+    kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
+    if cur == given:
+        return_what = (
+            f"is {kind} owned by {owner_name(st.st_uid)} (mode {_mode(st)}), not a link "
+            "dckpt's strategy made"
+        )
+    else:
+        return_what = (
+            f"leads to {real}, {kind} owned by {owner_name(st.st_uid)}, which is neither the "
+            "dckpt root nor one of its step directories"
+        )
+    raise refuse(return_what)
 
 
 class _DckptHooks(pl.strategies.Strategy):
@@ -452,9 +642,7 @@ class _DckptHooks(pl.strategies.Strategy):
     def load_checkpoint(
         self, checkpoint_path: _PATH, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if not self._dckpt.owns(checkpoint_path):
-            self._dckpt.from_dckpt = False
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Never Lightning's own load (torch.load of whatever file is there): see _own_target.
         return self._dckpt.load_checkpoint(checkpoint_path, weights_only)
 
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
