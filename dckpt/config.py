@@ -13,6 +13,7 @@ from typing import Literal
 
 import xxhash
 
+from .owned import Access
 from .root.retention import BestMode, RetentionPolicy
 from .storage.digest import ALGORITHMS
 from .tiers.url import ObjectURL, default_mirror, parse_root, parse_url
@@ -25,6 +26,8 @@ LossWatchAction = Literal["warn", "raise", "off"]
 """What a loss above the bound does after a resume."""
 ReplayCheckMode = Literal["auto", "exact", "close", "off"]
 """How a resume compares the steps it replays with the run that stopped."""
+RootAccess = Access
+"""Who else may write the root's directories: nobody, or the directory's group too."""
 ReplicaCheck = Literal["error", "warn", "off"]
 """What a save does when the ranks' copies of a replicated value differ."""
 
@@ -39,6 +42,25 @@ def _lock_from_env() -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"DCKPT_LOCK={raw!r}: use 0 (no run lock) or 1 (the default)")
+
+
+def _root_access_from_env() -> RootAccess:
+    """``root_access``'s default: ``$DCKPT_ROOT_ACCESS`` (``private`` or ``group``)."""
+    raw = os.environ.get("DCKPT_ROOT_ACCESS", "").strip().lower()
+    if raw in ("", "private"):
+        return "private"
+    if raw == "group":
+        return "group"
+    raise ValueError(
+        f"DCKPT_ROOT_ACCESS={raw!r}: use private (the default) or group (a directory the "
+        "team's group may write on purpose)"
+    )
+
+
+def _key_file_from_env() -> Path | None:
+    """``key_file``'s default: ``$DCKPT_KEY_FILE``, unset or empty meaning no key."""
+    raw = os.environ.get("DCKPT_KEY_FILE", "").strip()
+    return Path(raw) if raw else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,6 +328,37 @@ class CheckpointConfig:
             keep_last=self.keep_last, best_k=self.best_k, best_mode=self.best_mode
         )
 
+    # -- Who may have written it ----------------------------------------------------------------
+
+    root_access: RootAccess = field(default_factory=_root_access_from_env)
+    """Who else may write the root. ``private`` (the default): at every start the root and
+    its parents up to one the job's user owns (or a root-owned one nobody else can write) are
+    proven the job's: owned by its user or root, writable by nobody else (a root-owned sticky
+    directory such as ``/tmp`` only as a parent), no link; a start refuses otherwise
+    (dckpt.owned.prove_root). ``group``: a directory a team shares on purpose may also be
+    writable by its group (never by others); said once in the resume's report. Either way a
+    step whose directory or files another user owns is never resumed unless the job's key
+    signs it (``key_file``). Default: ``$DCKPT_ROOT_ACCESS`` or ``private``."""
+    key_file: Path | None = field(default_factory=_key_file_from_env)
+    """A file only the job's user can read (owned by it, mode 0600 or 0400, not a link)
+    holding the key of this run's manifests: each save seals its manifest with an HMAC-SHA256
+    of the manifest's digest under it, and a resume takes only steps it signs (a step
+    unsigned or signed with another key is foreign: named, never quarantined or deleted).
+    Needs ``digest="sha256"`` (a signed xxh3 digest could be matched by crafted bytes).
+    Default: ``$DCKPT_KEY_FILE`` or None (no key)."""
+
+    def _check_access(self) -> None:
+        if self.root_access not in ("private", "group"):
+            raise ValueError(f"root_access must be 'private' or 'group', got {self.root_access!r}")
+        if self.key_file is not None:
+            object.__setattr__(self, "key_file", Path(self.key_file))
+            if self.digest != "sha256":
+                raise ValueError(
+                    "key_file signs each manifest's file digests, which are only as strong as "
+                    f"the digest: {self.digest!r} can be matched by crafted bytes; pass "
+                    "digest='sha256' with a key"
+                )
+
     # -- The run lock ---------------------------------------------------------------------------
 
     lock: bool = field(default_factory=_lock_from_env)
@@ -422,5 +475,6 @@ class CheckpointConfig:
         self._check_resuming()
         self._check_retention()
         self._check_lock()
+        self._check_access()
         self._check_memory()
         self._check_values()

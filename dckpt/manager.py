@@ -54,8 +54,10 @@ from .load.report import ResumeReport
 from .load.resumer import LoadResult, Resumer
 from .load.watch import ResumeWatch
 from .memory_tier import Off, memory_tier
+from .owned import NotOwnedError
 from .preemption import CHECK_EVERY_S, DEFAULT_SIGNALS, Preemption, PreemptionStop
 from .root.protocol import Lock, Root
+from .root.provenance import ManifestKey, Provenance
 from .save.background import FAILING_GRACE_S
 from .save.handle import SaveHandle, SaveResult
 from .save.mode import SaveMode
@@ -197,6 +199,8 @@ class CheckpointManager:
             self._ctl.close()
             self._io.close()
             raise
+        self._key: ManifestKey | None = None
+        """The job's manifest key (``key_file``), loaded by ``_open_root`` on every rank."""
         self._locks = self._open_root()
         source = self._root.source()
         lineage = Lineage()
@@ -210,6 +214,7 @@ class CheckpointManager:
                 allow_config_changes, strict_keys, precision_checked=precision is not None
             ),
             state=state,
+            provenance=Provenance(key=self._key),
         )
         durable = durable_tier(
             ctl=self._ctl,
@@ -225,6 +230,11 @@ class CheckpointManager:
         self._off: dict[str, str] = {}
         """The tiers asked for but off for this start, with why."""
         notes: list[str] = []
+        if config.root_access == "group":
+            notes.append(
+                "root_access=group: the root's directories may be written by their group "
+                "(a step another user owns is still never resumed unless the job's key signs it)"
+            )
         if config.memory:
             try:
                 memory = memory_tier(
@@ -257,6 +267,7 @@ class CheckpointManager:
             clock=clock,
             mode=mode,
             lineage=lineage,
+            key=self._key,
         )
         self._saver = Saver(
             ctl=self._ctl,
@@ -322,14 +333,16 @@ class CheckpointManager:
         coordinator = self.rank == 0
         gate = Gate(self._ctl, "open-root", timeout_s=self.config.timeout_s)
         try:
-            self._root.prepare(coordinator=coordinator)
+            if self.config.key_file is not None:  # every rank: it claims what it reads
+                self._key = ManifestKey.load(self.config.key_file)
+            self._root.prepare(coordinator=coordinator, access=self.config.root_access)
             if coordinator and self.config.lock:
                 for lock in self._root.locks(self.run_id, self.config.lock_lease_s):
                     locks.append(lock)
                     lock.acquire(on_wait=gate.extend)
             if coordinator:
                 self._root.recover()
-        except LockError as exc:
+        except (LockError, NotOwnedError) as exc:  # they name the root and what to do
             failure = exc
         except (OSError, CheckpointError) as exc:
             failure = CheckpointError(f"cannot use checkpoint root {self._root}: {exc}")

@@ -15,12 +15,21 @@ plant, and a path dckpt re-opens may by then be another file. The rules, each wr
   replaced whole by a rename relative to that descriptor (``write_atomic``).
 - **A directory is trusted only when proven.** ``private_tree`` makes or checks every
   directory from the job's own base down, one ``openat(O_NOFOLLOW)`` at a time: each must be a
-  real directory owned by the job's user, and is narrowed to the private mode through its
-  descriptor. Every directory above the base must be owned by root or the job's user and be
-  writable by no one else unless sticky (``/dev/shm``, ``/tmp``: then nobody else can rename
-  or remove the job's entries in it). A symlink is followed above the base only when root or
-  the job's user owns it. Anything else is a ``NotOwnedError`` naming the directory and its
-  owner. Running as root changes none of this: root is refused another user's directory too.
+  real directory owned by the job's user that nobody else may write. Every directory above
+  the base must be owned by root or the job's user and be writable by no one else unless
+  sticky (``/dev/shm``, ``/tmp``: then nobody else can rename or remove the job's entries in
+  it). A symlink is followed above the base only when root or the job's user owns it.
+  Anything else is a ``NotOwnedError`` naming the directory and its owner. Running as root
+  changes none of this: root is refused another user's directory too.
+- **The root, proven at every start** (``prove_root``): the checkpoint root and each parent
+  up to one the job's user owns (or a root-owned one nobody else can write) are owned by the
+  job's user or root, writable by nobody else (a root-owned sticky directory only as a
+  parent, never as the root), and links on the way are the user's or root's. With
+  ``access="group"`` (a project directory a team shares on purpose) a directory may also be
+  writable by its group, and owned by another user when its group is one of the job's.
+- **Never chmod what dckpt did not make.** Only a directory dckpt's own ``mkdir`` created
+  is given the private mode; one that exists is checked and, if others may write it,
+  refused in words, never changed (``/dev/shm`` chmod-ed 0700 breaks every other user).
 
 No torch; used by every layer that writes (storage, root, tiers, load).
 """
@@ -34,11 +43,13 @@ import pwd
 import stat
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from .errors import CheckpointError
 
 __all__ = [
     "FILE_MODE_ENV",
+    "Access",
     "NotOwnedError",
     "check_ancestors",
     "create_new",
@@ -48,6 +59,7 @@ __all__ = [
     "open_dir",
     "owner_name",
     "private_tree",
+    "prove_root",
     "write_atomic",
 ]
 
@@ -55,6 +67,8 @@ FILE_MODE_ENV = "DCKPT_FILE_MODE"
 _ALLOWED = {0o600, 0o640, 0o644, 0o604}
 """Owner read and write always; read for the group and others if asked; never write or
 execute for anyone else."""
+Access = Literal["private", "group"]
+"""Who besides the job's user may write a root's directories: nobody, or their group."""
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -215,9 +229,10 @@ def check_ancestors(path: str | os.PathLike[str]) -> Path:
 def private_tree(top: str | os.PathLike[str], base: str | os.PathLike[str]) -> Path:
     """Make or prove every directory from ``base`` (``top`` or one of its parents) down to
     ``top`` the job's own: created with the private mode, or, when it exists, a real
-    directory (not a link) owned by the job's user, narrowed to the private mode through its
-    descriptor. The parents of ``base`` must pass ``check_ancestors``. Returns ``top`` on its
-    real path. ``NotOwnedError`` names the first directory that fails and its owner."""
+    directory (not a link) owned by the job's user that nobody else may write (never
+    chmod-ed: a directory dckpt did not make is not dckpt's to change). The parents of
+    ``base`` must pass ``check_ancestors``. Returns ``top`` on its real path.
+    ``NotOwnedError`` names the first directory that fails and its owner."""
     top, base = Path(os.path.abspath(top)), Path(os.path.abspath(base))
     if top != base and base not in top.parents:
         raise ValueError(f"{base} is not {top} or one of its parents")
@@ -229,8 +244,10 @@ def private_tree(top: str | os.PathLike[str], base: str | os.PathLike[str]) -> P
     fd = open_dir(parent)
     try:
         for name in [base.name, *top.relative_to(base).parts]:
+            made = False
             with contextlib.suppress(FileExistsError):
                 os.mkdir(name, dir_mode(), dir_fd=fd)
+                made = True
             try:
                 child = open_dir(name, dir_fd=fd)
             except OSError as exc:
@@ -250,11 +267,99 @@ def private_tree(top: str | os.PathLike[str], base: str | os.PathLike[str]) -> P
                     f"{owner_name(me)}: another user may have made it to read or replace what "
                     "dckpt keeps there"
                 )
-            if stat.S_IMODE(st.st_mode) != dir_mode():
+            if made:  # ours: the umask may have removed what the job asked for
                 os.fchmod(fd, dir_mode())
+            elif _shared(st) or st.st_mode & stat.S_ISVTX:
+                # Not dckpt's to narrow (a chmod of /dev/shm breaks every other user's
+                # programs): a directory others may write is refused, never changed.
+                where = _fd_path(fd)
+                raise NotOwnedError(
+                    f"{where} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                    "dckpt keeps a job's files only in a directory of the job's own, and "
+                    "never changes the mode of one it did not make; pass a directory under "
+                    f"it (e.g. {os.path.join(where, f'dckpt-{me}')}, which dckpt makes "
+                    f"private) or run `chmod go-w {where}` if it is yours alone"
+                )
         return Path(_fd_path(fd))
     finally:
         os.close(fd)
+
+
+def prove_root(path: str | os.PathLike[str], *, access: Access = "private") -> Path:
+    """Make ``path`` (with its missing parents, private) after proving the existing part of
+    the way to it, then prove the root itself: the root and each parent up to one the job's
+    user owns (or a root-owned one nobody else can write) are real directories owned by the
+    job's user or root that nobody else may write, a root-owned sticky directory (``/tmp``)
+    counting only as a parent; a link on the given path is followed only when the job's user
+    or root owns it. ``access="group"`` also admits a directory writable by its group (never
+    by others), owned by another user only when that group is one of the job's. Returns the
+    root's real path; ``NotOwnedError`` names the first directory that fails, its owner and
+    mode, and the command that makes the run start. Nothing is changed on a directory that
+    exists."""
+    given = Path(os.path.abspath(path))
+    existing = _existing(given)
+    if existing != given:  # prove the way before anything is made on it
+        _prove_way(existing, access, is_root=False)
+        make_dir(given, parents=True)
+    return _prove_way(given, access, is_root=True)
+
+
+def _prove_way(path: Path, access: Access, *, is_root: bool) -> Path:
+    me = os.geteuid()
+    groups = {os.getegid(), *os.getgroups()} if access == "group" else set()
+    for prefix in [*reversed(path.parents), path]:  # links on the path as given
+        try:
+            st = os.lstat(prefix)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
+            raise NotOwnedError(
+                f"{prefix} is a symlink owned by {owner_name(st.st_uid)}: another user decides "
+                "where the checkpoints go; give the real directory instead"
+            )
+    real = Path(os.path.realpath(path))
+    for d in [real, *real.parents]:
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotOwnedError(f"{d} is not a directory")
+        mode = stat.S_IMODE(st.st_mode)
+        teams = access == "group" and st.st_gid in groups and not st.st_mode & stat.S_IWOTH
+        if st.st_uid not in (0, me) and not teams:
+            raise NotOwnedError(
+                f"{d} belongs to {owner_name(st.st_uid)}, not to this job's user "
+                f"{owner_name(me)} or root: its owner can put checkpoints there or move the "
+                f"job's away; {_use_own(real)}"
+            )
+        root_self = is_root and d == real
+        sticky_parent = st.st_uid == 0 and st.st_mode & stat.S_ISVTX and not root_self
+        if _shared(st) and not sticky_parent and not teams:
+            if root_self and st.st_mode & stat.S_ISVTX:
+                raise NotOwnedError(
+                    f"{d} is a directory every user may write (mode {mode:04o}): other users "
+                    f"could put checkpoints in it; {_use_own(real)}"
+                )
+            fix = f"run `chmod go-w {d}` if it is yours alone"
+            if access == "private" and not st.st_mode & stat.S_IWOTH:
+                fix += (
+                    ", or set root_access='group' (DCKPT_ROOT_ACCESS=group) if the team's group "
+                    "writes it on purpose"
+                )
+            raise NotOwnedError(
+                f"{d} is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} "
+                f"(mode {mode:04o}) and {'is the root' if root_self else 'not sticky'}: "
+                "another user could put checkpoints there or move the job's away; " + fix
+            )
+        if d != real and st.st_uid in (0, me) and not _shared(st):
+            break  # a parent only its owner (the job's user, or root) can change
+    return real
+
+
+def _use_own(real: Path) -> str:
+    home = os.path.expanduser("~")
+    return (
+        f"pass a root under a directory of your own (e.g. {home}/checkpoints/{real.name}, "
+        "which dckpt makes private)"
+    )
 
 
 def _existing(path: Path) -> Path:

@@ -29,6 +29,7 @@ from dckpt.owned import (
     file_mode,
     make_dir,
     private_tree,
+    prove_root,
     write_atomic,
 )
 
@@ -61,11 +62,32 @@ def test_the_jobs_own_tree_is_made_private_under_a_sticky_shared_parent(shared: 
         assert _mode(d) == 0o700 and d.lstat().st_uid == os.geteuid(), d
 
 
-def test_an_existing_own_directory_is_narrowed_through_its_descriptor(shared: Path) -> None:
+def test_an_existing_directory_is_never_chmod_ed_and_refused_if_others_may_write_it(
+    shared: Path,
+) -> None:
+    """dckpt changes the mode of no directory it did not make: one the user made 0755 is
+    taken as it is, one others may write is refused in words, its mode as it was."""
     (shared / "dckpt-0").mkdir(mode=0o755)
-    (shared / "dckpt-0").chmod(0o777)
     private_tree(shared / "dckpt-0" / "x", shared / "dckpt-0")
-    assert _mode(shared / "dckpt-0") == 0o700
+    assert _mode(shared / "dckpt-0") == 0o755  # left as the user made it
+    assert _mode(shared / "dckpt-0" / "x") == 0o700  # dckpt's own: private
+    (shared / "dckpt-0").chmod(0o777)
+    with pytest.raises(NotOwnedError, match=r"writable by others \(mode 0777\).*chmod go-w"):
+        private_tree(shared / "dckpt-0" / "y", shared / "dckpt-0")
+    assert _mode(shared / "dckpt-0") == 0o777 and not (shared / "dckpt-0" / "y").exists()
+
+
+def test_a_shared_sticky_directory_is_refused_as_the_memory_directory_itself(
+    shared: Path,
+) -> None:
+    """A root job given /dev/shm itself (root-owned, 1777) as its memory directory: refused,
+    and /dev/shm keeps its mode (a chmod to 0700 broke every other user's programs)."""
+    os.chown(shared, 0, 0)
+    with pytest.raises(NotOwnedError, match=r"writable by others \(mode 1777\)"):
+        private_tree(shared, shared)
+    with pytest.raises(NotOwnedError, match=r"mode 1777"):
+        private_tree(shared / "node-0", shared)
+    assert _mode(shared) == 0o1777 and list(shared.iterdir()) == []
 
 
 def test_a_squatted_base_is_refused_naming_its_owner(shared: Path) -> None:
@@ -272,3 +294,102 @@ def test_every_file_and_directory_a_job_makes_in_its_root_has_the_mode(
     names = {p.name for p in root.rglob("*")}
     assert {"manifest.json", ".metadata", "latest", ".dckpt-replay", ".dckpt-verified"} <= names
     assert seen["file"] > 15 and seen["dir"] > 6, seen
+
+
+# --- the durable root, proven at every start (prove_root) -----------------------------------
+
+
+def test_a_missing_root_under_a_sticky_parent_is_made_private(shared: Path) -> None:
+    old = os.umask(0)
+    try:
+        real = prove_root(shared / "runs" / "exp1")
+    finally:
+        os.umask(old)
+    assert real == (shared / "runs" / "exp1").resolve()
+    assert _mode(shared / "runs") == _mode(real) == 0o700
+
+
+def test_a_root_another_user_made_first_is_refused_and_left_alone(shared: Path) -> None:
+    """The squatted root: made first, mode 0777, by another user, in a sticky directory."""
+    squat = shared / "exp1"
+    squat.mkdir()
+    squat.chmod(0o777)
+    os.chown(squat, OTHER, OTHER)
+    with pytest.raises(NotOwnedError, match=rf"{squat} belongs to uid {OTHER}.*own"):
+        prove_root(squat)
+    assert list(squat.iterdir()) == [] and _mode(squat) == 0o777
+
+
+def test_a_root_under_a_parent_another_user_made_is_refused_before_anything_is_made(
+    shared: Path,
+) -> None:
+    """The squatted parent: the root is missing, its parent is another user's (who could
+    rename the job's root away and put her own in its place)."""
+    theirs = shared / "team"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, OTHER, OTHER)
+    with pytest.raises(NotOwnedError, match=rf"{theirs} belongs to uid {OTHER}"):
+        prove_root(theirs / "exp1")
+    assert not (theirs / "exp1").exists()
+
+
+def test_a_root_others_may_write_is_refused_unless_the_group_is_trusted(tmp_path: Path) -> None:
+    root = tmp_path / "exp1"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(NotOwnedError, match=rf"writable by others.*chmod go-w {root}"):
+        prove_root(root)
+    with pytest.raises(NotOwnedError, match="writable by others"):
+        prove_root(root, access="group")  # the group switch never admits others
+    root.chmod(0o770)
+    with pytest.raises(NotOwnedError, match="its group.*DCKPT_ROOT_ACCESS=group"):
+        prove_root(root)
+    assert prove_root(root, access="group") == root.resolve()
+    assert _mode(root) == 0o770  # nothing changed on it either way
+
+
+def test_the_group_switch_admits_a_team_directory_of_another_user_in_the_jobs_group(
+    tmp_path: Path,
+) -> None:
+    team = tmp_path / "team"
+    team.mkdir()
+    team.chmod(0o2770)
+    os.chown(team, OTHER, os.getegid())  # the team lead's, in the job's group
+    with pytest.raises(NotOwnedError, match=f"belongs to uid {OTHER}"):
+        prove_root(team / "exp1")
+    assert prove_root(team / "exp1", access="group") == (team / "exp1").resolve()
+    os.chown(team, OTHER, OTHER)  # a group the job is not in: not the team's
+    with pytest.raises(NotOwnedError, match=f"belongs to uid {OTHER}"):
+        prove_root(team / "exp2", access="group")
+
+
+def test_a_sticky_shared_directory_is_a_parent_never_the_root(shared: Path) -> None:
+    os.chown(shared, 0, 0)
+    with pytest.raises(NotOwnedError, match="every user may write"):
+        prove_root(shared)
+    prove_root(shared / "exp1")  # as a parent it is fine: nobody else can move exp1
+
+
+def test_a_link_to_the_root_counts_only_when_the_user_or_root_owns_it(
+    shared: Path, tmp_path: Path
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    mine = shared / "mine"
+    mine.symlink_to(real)
+    assert prove_root(mine) == real.resolve()
+    theirs = shared / "theirs"
+    theirs.symlink_to(real)
+    os.lchown(theirs, OTHER, OTHER)
+    with pytest.raises(NotOwnedError, match=f"symlink owned by uid {OTHER}"):
+        prove_root(theirs)
+
+
+def test_the_walk_up_stops_at_a_directory_only_its_owner_can_change(tmp_path: Path) -> None:
+    """Above a parent the job's user owns (and nobody else writes), nothing is asked: a home
+    directory under a /home another admin runs is fine."""
+    top = tmp_path / "top"
+    top.mkdir(mode=0o777)  # above the stop: would be refused if it were looked at
+    home = top / "home"
+    home.mkdir(mode=0o755)
+    assert prove_root(home / "runs" / "exp1") == (home / "runs" / "exp1").resolve()

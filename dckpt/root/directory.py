@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, LockError
-from ..owned import make_dir
+from ..owned import Access, prove_root
 from .commit import FileCommit, RenameCommit
 from .fence import Fence
 from .layout import (
@@ -116,12 +116,12 @@ class DirectoryRoot:
 
     # --- a job's parts ----------------------------------------------------------------------
 
-    def prepare(self, *, coordinator: bool) -> None:
+    def prepare(self, *, coordinator: bool, access: Access = "private") -> None:
         if not coordinator:
-            return  # one directory, shared: the coordinator makes it
+            return  # one directory, shared: the coordinator makes and proves it
         if self.path.exists() and not self.path.is_dir():
             raise CheckpointError(f"{self.path} exists and is not a directory")
-        make_dir(self.path, parents=True)
+        prove_root(self.path, access=access)
 
     def locks(self, run_id: str, lease_s: float) -> list[Lock]:
         lock = RunLock(self.path, run_id, lease_s, name=self._name)

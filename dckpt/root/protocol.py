@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..owned import Access
 from .commit import FileCommit
 from .layout import Status
 from .lock import OnWait
@@ -101,10 +102,11 @@ class Root(Protocol):
 
     # --- a job's parts ----------------------------------------------------------------------
 
-    def prepare(self, *, coordinator: bool) -> None:
+    def prepare(self, *, coordinator: bool, access: Access = "private") -> None:
         """At a job's start, on every rank: make the local directory a save writes into (the
-        coordinator: the root's; every node's first rank: an object store's mirror, tidied).
-        Raises CheckpointError or OSError saying what is wrong with it."""
+        coordinator: the root's; every node's first rank: an object store's mirror, tidied),
+        proven the job's own (dckpt.owned.prove_root, ``access``: who else may write it).
+        Raises CheckpointError (NotOwnedError) or OSError saying what is wrong with it."""
         ...
 
     def locks(self, run_id: str, lease_s: float) -> list[Lock]:

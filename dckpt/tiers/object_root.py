@@ -50,7 +50,7 @@ from ..errors import (
     ManifestError,
     StorageError,
 )
-from ..owned import make_dir
+from ..owned import Access, prove_root
 from ..root import upkeep
 from ..root.commit import FileCommit
 from ..root.fence import Fence
@@ -142,16 +142,17 @@ class ObjectRoot:
             raise ValueError(f"{self.url} was opened without a local mirror: a job needs one")
         return self._mirror
 
-    def prepare(self, *, coordinator: bool) -> None:
-        """Every node has its own mirror (unless shared): each rank makes it; the node's
-        first rank tidies it (the coordinator's ``recover`` does its own)."""
+    def prepare(self, *, coordinator: bool, access: Access = "private") -> None:
+        """Every node has its own mirror (unless shared): each rank makes it and proves it
+        the job's own (a planted step there would be read as fetched); the node's first rank
+        tidies it (the coordinator's ``recover`` does its own)."""
         from .object_source import local_share
 
         mirror = self._local()
         if mirror.exists() and not mirror.is_dir():
             raise CheckpointError(f"the local mirror {mirror} exists and is not a directory")
         try:
-            make_dir(mirror, parents=True)
+            prove_root(mirror, access=access)
             if not coordinator and local_share()[0] == 0:
                 upkeep.recover(mirror)
         except OSError as exc:  # this node's disk, not the bucket: say which
