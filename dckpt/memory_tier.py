@@ -142,6 +142,7 @@ def memory_tier(
         durable_steps=durable.steps,
         timeout_s=config.timeout_s,
         slots=slots,
+        provenance=checks.provenance,
     )
     reader = MemoryReader(ctl=ctl, source=source, state=state, checks=checks)
 

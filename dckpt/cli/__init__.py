@@ -25,6 +25,12 @@ from .common import EXIT_INTEGRITY, EXIT_STORAGE, EXIT_USAGE, CliError, err, fai
 __all__ = ["main"]
 
 
+_KEY_HELP = (
+    "the run's key file (CheckpointConfig.key_file): say which steps it signs (a keyed run "
+    "resumes only those)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     from .manage import cmd_gc, cmd_pin, cmd_restore, cmd_set_aside, cmd_unpin
     from .memory_tier import cmd_memory_clear
@@ -44,13 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory-dir", default=None, help="the memory tier's directory (default: the job's)"
     )
+    p.add_argument("--key-file", default=None, help=_KEY_HELP)
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser(
         "verify",
         help="re-hash every file against its manifest; default: every committed step",
         # Written by hand (argparse puts ROOT last): a new option must be added here too.
-        usage="dckpt verify ROOT [--step N | --all] [--deep] [--threads N] [--json]",
+        usage="dckpt verify ROOT [--step N | --all] [--deep] [--key-file F] [--threads N] [--json]",
         description="Re-hash every file of committed checkpoints against their manifests.\n"
         "ROOT [--step N | --all]; default: every committed step under ROOT.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -66,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         help="also read DCP's metadata as a load would (allow-listed unpickling, every "
         "tensor's spans inside the listed files): catches a checkpoint rewritten and "
         "re-sealed on purpose, which hashes right",
+    )
+    p.add_argument(
+        "--key-file",
+        default=None,
+        help=_KEY_HELP + "; a step it does not sign fails verify (exit 6)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify)

@@ -29,6 +29,7 @@ __all__ = [
     "EXIT_INTEGRITY",
     "EXIT_OK",
     "EXIT_STORAGE",
+    "EXIT_UNSIGNED",
     "EXIT_USAGE",
     "CliError",
     "bar",
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_USAGE, EXIT_INTEGRITY, EXIT_INCOMPATIBLE, EXIT_STORAGE = 0, 2, 3, 4, 5
+EXIT_UNSIGNED = 6
+"""``verify --key-file``: every byte hashed right, but some step is not signed by the key."""
 
 # Piped output (logs, CI, `make demo`) gets a wide table instead of rich's 80 columns.
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)

@@ -34,9 +34,10 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import IntegrityError, ManifestError, StorageError
+from ..errors import CheckpointError, IntegrityError, ManifestError, StorageError
 from ..root.manifest import Manifest
 from ..root.protocol import Entry, Root
+from ..root.provenance import ManifestKey
 from ..root.resume_record import ResumeRecord, ResumeRecords, summary
 from ..root.verify import VerifyResult
 from ..save.step_clock import describe_cost
@@ -46,6 +47,7 @@ from .common import (
     EXIT_INTEGRITY,
     EXIT_OK,
     EXIT_STORAGE,
+    EXIT_UNSIGNED,
     EXIT_USAGE,
     bar,
     cli_root,
@@ -132,6 +134,7 @@ def _ls_record(
     now: float,
     pins: set[int],
     resumes: dict[int, list[ResumeRecord]],
+    key: ManifestKey | None = None,
 ) -> dict[str, Any]:
     record = ls_record(entry.step, entry.status, entry.where, 0, pins)
     if entry.status == "quarantined" and entry.step in resumes:  # why it is there, maybe
@@ -151,6 +154,7 @@ def _ls_record(
         verified_at=None if check is None else check.get("time"),
     )
     with_manifest(record, manifest, now)
+    with_signature(record, manifest, key)
     record["shared_bytes"] = root.shared(entry)
     with_resumes(record, resumes, manifest.save_id)
     return record
@@ -165,12 +169,32 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
+def cli_key(path: str | None) -> ManifestKey | None:
+    """The key ``--key-file`` names (exit 2 naming what is wrong with it), or None."""
+    if path is None:
+        return None
+    try:
+        return ManifestKey.load(path)
+    except CheckpointError as exc:
+        fail(EXIT_USAGE, str(exc))
+
+
+def with_signature(record: dict[str, Any], manifest: Manifest, key: ManifestKey | None) -> None:
+    """``signed_by``: the id of the key that signed the step (None: unsigned); with a key,
+    ``signed``: whether that key signs it, and ``unsigned`` why not."""
+    record["signed_by"] = manifest.signature.get("key")
+    if key is not None:
+        why = key.refusal(manifest)
+        record.update(signed=why is None, unsigned=why)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     root = cli_root(args.root)
+    key = cli_key(getattr(args, "key_file", None))
     now = time.time()
     pins = root.pinned_steps()
     resumes = read_resumes(root.resume_records())
-    records = [_ls_record(root, e, now, pins, resumes) for e in root.entries()]
+    records = [_ls_record(root, e, now, pins, resumes, key) for e in root.entries()]
     memory_root = memory_dir_for(str(root), args.memory_dir)
     memory = memory_records(root.memory_ledger(), memory_root)
     return print_ls_with_memory(args, records, str(root), memory, memory_root)
@@ -204,6 +228,7 @@ def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str)
         out.print(f"no checkpoints under {root}")
         return EXIT_OK
     table = Table(title=f"checkpoints under {root}")
+    keyed = any("signed" in r for r in records)  # --key-file: does it sign each step?
     for col in (
         "step",
         "status",
@@ -216,6 +241,7 @@ def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str)
         "verified",
         "resumes",
         "marks",
+        *(("signed",) if keyed else ()),
         "note",
     ):
         right = col in ("step", "size", "shared", "files")
@@ -233,10 +259,17 @@ def print_ls(args: argparse.Namespace, records: list[dict[str, Any]], root: str)
             r["verified"] or "",
             r.get("resumed") or "",
             _marks(r.get("marks") or {}),
+            *([_signed_cell(r)] if keyed else []),
             "" if r["error"] is None else r["error"][:80],
         )
     out.print(table)
     return EXIT_OK
+
+
+def _signed_cell(record: dict[str, Any]) -> str:
+    if "signed" not in record:
+        return ""
+    return "yes" if record["signed"] else ("unsigned" if not record["signed_by"] else "other key")
 
 
 # --- verify --------------------------------------------------------------------------------
@@ -274,27 +307,52 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for step in steps:  # the bar's total; a manifest that cannot be read is the step's problem
         with contextlib.suppress(ManifestError, IntegrityError, StorageError):
             total += root.read_manifest(step).total_bytes
+    key = cli_key(getattr(args, "key_file", None))
     results: list[VerifyResult] = []
+    unsigned: dict[int, str] = {}
     with bar("verifying", total, args.json) as advance:
         for step in steps:
             result = root.verify(step, threads=args.threads, deep=args.deep, progress=advance)
             root.record_verification(result)
             results.append(result)
-    return print_verify(args, results)
+            if key is not None and result.ok:  # the bytes hashed right: whose are they?
+                why = key.refusal(root.read_manifest(step))
+                if why is not None:
+                    unsigned[step] = why
+    code = print_verify(args, results, unsigned if key is not None else None)
+    if code == EXIT_OK and unsigned:
+        return EXIT_UNSIGNED
+    return code
 
 
-def print_verify(args: argparse.Namespace, results: list[VerifyResult]) -> int:
-    """``verify``'s lines (or JSON) for ``results``; the exit code."""
+def print_verify(
+    args: argparse.Namespace,
+    results: list[VerifyResult],
+    unsigned: dict[int, str] | None = None,
+) -> int:
+    """``verify``'s lines (or JSON) for ``results``; the exit code. ``unsigned`` (with
+    ``--key-file``): the steps whose bytes hashed right that the key does not sign, and why
+    (each line then says whether the key signs its step; the caller exits 6 for them)."""
     ok = all(r.ok for r in results)
     if args.json:
-        print(json.dumps({"ok": ok, "checkpoints": [_verify_json(r) for r in results]}, indent=1))
+        checkpoints = [_verify_json(r) for r in results]
+        if unsigned is not None:
+            for c in checkpoints:
+                why = unsigned.get(c["step"]) if c["ok"] else None
+                c.update(signed=bool(c["ok"]) and why is None, unsigned=why)
+        ok_all = ok and not unsigned
+        print(json.dumps({"ok": ok_all, "checkpoints": checkpoints}, indent=1))
     else:
         for r in results:
             label = r.step_dir.name
-            if r.ok:
+            why = None if unsigned is None or r.step is None else unsigned.get(r.step)
+            if r.ok and why is not None:
+                out.print(f"UNSIGNED {label}: every byte hashed right, but {why}")
+            elif r.ok:
+                signed = "; signed by the key" if unsigned is not None else ""
                 out.print(
                     f"OK      {label}: {plural(r.files_checked, 'file')}, "
-                    f"{human(r.bytes_checked)}; {_captured_text(*r.captured)}"
+                    f"{human(r.bytes_checked)}; {_captured_text(*r.captured)}{signed}"
                 )
             if r.incompatible is not None:
                 out.print(f"UNREADABLE BY THIS TORCH  {label}: {r.incompatible}")

@@ -49,6 +49,7 @@ from ..root.manifest import (
     check_layout,
     read_manifest,
 )
+from ..root.provenance import FileClaim, Provenance
 from ..root.source import Fetched, Fetcher
 from ..storage.safe_unpickle import public_version, torch_release
 from ..storage.verified_files import open_verified
@@ -76,9 +77,10 @@ __all__ = [
 
 
 class CandidateChecks:
-    """The checks every tier's candidate passes before any byte of it is loaded: the config
-    and precision (every rank judges; all raise the first refusal together), the kinds of
-    state, the GradScaler record."""
+    """The checks every tier's candidate passes before any byte of it is loaded: whose it is
+    (``provenance``, claimed by the tier's reader with the manifest), the config and
+    precision (every rank judges; all raise the first refusal together), the kinds of state,
+    the GradScaler record."""
 
     def __init__(
         self,
@@ -88,12 +90,15 @@ class CandidateChecks:
         precision: PrecisionPolicy | None,
         policy: ConfigPolicy,
         state: TrainState,
+        provenance: Provenance | None = None,
     ) -> None:
         self.comm = comm
         self.run_config = run_config
         self.precision = precision
         self.policy = policy
         self.state = state
+        self.provenance = provenance or Provenance()
+        """What the job takes as its own: its user's files, or what its key signs."""
 
     def run(self, manifest: Manifest, report: CandidateReport, *, with_config: bool) -> None:
         name = report.path.name
@@ -202,6 +207,7 @@ def read_candidate(
     report: CandidateReport,
     files: frozenset[str] | None = None,
     read_threads: int = READ_THREADS,
+    provenance: Provenance | None = None,
 ) -> tuple[Manifest, VerifyingReader]:
     """The manifest (schema, safe paths, self-digest), the layout (regular files of the
     recorded sizes) and the verified ``.metadata``, on every rank; any rank's failure is
@@ -214,15 +220,22 @@ def read_candidate(
     ``files`` (the few this node holds before the load plan, for a source that brings only
     what a rank reads) every rank checks those, with the manifest, as each node holds its
     own copies.
+
+    Before any of it is read, the step is claimed as the job's (``provenance``, default: its
+    files must be the job's user's): another user's step, or with a key one it does not sign,
+    is a ``ForeignStepError`` on every rank, passed over, never quarantined.
     """
     manifest: Manifest | None = None
     failure: CheckpointError | None = None
     manifest_path = path / MANIFEST_FILE
     laid_out = 0
+    claim = provenance or Provenance()
+    owned: FileClaim | None = None
     try:
         manifest = read_manifest(path)
+        owned = claim.files(step, path, claim.claim(path, manifest))
         if files is not None:
-            laid_out = check_layout(path, manifest, only=files)
+            laid_out = check_layout(path, manifest, only=files, owned=owned)
     except IncompatibleCheckpointError as exc:
         failure = _newer_format(path, step, exc)
     except CheckpointError as exc:
@@ -231,7 +244,7 @@ def read_candidate(
     assert manifest is not None
     if files is None:
         try:  # this rank's share; every rank learns whether all passed (one all-reduce)
-            laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size))
+            laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size), owned=owned)
         except CheckpointError as exc:
             failure = exc
         _raise_witnessed(comm, failure, path, manifest)
@@ -241,13 +254,13 @@ def read_candidate(
         # A rank proves its share whole and, of other ranks' files, the items it reads (by
         # their item digests). A source that brings a node only what it reads (``files``)
         # has hashed each of those whole on arrival: the reader hashes them whole too.
-        owned = (
+        mine = (
             frozenset(f.path for f in manifest.share(comm.rank, comm.world_size))
             if files is None
             else None
         )
         reader = VerifyingReader(
-            path, manifest.file_map(), versions=manifest.versions, owned=owned,
+            path, manifest.file_map(), versions=manifest.versions, owned=mine,
             read_threads=read_threads,
         )  # fmt: skip
         reader.load_metadata()

@@ -84,6 +84,7 @@ from ..owned import owner_name
 from ..root.layout import step_dir_name
 from ..root.manifest import Manifest, parse_manifest
 from ..root.memory_ledger import MemoryLedger
+from ..root.provenance import Provenance
 from ..storage.digest import READ_CHUNK, format_digest, new_hasher
 from ..storage.memory_file import (
     StreamFill,
@@ -159,9 +160,12 @@ class MemorySource:
         durable_steps: Callable[[], list[int]],
         timeout_s: float,
         slots: layout.Slots,
+        provenance: Provenance | None = None,
     ) -> None:
         self.ctl = ctl
         self.ledger = ledger
+        self.provenance = provenance or Provenance()
+        """With the job's key, a memory manifest it does not sign is foreign, as a root's."""
         self.topology = topology
         self.node_of = node_of = topology.node_of
         self.rank = ctl.rank
@@ -337,6 +341,7 @@ class MemorySource:
             raise why
         assert raw is not None
         manifest = parse_manifest(raw, self.ledger.where(step))  # the same on every rank
+        self.provenance.signed(manifest, self.ledger.where(step))
         if manifest.step != step or manifest.mesh.get("tier") != "memory":
             raise ManifestError(
                 f"{self.ledger.where(step)} is not the memory manifest of step {step}"

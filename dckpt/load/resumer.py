@@ -99,6 +99,7 @@ from ..config import CheckpointConfig
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ForeignStepError,
     IncompatibleCheckpointError,
     IntegrityError,
     ManifestError,
@@ -367,6 +368,7 @@ class Resumer:
         chosen: CandidateReport | None = None
         result: LoadResult | None = None
         passed: list[str] = []
+        foreign: list[int] = []
         surveyed = [note for tier in self.tiers if tier.survey for note in tier.survey()]
         self.watch.forget()
         # A step with a file read twice in vain: set aside only once an older step loads
@@ -402,6 +404,8 @@ class Resumer:
                 break
             except CheckpointNotFoundError as exc:  # 6: this tier cannot restore it here
                 passed.append(f"{tier.words}: step {step} not used: {exc}")
+                if isinstance(exc, ForeignStepError):  # another user's: never moved
+                    foreign.append(step)
             except UnreadableError as exc:  # 6: a file the storage failed twice
                 if not fallback or unreadable is not None:
                     before = None if unreadable is None else unreadable[1]
@@ -422,7 +426,7 @@ class Resumer:
         report = ResumeReport.of(chosen, skipped, self.world_size, looped)
         report.warnings.extend([*self._notes, *passed, *surveyed])
         if result is None:
-            self._nothing_loaded(report, len(candidates), passed, allow_fresh)
+            self._nothing_loaded(report, len(candidates), passed, allow_fresh, foreign)
             return report
         self._lineage.resumed(result.manifest)
         self.watch.overrides(report)
@@ -687,13 +691,18 @@ class Resumer:
         )
 
     def _nothing_loaded(
-        self, report: ResumeReport, candidates: int, passed: list[str], allow_fresh: bool
+        self,
+        report: ResumeReport,
+        candidates: int,
+        passed: list[str],
+        allow_fresh: bool,
+        foreign: Sequence[int] = (),
     ) -> None:
         """A fresh start, or an error when every candidate failed, when a tier holds this
         run's work it could not restore, or when only quarantine holds checkpoints (starting
         over would silently throw that run away). Each error names every step's verdict and
         how to start over on purpose; ``allow_fresh`` starts over, saying so, instead."""
-        refusal = self._why_not_fresh(report, candidates, passed)
+        refusal = self._why_not_fresh(report, candidates, passed, foreign)
         if refusal is not None and report.skipped:
             # The failed loads may have filled tensors: no fresh start trains on that state.
             # The steps are in quarantine/ now, so the next start reads nothing of them.
@@ -720,7 +729,11 @@ class Resumer:
             log.info("%s", report.format())
 
     def _why_not_fresh(
-        self, report: ResumeReport, candidates: int, passed: list[str]
+        self,
+        report: ResumeReport,
+        candidates: int,
+        passed: list[str],
+        foreign: Sequence[int] = (),
     ) -> str | None:
         """Why a fresh start would throw this run's work away, with each step's verdict;
         None when nothing of it is known (an empty root). The same on every rank."""
@@ -746,6 +759,15 @@ class Resumer:
                 f"verification: {listed}. All were moved to quarantine/, where they stay. The "
                 "model may be partly overwritten by the failed attempts: rebuild it before "
                 "training. Restore a good copy, or start a new run elsewhere."
+            )
+        if passed and len(foreign) == len(passed):
+            return (
+                f"every committed step under {self.source} that could be resumed is another "
+                f"user's or not signed by this job ({'; '.join(passed[:4])}"
+                f"{f'; and {len(passed) - 4} more' if len(passed) > 4 else ''}): dckpt "
+                "resumes only the job's own, and saving beside them would mix two runs in "
+                "one root. Give this run a root of its own (a new --ckpt-dir), or remove "
+                f"step(s) {', '.join(map(str, foreign))} if you know where they came from."
             )
         if passed:
             return (

@@ -25,7 +25,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -47,6 +47,7 @@ __all__ = [
     "MANIFEST_FILE",
     "SCHEMA_VERSION",
     "Manifest",
+    "canonical",
     "check_layout",
     "fingerprint",
     "manifest_bytes",
@@ -67,11 +68,12 @@ _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(FileRecord))
 def fingerprint(obj: Any) -> str:
     """A stable digest of a JSON-able value (used for configs and the manifest itself)."""
     hasher = new_hasher("xxh3_128")
-    hasher.update(_canonical(obj))
+    hasher.update(canonical(obj))
     return f"xxh3_128:{hasher.hexdigest()}"
 
 
-def _canonical(obj: Any) -> bytes:
+def canonical(obj: Any) -> bytes:
+    """The canonical JSON bytes of a value: what ``fingerprint`` hashes (and a key signs)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -118,6 +120,11 @@ class Manifest:
     bytes written were compared with their digest taken from the live state at ``save()``
     (every rank's), and ``uncompared`` when some could not be. Empty, and then absent from
     the file, for a save made without it (an older dckpt's: older manifests stay valid)."""
+    signature: dict[str, Any] = field(default_factory=dict)
+    """With a job key (``CheckpointConfig.key_file``): ``algorithm``, ``key`` (the key's id)
+    and ``mac``, an HMAC of every other field (dckpt.root.provenance). Empty, and then absent
+    from the file, without a key; covered by the self-digest like any field, so an older
+    dckpt reads a signed manifest as any other."""
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -166,6 +173,8 @@ class Manifest:
             del obj["data"]
         if not self.capture:
             del obj["capture"]
+        if not self.signature:
+            del obj["signature"]
         obj["self_digest"] = fingerprint(obj)
         return obj
 
@@ -255,6 +264,7 @@ def check_layout(
     only: Collection[str] | None = None,
     *,
     part: tuple[int, int] | None = None,
+    owned: Callable[[Path, os.stat_result], None] | None = None,
 ) -> int:
     """Every listed file (of ``only``, when given; of ``manifest.share(*part)``, when
     ``part`` is) is a regular file of the recorded size; raises on the first that is not.
@@ -262,7 +272,8 @@ def check_layout(
 
     ``part`` lets each of many processes stat its share alone (a file is a ``stat`` each,
     and thousands of ranks each stat'ing every file is thousands of times the work); that
-    every part passed is for the caller to establish."""
+    every part passed is for the caller to establish. ``owned``: called with each file's
+    path and ``lstat``, to raise for one that is not the job's (dckpt.root.provenance)."""
     base = Path(directory)
     checked = 0
     for rec in manifest.files if part is None else manifest.share(*part):
@@ -275,6 +286,8 @@ def check_layout(
             raise IntegrityError(str(path), rec.digest, "missing file", "file missing") from None
         except OSError as exc:
             raise StorageError(f"cannot stat {path}: {exc}; the storage failed, retry") from exc
+        if owned is not None:  # another user's file is foreign, whatever it holds: not damage
+            owned(path, st)
         if not stat.S_ISREG(st.st_mode):
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
             raise IntegrityError(str(path), "a regular file", kind, "wrong file type")
@@ -474,6 +487,7 @@ def _parse(obj: Any, source: str) -> Manifest:
         incremental=_incremental(obj, source, seen),
         data=_dict(obj, "data", source) if "data" in obj else {},
         capture=_capture(obj, source),
+        signature=_dict(obj, "signature", source) if "signature" in obj else {},
     )
     sealed = manifest.sealed()
     if sealed.files_digest != manifest.files_digest:

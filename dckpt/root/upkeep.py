@@ -266,15 +266,26 @@ def unpin(root: str | os.PathLike[str], step: int) -> bool:
 
 
 def plan_retention(root: str | os.PathLike[str], policy: RetentionPolicy) -> list[Decision]:
-    """The decisions the policy makes for every committed checkpoint under ``root``."""
+    """The decisions the policy makes for every committed checkpoint under ``root``. A step
+    whose directory another user owns is not this user's to delete (nor does it take a place
+    among those kept): kept, as "another user's"."""
     base = Path(root)
     manifests: dict[int, Manifest | None] = {}
+    theirs: list[int] = []
+    me = os.geteuid()
     for step in committed_steps(base):
+        where = base / step_dir_name(step)
+        with contextlib.suppress(OSError):  # its directory or its manifest: as a resume asks
+            if {os.lstat(where).st_uid, os.lstat(where / MANIFEST_FILE).st_uid} != {me}:
+                theirs.append(step)
+                continue
         try:
             manifests[step] = read_manifest(base / step_dir_name(step))
         except (ManifestError, IntegrityError):
             manifests[step] = None
-    return decide_for(manifests, pinned_steps(base), policy)
+    decisions = decide_for(manifests, pinned_steps(base), policy)
+    decisions += [Decision(step=s, keep=True, reasons=("another user's",)) for s in theirs]
+    return sorted(decisions, key=lambda d: d.step)
 
 
 def decide_for(

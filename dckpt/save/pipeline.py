@@ -84,6 +84,7 @@ from ..errors import CheckpointError, SaveError, StorageError, describe_os_error
 from ..phases import Phase
 from ..robust import same_level_margin
 from ..root.manifest import Manifest
+from ..root.provenance import ManifestKey
 from ..tiers.memory_commit import Lineage
 from ..train import rng
 from ..train.precision import PrecisionPolicy
@@ -125,8 +126,12 @@ class SavePipeline:
         clock: StepClock,
         mode: SaveMode,
         lineage: Lineage,
+        key: ManifestKey | None = None,
     ) -> None:
         self.io = io
+        self.key = key
+        """The job's manifest key (``CheckpointConfig.key_file``): rank 0 signs every
+        manifest with it, whatever the tier."""
         self.progress = progress
         self.config = config
         self.root = config.directory
@@ -507,7 +512,7 @@ class SavePipeline:
         verdict: Verdict,
     ) -> Manifest:
         records = tuple(sorted(rec for r in reports for rec in r.records))
-        return Manifest(
+        manifest = Manifest(
             step=job.step,
             epoch=job.epoch,
             world_size=self.world_size,
@@ -549,6 +554,7 @@ class SavePipeline:
             incremental=settled.incremental,
             data=job.layout.get("data", {}),
         )
+        return manifest if self.key is None else self.key.sign(manifest)
 
 
 def _merge_timings(reports: list[RankReport]) -> dict[str, float]:
