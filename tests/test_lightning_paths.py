@@ -15,7 +15,10 @@ user, and a ModelCheckpoint directory another user made or every user can write.
 ``os.chown`` gives a file, a link or a directory to uid ``OTHER`` exactly as if that user had
 made it. The trainer runs are real (``Trainer`` with ``DckptStrategy``, one gloo rank of
 tests/dist_harness.py, each scenario one ``fit`` after the other in that rank: Lightning is
-imported once); the path rules are also tested one by one in this process.
+imported once); two ranks refuse a planted file together (rank 0 decides, every rank raises
+its words: none waits in a collective for one that stopped); the path rules are also tested
+one by one in this process. Each test fails on the code before (the fits were not refused:
+her step 2 resumed and was sealed as verified step 6).
 """
 
 from __future__ import annotations
