@@ -79,6 +79,10 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
      r"replica_sample must be in \(0, 1\], got 1.5"),
     ("replica_sample", {"replica_sample": 0.01}, {"replica_sample": 0},
      r"replica_sample must be in \(0, 1\], got 0"),
+    ("root_access", {"root_access": "group"}, {"root_access": "team"},
+     "root_access must be 'private' or 'group', got 'team'"),
+    ("key_file", {"key_file": Path("k"), "digest": "sha256"}, {"key_file": Path("k")},
+     "pass digest='sha256' with a key"),
 ]  # fmt: skip
 
 # Settings any value of their type passes: nothing to refuse.
@@ -275,3 +279,15 @@ def test_each_fields_check_sits_in_its_themes_method() -> None:
         # keep_last, best_k and best_mode: RetentionPolicy checks them, built by the method
         held = "self.retention" if name in ("keep_last", "best_k", "best_mode") else name
         assert held in checks[owner[name]], f"{name}'s check is not in {owner[name]}"
+
+
+def test_the_root_access_and_key_file_variables_are_the_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DCKPT_ROOT_ACCESS", "group")
+    monkeypatch.setenv("DCKPT_KEY_FILE", "/keys/run.key")
+    config = dckpt.CheckpointConfig(root="runs/x", digest="sha256")
+    assert config.root_access == "group" and config.key_file == Path("/keys/run.key")
+    monkeypatch.setenv("DCKPT_ROOT_ACCESS", "world")
+    with pytest.raises(ValueError, match=r"DCKPT_ROOT_ACCESS='world': use private"):
+        dckpt.CheckpointConfig(root="runs/x", digest="sha256")

@@ -99,6 +99,7 @@ def test_the_json_holds_every_field_as_the_dataclass_holds_it() -> None:
         incremental={"trainable": ["model.w"], "reused": {}},
         data={"epoch": 2, "batches": 1},
         capture={"items": 12},
+        signature={"algorithm": "hmac-sha256", "key": "k", "mac": "0" * 64},
     )
     obj = m.to_json_obj()
     expected = json.loads(json.dumps(dataclasses.asdict(m)))
