@@ -226,3 +226,44 @@ def describe_os_error(exc: BaseException, root: str | os.PathLike[str]) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{root} is not writable ({exc.strerror}: {exc.filename or root})"
     return repr(exc)
+
+
+class UnloadableItemError(IntegrityError):
+    """A tensor item whose bytes matched every digest does not load as the tensor its
+    metadata records (a weights-only refusal, a storage larger than the bytes that hold it,
+    no tensor, another shape or dtype). No save of a tensor writes such an item, so the step
+    was sealed with it (a broken writer, or a step re-sealed by someone who can write the
+    root): the same bytes fail the same way on every read and every rank, which is the proof
+    of damage. Never ``divergent``: a resume with fallback quarantines the step and resumes
+    the one before (dckpt.load.resumer). Raised by dckpt.storage.verifying_reader, with
+    ``detail`` naming the step and the item, ``expected`` the tensor the metadata records,
+    ``actual`` what failed."""
+
+    def __init__(
+        self,
+        path: str,
+        expected: str,
+        actual: str,
+        detail: str = "",
+        divergent: bool = False,
+        note: str = "",
+    ) -> None:
+        del divergent  # the signature of IntegrityError (pickling); never divergent
+        super().__init__(
+            path, expected, actual, detail or "an item that does not load", False, note
+        )
+        text = (
+            f"{self.detail} of {path} does not load: it should hold {expected}, as its metadata "
+            f"records; {actual}. Its bytes match the digests the manifest records, so the step "
+            "was sealed with this item, which no save of a tensor writes (a broken writer, or "
+            "the step re-sealed by someone who can write the root). The step is damaged: do "
+            "not load it; resume() (with fallback, the default) moves it to quarantine/ and "
+            "resumes the step before. Any value this load already put in the state is from "
+            "this step: load another checkpoint into it before training."
+        )
+        self.args = (f"{text} {note}" if note else text,)
+
+    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str, str, bool, str]]:
+        # Crosses ranks pickled (DCP gathers failures): the rank that reads it gets this kind.
+        fields = (self.path, self.expected, self.actual, self.detail, False, self.note)
+        return (UnloadableItemError, fields)
