@@ -11,6 +11,9 @@ to ``TensorProperties``, whose ``__setstate__`` in 2.13 unpacks five). Given the
 manifest records (``writer``), a failure to read or use the metadata of a checkpoint that
 another torch release wrote is ``IncompatibleCheckpointError`` (``incompatible_torch``):
 not damage, so never quarantined, and it names both versions and the way out.
+
+``refusal_words`` says in one line why an item's ``torch.load(weights_only=True)`` failed,
+without torch's advice to load with ``weights_only=False`` (which would run the pickle).
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ import torch
 
 from ..errors import IncompatibleCheckpointError, ManifestError
 
-__all__ = ["incompatible_torch", "load_dcp_metadata", "public_version", "torch_release"]
+__all__ = [
+    "incompatible_torch",
+    "load_dcp_metadata",
+    "public_version",
+    "refusal_words",
+    "step_words",
+    "torch_release",
+]
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset(
@@ -147,8 +157,7 @@ def incompatible_torch(
     detail = f"{type(failure).__name__}: {failure}"
     dckpt = writer.get("dckpt")
     by = f"torch {theirs}" + (f" (dckpt {dckpt})" if isinstance(dckpt, str) else "")
-    named = re.fullmatch(r"step-0*(\d+)", PurePath(source).parent.name)
-    step = f"step {named[1]}" if named else "it"
+    step = step_words(PurePath(source).parent, "it")
     if wrote > runs:
         way_out = (
             "A newer torch's DCP metadata is not always readable by an older one. Install "
@@ -172,3 +181,25 @@ def incompatible_torch(
         f"{way_out}. This is not damage (the file's bytes are the ones committed): nothing "
         "was loaded from it and nothing was quarantined."
     )
+
+
+def step_words(step_dir: str | PurePath, otherwise: str) -> str:
+    """ "step N" for a step directory (``step-0000000N``); ``otherwise`` for any other."""
+    named = re.fullmatch(r"step-0*(\d+)", PurePath(step_dir).name)
+    return f"step {named[1]}" if named else otherwise
+
+
+def refusal_words(exc: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` failed, in one line: a refusal names what it
+    refused, without torch's advice to load with ``weights_only=False`` (which would run the
+    pickle: never, for a checkpoint); any other failure is its kind and first line."""
+    text = str(exc).strip()
+    if isinstance(exc, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
+        lines = [line.strip() for line in text.splitlines()]
+        said = [line for line in lines if line.startswith("WeightsUnpickler error:")]
+        said += [line for line in lines if "GLOBAL" in line]
+        what = said[0].removeprefix("WeightsUnpickler error:").strip() if said else ""
+        what = what.split(" Please use ", 1)[0].rstrip(". ")
+        return "torch.load(weights_only=True) refused it" + (f" ({what})" if what else "")
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__

@@ -17,6 +17,14 @@ Invariants:
   ``versions``, metadata another torch release wrote that this one cannot read or that fails
   those checks is ``IncompatibleCheckpointError`` (storage.safe_unpickle), not damage;
 - non-tensor values are loaded with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``);
+- a tensor item whose bytes are proven but do not load as the tensor the metadata records
+  for its chunk (a weights-only refusal, a storage larger than the item, no tensor, another
+  shape or dtype: nothing a save of a tensor writes) is ``UnloadableItemError`` naming the
+  step, the file, the item and what failed: damage, quarantined by a resume on every rank
+  alike (DCP hands every rank every rank's failure). Not damage, raised as they are: an
+  allocation this host cannot make, a step another torch release wrote
+  (``IncompatibleCheckpointError``), and a value that ``weights_only`` refuses (dckpt's own
+  save can seal one: a numpy scalar in a ``state_dict``);
 - an I/O error is a ``StorageError`` (retry), never an integrity failure.
 
 Given ``owned`` (a resume: the files of this rank's share), a file it does not own that has
@@ -51,9 +59,11 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from ..errors import (
+    CheckpointError,
     IntegrityError,
     ManifestError,
     StateMismatchError,
+    UnloadableItemError,
     read_failed,
 )
 from ..faults import fault_point, process_rank
@@ -61,7 +71,7 @@ from ..phases import Phase
 from .item_digests import ItemDigests, items_name, parse_items
 from .one_pass import PARTLY_FILLED, LoadTimes, OnePassFile
 from .records import METADATA_FILE, FileRecord
-from .safe_unpickle import incompatible_torch, load_dcp_metadata
+from .safe_unpickle import incompatible_torch, load_dcp_metadata, refusal_words, step_words
 from .verified_files import (
     open_checked,
     open_verified,
@@ -249,6 +259,15 @@ def _is_size(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed (this host's memory, not the bytes'
+    fault: never proof of damage). torch's CPU allocator raises a plain RuntimeError."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("allocate" in text or "out of memory" in text)
+
+
 def _undigested(digests: ItemDigests, spans: list[tuple[int, int]]) -> bool:
     """Whether one of ``spans`` lies in a segment without a digest (too large to have one)."""
     for offset, length in spans:
@@ -296,6 +315,8 @@ class VerifyingReader(FileSystemReader):
         the other ranks': a rank still reading is then behind in its marks, and named."""
         self._metadata: Metadata | None = None
         self._items: dict[str, ItemDigests | None] = {}
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]]
+        self._chunks = {}  # filled from the metadata when first asked (``_recorded``)
 
     def load_metadata(self) -> Metadata:
         """Verify, parse and check ``.metadata`` now, so its errors surface before DCP runs.
@@ -448,6 +469,13 @@ class VerifyingReader(FileSystemReader):
                     if once.filled:
                         failed = read_failed(f"{failed} {PARTLY_FILLED}", where, exc)
                     raise failed from exc
+                except Exception as exc:
+                    if isinstance(exc, CheckpointError) or _out_of_memory(exc):
+                        raise
+                    named = self._unplaced(f, ordered, exc)
+                    if named is exc:
+                        raise
+                    raise named from exc
                 finally:
                     self.times.add(once.times)
 
@@ -455,20 +483,104 @@ class VerifyingReader(FileSystemReader):
         info = self.storage_data[item.storage_index]
         return (info.offset, info.length)
 
+    def _unplaced(self, f: io.FileIO, ordered: list[ReadItem], exc: Exception) -> Exception:
+        """The failure to raise for ``exc``, which came out of a file read whole whose digest
+        matched (``OnePassFile.read`` raises what broke an item only then): the first tensor
+        item whose bytes do not hold the tensor its metadata records (what placing an item
+        reads: its archive's directory and pickle, through the same descriptor, allocating no
+        storage), as ``UnloadableItemError``; ``exc`` itself when every one holds it (then
+        ``exc`` is no proof: a value, ``SafeLoadPlanner.load_bytes``, or not the bytes)."""
+        for item in ordered:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            offset, length = self._span(item)
+            view: Any = _create_file_view(f, offset, length)
+            try:
+                meta = torch.load(view, map_location="meta", weights_only=True)
+            except Exception as failure:
+                if isinstance(failure, OSError) or _out_of_memory(failure):
+                    return exc
+                return self._unloadable(item, refusal_words(failure), failure)
+            wrong = self._unlike_record(meta, item)
+            if wrong:
+                return self._unloadable(item, wrong)
+        return exc
+
+    def _recorded(self, item: ReadItem) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """The shape and dtype DCP's metadata records for the chunk a tensor item stores."""
+        if not self._chunks:
+            for fqn, meta in self._checked_metadata().state_dict_metadata.items():
+                if isinstance(meta, TensorStorageMetadata):
+                    for chunk in meta.chunks:
+                        key = (fqn, tuple(chunk.offsets))
+                        self._chunks[key] = (tuple(chunk.sizes), meta.properties.dtype)
+        index = item.storage_index
+        return self._chunks.get((index.fqn, tuple(index.offset or ())))
+
+    def _unlike_record(self, stored: object, item: ReadItem) -> str:
+        """How the value an item's bytes hold differs from the tensor its metadata records
+        ("" when it is that tensor): DCP stores each chunk as its own tensor, whole, so a
+        save writes exactly the chunk, and its storage lies within the item's bytes."""
+        if not isinstance(stored, torch.Tensor):
+            return f"it holds a {type(stored).__name__}, not a tensor"
+        recorded = self._recorded(item)
+        if recorded is not None and (tuple(stored.shape), stored.dtype) != recorded:
+            return f"it holds a {tuple(stored.shape)} {stored.dtype} tensor"
+        if stored.layout != torch.strided:  # no save of DCP's writes another layout
+            return f"it holds a {stored.layout} tensor"
+        nbytes, length = stored.untyped_storage().nbytes(), self._span(item)[1]
+        if nbytes > length:
+            return f"its tensor's storage claims {nbytes} bytes, in an item of {length} bytes"
+        return ""
+
+    def _unloadable(
+        self, item: ReadItem, failure: str, exc: BaseException | None = None
+    ) -> CheckpointError:
+        """The error for a tensor item whose proven bytes do not load as its metadata's
+        tensor: ``UnloadableItemError`` (damage), or, when another torch release wrote the
+        checkpoint, ``IncompatibleCheckpointError`` (not damage: this torch may not read it)."""
+        info = self.storage_data[item.storage_index]
+        where = os.path.join(str(self.path), info.relative_path)
+        incompatible = incompatible_torch(self.versions, where, exc or ValueError(failure))
+        if incompatible is not None:
+            return incompatible
+        recorded = self._recorded(item)
+        expected = f"a {recorded[0]} {recorded[1]} tensor" if recorded is not None else "a tensor"
+        step = step_words(str(self.path), "the checkpoint")
+        return UnloadableItemError(
+            where,
+            expected,
+            failure,
+            f"{step}: tensor item {item.dest_index.fqn} (bytes {info.offset}-"
+            f"{info.offset + info.length})",
+        )
+
     def _load_item(self, f: io.FileIO, item: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
         """Deserialize one item from ``f`` into the state; the tensor it filled (None for a
-        value)."""
+        value). Called once the item's bytes are proven, or, in a file read whole, before its
+        verdict (``OnePassFile`` raises the failure only once the file's digest matched): a
+        tensor item that does not load as its metadata's tensor is ``UnloadableItemError``."""
         info = self.storage_data[item.storage_index]
         view = _create_file_view(f, info.offset, info.length)
         source = self.transforms.transform_load_stream(
             item, info.transform_descriptors or (), cast(Any, view)
         )
         if item.type == LoadItemType.BYTE_IO:
+            # A value weights_only refuses is no proof of damage: dckpt seals one that a
+            # state_dict holds (a numpy scalar, say), so its refusal is raised as it is.
             planner.load_bytes(item, io.BytesIO(source.read(-1)))
             return None
         seekable: Any = source if source.seekable() else io.BytesIO(source.read(-1))
-        tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
-        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        try:
+            stored = torch.load(seekable, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            if isinstance(exc, OSError) or _out_of_memory(exc):
+                raise
+            raise self._unloadable(item, refusal_words(exc), exc) from exc
+        wrong = self._unlike_record(stored, item)
+        if wrong:
+            raise self._unloadable(item, wrong)
+        tensor = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size() or target.dtype != tensor.dtype:
             raise StateMismatchError(
