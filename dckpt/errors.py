@@ -27,6 +27,7 @@ __all__ = [
     "SaveError",
     "StateMismatchError",
     "StorageError",
+    "UnloadableItemError",
     "UnreadableError",
     "WorldError",
     "add_note",

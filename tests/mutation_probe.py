@@ -45,6 +45,7 @@ RS = "tests/test_resume_share.py"
 IN = "tests/test_incremental.py"
 OP = "tests/test_one_pass.py"
 LP = "tests/test_loader_position.py"
+PV = "tests/test_provenance.py"
 AG = "tests/test_adoption_guards.py"
 CA = "tests/faults/test_capture.py"
 LF = "tests/test_lock_fencing.py"
@@ -139,15 +140,15 @@ MUTANTS = (
     Mutant(
         "load: the layout check (sizes before reading) is skipped",
         "dckpt/load/checks.py",
-        "laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size))",
+        "laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size), owned=owned)",
         "laid_out = len(share)",
         (f"{VR}::test_a_truncated_file_is_refused_before_any_tensor_is_filled",),
     ),
     Mutant(
         "resume: each rank stats rank 0's share of the layout (the rest is never checked)",
         "dckpt/load/checks.py",
-        "laid_out = check_layout(path, manifest, part=(comm.rank, comm.world_size))",
-        "laid_out = check_layout(path, manifest, part=(0, comm.world_size))",
+        "part=(comm.rank, comm.world_size), owned=owned",
+        "part=(0, comm.world_size), owned=owned",
         (f"{VR}::test_a_truncated_file_is_refused_before_any_tensor_is_filled",),
     ),
     Mutant(
@@ -788,7 +789,8 @@ MUTANTS = (
     Mutant(
         "read error: a step is set aside at its second failed read, before an older one loads",
         "dckpt/load/resumer.py",
-        "                unreadable = (tier, step, exc)  # set aside (and reported) once one loads\n",
+        "                unreadable = (tier, step, exc)"
+        "  # set aside (and reported) once one loads\n",
         "                self._quarantine(tier, step, self._unreadable_reason(exc, step), exc)\n"
         "                unreadable = None\n",
         (f"{GU}::test_a_read_error_on_every_step_sets_nothing_aside_and_stops",),
@@ -801,6 +803,64 @@ MUTANTS = (
         (
             "tests/test_s3_gaps.py::test_a_mirror_file_the_local_disk_cannot_read_sets_nothing_aside"
             "_in_the_bucket",
+        ),
+    ),
+    Mutant(
+        "load: an item of another rank's file is used before its segment digest is checked",
+        "dckpt/storage/verifying_reader.py",
+        "                            self.hashed_bytes += verify_span("
+        "f, where, digests, offset, length)\n"
+        "                            self.items_checked += 1\n"
+        "                            self._load_item(f, item, planner)\n",
+        "                            self._load_item(f, item, planner)\n"
+        "                            self.hashed_bytes += verify_span("
+        "f, where, digests, offset, length)\n"
+        "                            self.items_checked += 1\n",
+        (
+            "tests/faults/test_unloadable_items.py::"
+            "test_an_item_of_another_ranks_file_reaches_the_state_only_once_its_segment_matched",
+        ),
+    ),
+    Mutant(
+        "provenance: a file another user owns is taken as the job's",
+        "dckpt/root/provenance.py",
+        "    if st.st_uid != uid:",
+        "    if False:",
+        (f"{PV}::test_a_step_another_user_owns_is_passed_over_named_and_never_moved",),
+    ),
+    Mutant(
+        "provenance: a keyed run takes a step its key does not sign",
+        "dckpt/root/provenance.py",
+        "            why = self.key.refusal(manifest)\n            if why is not None:",
+        "            why = self.key.refusal(manifest)\n            if False:",
+        (f"{PV}::test_a_keyed_run_resumes_only_the_steps_its_key_signs",),
+    ),
+    Mutant(
+        "provenance: retention deletes a step another user owns",
+        "dckpt/root/upkeep.py",
+        "                theirs.append(step)\n                continue",
+        "                pass",
+        (f"{PV}::test_a_step_another_user_owns_is_passed_over_named_and_never_moved",),
+    ),
+    Mutant(
+        "owned: a root others may write is taken (prove_root)",
+        "dckpt/owned.py",
+        "        if _shared(st) and not sticky_parent and not teams:",
+        "        if False:",
+        (
+            "tests/test_owned.py::test_a_root_others_may_write_is_refused_unless_the_group_is_trusted",
+            f"{PV}::test_a_group_writable_root_starts_only_with_the_group_switch",
+        ),
+    ),
+    Mutant(
+        "owned: an existing directory is chmod-ed (a /dev/shm given as memory_dir)",
+        "dckpt/owned.py",
+        "            if made:  # ours",
+        "            if True:  # ours",
+        (
+            "tests/test_owned.py::"
+            "test_an_existing_directory_is_never_chmod_ed_and_refused_if_others_may_write_it",
+            "tests/test_owned.py::test_a_shared_sticky_directory_is_refused_as_the_memory_directory_itself",
         ),
     ),
 )

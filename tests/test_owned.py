@@ -342,7 +342,7 @@ def test_a_root_others_may_write_is_refused_unless_the_group_is_trusted(tmp_path
     with pytest.raises(NotOwnedError, match="writable by others"):
         prove_root(root, access="group")  # the group switch never admits others
     root.chmod(0o770)
-    with pytest.raises(NotOwnedError, match="its group.*DCKPT_ROOT_ACCESS=group"):
+    with pytest.raises(NotOwnedError, match=r"its group.*DCKPT_ROOT_ACCESS=group"):
         prove_root(root)
     assert prove_root(root, access="group") == root.resolve()
     assert _mode(root) == 0o770  # nothing changed on it either way

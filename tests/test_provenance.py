@@ -283,9 +283,7 @@ class Where:
 
 
 @pytest.fixture(params=["directory", "s3"])
-def where(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Where:
+def where(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Where:
     if request.param == "directory":
         return Where(str(tmp_path / "root"), None)
     server: MotoServer = request.getfixturevalue("s3")
