@@ -200,16 +200,7 @@ def check_ancestors(path: str | os.PathLike[str]) -> Path:
     is owned by root or the job's user. ``NotOwnedError`` otherwise."""
     me = os.geteuid()
     given = Path(os.path.abspath(path))
-    for prefix in [*reversed(given.parents), given]:
-        try:
-            st = os.lstat(prefix)
-        except FileNotFoundError:
-            break
-        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
-            raise NotOwnedError(
-                f"{prefix} is a symlink owned by {owner_name(st.st_uid)}: another user "
-                "decides where it leads"
-            )
+    _check_links(given, "decides where it leads")
     real = Path(os.path.realpath(given))
     for d in [*reversed(real.parents), real]:
         st = os.lstat(d)
@@ -224,6 +215,21 @@ def check_ancestors(path: str | os.PathLike[str]) -> Path:
                 "sticky: any user with that access can replace what is in it"
             )
     return real
+
+
+def _check_links(given: Path, words: str) -> None:
+    """Every symlink on ``given`` (as written, up to the first missing part) is owned by
+    root or the job's user: another user's link would decide where dckpt goes."""
+    me = os.geteuid()
+    for prefix in [*reversed(given.parents), given]:
+        try:
+            st = os.lstat(prefix)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
+            raise NotOwnedError(
+                f"{prefix} is a symlink owned by {owner_name(st.st_uid)}: another user {words}"
+            )
 
 
 def private_tree(top: str | os.PathLike[str], base: str | os.PathLike[str]) -> Path:
@@ -307,16 +313,7 @@ def prove_root(path: str | os.PathLike[str], *, access: Access = "private") -> P
 def _prove_way(path: Path, access: Access, *, is_root: bool) -> Path:
     me = os.geteuid()
     groups = {os.getegid(), *os.getgroups()} if access == "group" else set()
-    for prefix in [*reversed(path.parents), path]:  # links on the path as given
-        try:
-            st = os.lstat(prefix)
-        except FileNotFoundError:
-            break
-        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
-            raise NotOwnedError(
-                f"{prefix} is a symlink owned by {owner_name(st.st_uid)}: another user decides "
-                "where the checkpoints go; give the real directory instead"
-            )
+    _check_links(path, "decides where the checkpoints go; give the real directory instead")
     real = Path(os.path.realpath(path))
     for d in [real, *real.parents]:
         st = os.lstat(d)
