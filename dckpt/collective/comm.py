@@ -51,7 +51,8 @@ import xxhash
 
 from ..errors import CheckpointError
 from ..units import plural
-from .store import HINT_S, StoreUnreachableError, call, default_store
+from . import sealed
+from .store import call, default_store
 
 __all__ = ["Comm", "DivergedError", "Failed"]
 
@@ -81,20 +82,6 @@ def _portable(exc: BaseException) -> BaseException:
     return exc
 
 
-def _read(store: Any, key: str) -> str | None:
-    """``key``'s value, or None when it is not set (never waits for it)."""
-    return call(store.get, key).decode() if call(store.check, [key]) else None
-
-
-def _read_all(store: Any, keys: list[str]) -> list[str | None]:
-    """Each key's value (None where it is not set): two store calls when every key is set,
-    the usual case (a rank's heartbeat and marks exist once it began), else one or two per
-    key. Never waits for a key."""
-    if keys and call(store.check, keys):
-        return [v.decode() for v in call(store.multi_get, keys)]
-    return [_read(store, key) for key in keys]
-
-
 def _beat(key: str, every_s: float, stop: threading.Event, say: Callable[[], str]) -> None:
     """A rank's heartbeat: a counter in the job's store, moved every ``every_s``, with where
     this rank is (``say``: ``Comm._position``), so a survivor tells a rank that moves but
@@ -104,7 +91,7 @@ def _beat(key: str, every_s: float, stop: threading.Event, say: Callable[[], str
     while not stop.is_set():
         n += 1
         with contextlib.suppress(Exception):  # a hint: a store that fails is ignored
-            call(store.set, key, f"{n}|{say()}")
+            sealed.put(store, key, f"{n}|{say()}")
         stop.wait(every_s)
 
 
@@ -199,17 +186,19 @@ class Comm:
         self.world_size = dist.get_world_size(group)
         self.keys = "dckpt"
         """The prefix of every key dckpt puts in the job's store for this group (meetings,
-        progress markers, stop flags): ``dckpt/<token>`` once the manager agreed on a random
-        token (``use_token``), so no process outside the job can aim at a key it will use."""
+        progress markers, stop flags, the gate): ``dckpt/<name>`` once the manager agreed on
+        a random token (``use_token``), whose values are sealed with it (``sealed``)."""
         self._met: dict[int, int] = {}  # meetings with each peer so far (``meet``)
         self._agreements = 0  # ``_reduce`` calls so far: the same count on every rank
 
     def use_token(self, token: str) -> None:
-        """Put this group's store keys under ``dckpt/<token>``: a token rank 0 drew at random
-        and sent over dckpt's own group, the same on every rank. The job's store (torch's
-        TCPStore) takes writes from anyone who reaches its port; a key nobody outside the job
-        can predict cannot be pre-set to make a meeting fail or a marker lie."""
-        self.keys = f"dckpt/{token}"
+        """Seal this group's store values with ``token``, and put its keys under a name
+        derived from it (``sealed.register``): a secret rank 0 drew at random and sent over
+        dckpt's own group (never through the store), the same on every rank. The job's store
+        (torch's TCPStore) shows its keys to, and takes writes from, anyone who reaches its
+        port: the name keeps two jobs' (two managers') keys apart, and the seal makes a value
+        planted under them read as absent, named in a warning (``dckpt.collective.sealed``)."""
+        self.keys = sealed.register(token)
 
     @property
     def op(self) -> str:
@@ -258,7 +247,7 @@ class Comm:
         self._marked_at = now = time.monotonic()
         value = f"{self._phase}|{now - self._t0:.1f}|{phase}"
         with contextlib.suppress(Exception):
-            call(default_store().set, f"{self.keys}/at/{self._op}/{self.rank}", value)
+            sealed.put(default_store(), f"{self.keys}/at/{self._op}/{self.rank}", value)
 
     def _beat_key(self, rank: int) -> str:
         """``rank``'s heartbeat on this group: dckpt's two groups beat apart (a save in
@@ -307,10 +296,11 @@ class Comm:
         beats = [self._beat_key(r) for r in ranks]
         try:
             store = default_store()
-            marks = _read_all(store, [f"{self.keys}/at/{self._op}/{r}" for r in ranks])
-            first = _read_all(store, beats)
+            # sealed: a mark or beat planted by a writer outside the job reads as absent
+            marks = sealed.get_many(store, [f"{self.keys}/at/{self._op}/{r}" for r in ranks])
+            first = sealed.get_many(store, beats)
             time.sleep(2 * self.beat_s + 0.2)
-            again = _read_all(store, beats)
+            again = sealed.get_many(store, beats)
         except Exception:
             return ""
         # where each rank was when this wait failed (the first look): a slow rank that
@@ -541,7 +531,13 @@ class Comm:
         agree on whether they met, and neither posts a message to a peer that left. Keys are
         under the group's name (two groups, or a later manager's, never share a meeting) and
         removed once met, under the job's random token (``use_token``). Each rank pays two or
-        three store calls per peer, at any N."""
+        three store calls per peer, at any N.
+
+        Every value is sealed (``sealed``): one a writer outside the job planted (a meeting
+        taken, a mark, "abandoned") reads as absent and is replaced atomically, so it can
+        delay a meeting until ``timeout_s``, never make a rank believe it met or was given
+        up on. (A writer that deletes or overwrites the ranks' own values can still make a
+        meeting fail, as a late peer does: no seal keeps a value in the store.)"""
         if not self.distributed or not peers:
             return []
         store = default_store()
@@ -549,31 +545,31 @@ class Comm:
         assert group is not None
         me = dist.get_global_rank(group, self.rank)
         mine = str(me)
-        first: list[tuple[int, str]] = []
+        first: list[tuple[int, str, str]] = []
         missed: list[int] = []
         for peer in sorted(set(peers)):
             n = self._met.get(peer, 0) + 1
             self._met[peer] = n
             them = dist.get_global_rank(group, peer)
             key = f"{self.keys}/meet/{group.group_name}/{min(me, them)}-{max(me, them)}/{n}"
-            if call(store.compare_set, key, "", mine).decode() == mine:
-                first.append((peer, key))  # the peer is not there yet: wait for its mark
-            elif call(store.compare_set, f"{key}/second", "", mine).decode() == _GONE:
-                missed.append(peer)  # it came first and gave up on this rank
+            held = sealed.claim(store, key, mine)
+            if held == mine:
+                first.append((peer, key, str(them)))  # the peer is not there yet: wait for it
+            elif held != str(them) or sealed.claim(store, f"{key}/second", mine) != mine:
+                # it came first and gave up on this rank ("gone"), or a writer outside the
+                # job kept replacing the keys (None): not met, as at the deadline
+                missed.append(peer)
         end = time.monotonic() + timeout_s
-        for peer, key in first:
-            left = max(end - time.monotonic(), 0.001)
-            try:
-                wait = datetime.timedelta(seconds=left)
-                call(store.wait, [f"{key}/second"], wait, deadline_s=left + HINT_S)
-            except StoreUnreachableError:
-                raise
-            except RuntimeError:  # timed out (DistStoreError, a RuntimeError, where typed)
-                if call(store.compare_set, f"{key}/second", "", _GONE).decode() == _GONE:
-                    missed.append(peer)  # abandoned: the peer, if it comes, learns so
-                    continue
+        for peer, key, theirs in first:
+            second = f"{key}/second"
+            got = sealed.wait(store, second, max(end - time.monotonic(), 0.001))
+            if got is None:  # not in time: marked abandoned, atomically; the peer learns so
+                got = sealed.claim(store, second, _GONE)
+            if got != theirs:  # abandoned (or never sealed ours: an outside writer won)
+                missed.append(peer)
+                continue
             with contextlib.suppress(RuntimeError, NotImplementedError):
-                call(store.delete_key, f"{key}/second")  # the second set it, reads no more
+                call(store.delete_key, second)  # the second set it, reads no more
                 call(store.delete_key, key)
         return sorted(missed)
 

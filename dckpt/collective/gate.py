@@ -18,18 +18,25 @@ until when; one that gives up names the opener and what it was doing.
 Every store call has a deadline (dckpt.collective.store); a waiter reads the store once per
 ``SLICE_S`` at most (a wait that returns the moment the key is set), whatever the world's
 size. Keys live under the group's random token, one set per gate name and manager.
+
+Both values are sealed (``dckpt.collective.sealed``): the job's store takes writes from any
+client that reaches its port, and one once planted a "wait longer" that did not parse (the
+waiting rank died of it) or could have opened the gate before rank 0 had. A value that fails
+its seal is named and ignored: the waiter goes on waiting for rank 0's, on its own deadline.
+An announcement counts only if it is newer than the last one read (``n``), so a genuine one
+written again later (replayed by an outside writer) never moves a deadline twice.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import time
 
 from ..errors import CheckpointError
+from . import sealed
 from .comm import Comm
-from .store import HINT_S, StoreUnreachableError, call, default_store
+from .store import StoreUnreachableError, default_store
 
 __all__ = ["Gate"]
 
@@ -37,6 +44,8 @@ log = logging.getLogger("dckpt")
 
 SLICE_S = 2.0
 """How long one store wait of a waiter lasts before it looks for a longer deadline."""
+OPEN = "open"
+"""The opener's value under the gate's ``open`` key (sealed)."""
 
 
 class Gate:
@@ -64,7 +73,7 @@ class Gate:
         self._announced += 1
         value = json.dumps({"n": self._announced, "s": float(seconds), "why": why})
         try:
-            call(default_store().set, self._longer, value)
+            sealed.put(default_store(), self._longer, value)
         except Exception as exc:  # a hint: the waiters still have a deadline of their own
             log.warning("dckpt: could not tell the other ranks to wait longer: %s", exc)
 
@@ -74,7 +83,7 @@ class Gate:
         if not self.used:
             return
         try:
-            call(default_store().set, self._open, "1")
+            sealed.put(default_store(), self._open, OPEN)
         except (StoreUnreachableError, RuntimeError) as exc:
             raise CheckpointError(
                 f"rank {self.opener} could not tell the other ranks it is done ({exc}); they "
@@ -100,30 +109,22 @@ class Gate:
                     "this rank; start the job again once rank "
                     f"{self.opener}'s node is healthy."
                 )
-            wait_s = min(SLICE_S, left)
-            try:
-                call(
-                    store.wait,
-                    [self._open],
-                    datetime.timedelta(seconds=wait_s),
-                    deadline_s=wait_s + HINT_S,
-                )
-                return
+            try:  # rank 0's own "open" only: a planted one is named and waited past
+                if sealed.wait(store, self._open, min(SLICE_S, left)) == OPEN:
+                    return
             except StoreUnreachableError as exc:
                 raise CheckpointError(
                     f"rank {self.comm.rank} lost the job's store while it waited for rank "
                     f"{self.opener} to finish {what} ({exc}). Start the job again."
                 ) from None
-            except RuntimeError:  # this slice timed out (DistStoreError is a RuntimeError)
-                pass
             try:
-                raw = call(store.get, self._longer) if call(store.check, [self._longer]) else b""
+                raw = sealed.get(store, self._longer)
             except StoreUnreachableError:
                 continue  # the next wait says so, or the deadline does
-            if not raw:
+            if raw is None:  # none yet, or not rank 0's (named)
                 continue
-            told = json.loads(raw)
-            if told["n"] == seen:
+            told = json.loads(raw)  # sealed by rank 0: its own JSON
+            if told["n"] <= seen:  # read before (or written again since, by someone else)
                 continue
             seen = told["n"]
             deadline = max(deadline, time.monotonic() + told["s"] + self.timeout_s)

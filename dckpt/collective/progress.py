@@ -12,6 +12,12 @@ good (the save can no longer commit), read now and then by the ranks still sendi
 they stop sending instead of finishing a shard nobody will commit and only then learning of
 the failure at the save's next collective. It is only ever set by a failure that fails the
 save anyway, so it never changes an outcome, only how soon every rank knows it.
+
+Both are sealed (``dckpt.collective.sealed``): the job's store takes writes from any client
+that reaches its port, and a stop flag planted there failed a save that nothing else had
+failed. A marker or a flag whose seal fails reads as not set (named once in a warning): a
+planted one can neither stop a save nor make a late rank look done. Reading a flag costs the
+same store call as before (``check``), and one ``get`` only once the key exists.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 from ..faults import Tamper, fault_point, tampering
 from ..phases import Phase
+from . import sealed
 from .comm import Comm
 from .store import call, default_store
 
@@ -33,6 +40,8 @@ MARKED = (Phase.PREPARE, Phase.MAKE_TMP, Phase.WRITE_SHARDS, Phase.DCP_FINISH)
 files are written (the durable tier: DCP's save returned cleanly; the memory tier, which runs
 no DCP save: its memory file copied and hashed); nothing can fail between that and its report
 to the coordinator."""
+MARK = "1"
+"""A marker's value (sealed), and a set stop flag's."""
 DECIDED = Phase.RENAME
 """Marked by rank 0 alone once it decided, before telling the others: past the commit point
 (``rename``), or the save refused."""
@@ -57,17 +66,17 @@ class Progress:
     def mark(self, save_id: str, phase: Phase) -> None:
         if self._store is not None:
             with contextlib.suppress(Exception):  # a marker is a hint, never a failure
-                call(self._store.set, self._key(save_id, phase, self._rank), "1")
+                sealed.put(self._store, self._key(save_id, phase, self._rank), MARK)
 
     def _has(self, save_id: str, phase: Phase, rank: int) -> bool:
-        return bool(call(self._store.check, [self._key(save_id, phase, rank)]))
+        return sealed.get(self._store, self._key(save_id, phase, rank)) == MARK
 
     def _all_have(self, save_id: str, phase: Phase) -> bool:
-        """Whether every rank marked ``phase``: one store call for all of them (the store's
-        ``check`` of many keys), so a look costs a call per phase, not per rank, until the
-        phase some rank lacks."""
+        """Whether every rank marked ``phase``: two store calls for all of them (the store's
+        ``check`` and ``multi_get`` of many keys), so a look costs two calls per phase, not
+        per rank, until the phase some rank lacks. A mark whose seal fails is not one."""
         keys = [self._key(save_id, phase, r) for r in range(self._world)]
-        return bool(call(self._store.check, keys))
+        return all(v == MARK for v in sealed.get_many(self._store, keys))
 
     def lagging(self, save_id: str) -> str:
         """'rank(s) 1 did not complete writing shards', or '' when nobody is known to lag.
@@ -138,7 +147,7 @@ class StopFlag:
         self._seen = True
         if self._store is not None:
             with contextlib.suppress(Exception):  # then the others learn it at the agreement
-                call(self._store.set, self._key, "1")
+                sealed.put(self._store, self._key, MARK)
 
     def is_set(self) -> bool:
         if self._seen or self._store is None:
@@ -149,8 +158,9 @@ class StopFlag:
                 return False
             self._asked = now
         with contextlib.suppress(Exception):
-            if call(self._store.check, [self._key]):  # never unset another thread's set()
-                self._seen = True
+            # set only by this job's own flag: a planted one is named and stops nothing
+            if sealed.get(self._store, self._key) == MARK:  # one check; a get once it is set
+                self._seen = True  # never unset another thread's set()
         return self._seen
 
 

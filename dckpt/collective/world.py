@@ -6,7 +6,8 @@ included), or keeps the group the script already made; the device follows the gr
 for CUDA. ``warmup_collective`` is the last step of a resume: an all-reduce of a known value on
 the *training* group (the NCCL path when training runs on NCCL), whose result and latency are
 checked. A rank that does not join within the timeout is named, from markers in the job's
-store, on every rank that waited for it.
+store, on every rank that waited for it; the markers are sealed (``dckpt.collective.sealed``),
+so one planted by a writer outside the job never hides the rank that did not join.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..errors import WorldError
 from ..faults import fault_point
 from ..phases import Phase
 from ..units import plural
-from .store import call, default_store
+from . import sealed
+from .store import default_store
 
 __all__ = [
     "WarmupResult",
@@ -112,7 +114,7 @@ def warmup_collective(nonce: str, timeout_s: float) -> WarmupResult:
     key = f"{nonce}/warmup"
     if store is not None:
         with contextlib.suppress(Exception):  # a hint: names who did not join, if it fails
-            call(store.set, f"{key}/{rank}", "1")
+            sealed.put(store, f"{key}/{rank}", "1")
     device = _group_device(0)
     if device.type == "cuda":  # the GPU this rank trains on, as init_distributed set it
         device = torch.device("cuda", torch.cuda.current_device())
@@ -128,7 +130,8 @@ def warmup_collective(nonce: str, timeout_s: float) -> WarmupResult:
         missing: list[int] = []
         if store is not None:
             with contextlib.suppress(Exception):
-                missing = [r for r in range(world) if not call(store.check, [f"{key}/{r}"])]
+                joined = sealed.get_many(store, [f"{key}/{r}" for r in range(world)])
+                missing = [r for r, mark in enumerate(joined) if mark != "1"]
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank"
         raise WorldError(
             f"warmup all-reduce failed after {time.perf_counter() - t0:.1f} s: {who} did not "
