@@ -394,8 +394,8 @@ MUTANTS = (
     Mutant(
         "comm: a meeting the first to arrive gave up on is not marked abandoned",
         "dckpt/collective/comm.py",
-        'if call(store.compare_set, f"{key}/second", "", _GONE).decode() == _GONE:',
-        "if True:",
+        "                got = sealed.claim(store, second, _GONE)",
+        "                got = theirs",
         (
             "tests/test_comm.py::test_ranks_meet_through_the_store_and_a_late_peer_is_named_on_both_ends",
         ),

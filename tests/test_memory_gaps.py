@@ -242,7 +242,15 @@ def test_a_replica_the_partner_cannot_hold_leaves_its_previous_replica_restorabl
     full = base / "mem" / "node-1" / "replica" / "node-0" / step_dir_name(3)
     full.mkdir(parents=True)
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16k", f"dckpt-{uuid.uuid4().hex[:6]}", str(full)],
+        [
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            "size=16k,mode=0700",
+            f"dckpt-{uuid.uuid4().hex[:6]}",
+            str(full),
+        ],
         check=False,
     )
     if mounted.returncode != 0:

@@ -154,7 +154,7 @@ def _tmpfs(path: Path, size: str) -> Iterator[Path]:
         pytest.skip("needs root and mount(8) for a private tmpfs")
     path.mkdir(parents=True, exist_ok=True)
     got = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
         capture_output=True,
         text=True,
         check=False,

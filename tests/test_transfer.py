@@ -130,7 +130,10 @@ def test_a_full_memory_takes_the_bytes_and_drops_them(tmp_path: Path) -> None:
         pytest.skip("needs root for a private tmpfs")
     small = tmp_path / "node-1"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)], check=True)
+    # mode=0700: a fresh tmpfs is 1777, which dckpt refuses (it never chmods what it did not make)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(small)], check=True
+    )
     try:
         sent, received = run_world(_exchange, 2, str(tmp_path), None, True)
     finally:

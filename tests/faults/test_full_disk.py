@@ -30,7 +30,14 @@ WIDTH = 4096  # about 1.2 MB per checkpoint (weights and two AdamW moments)
 
 def _mount(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", f"dckpt-test-{uuid.uuid4().hex[:6]}"]
+    cmd = [
+        "mount",
+        "-t",
+        "tmpfs",
+        "-o",
+        f"size={size},mode=0700",
+        f"dckpt-test-{uuid.uuid4().hex[:6]}",
+    ]
     return subprocess.run([*cmd, str(path)], capture_output=True, check=False).returncode == 0
 
 

@@ -353,7 +353,7 @@ def test_failed_memory_saves_leave_nothing_on_the_healthy_node(
     full = tmp_path / "mem" / "node-1"
     full.mkdir(parents=True)
     name = f"dckpt-{uuid.uuid4().hex[:6]}"
-    mount = ["mount", "-t", "tmpfs", "-o", "size=64k", name, str(full)]
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", name, str(full)]
     if subprocess.run(mount, check=False).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:

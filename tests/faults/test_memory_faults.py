@@ -231,7 +231,7 @@ def test_memory_faults(tmp_path: Path, fault_trials: Trials) -> None:
                     "-t",
                     "tmpfs",
                     "-o",
-                    f"size={room}",
+                    f"size={room},mode=0700",
                     f"dckpt-{uuid.uuid4().hex[:6]}",
                 ]
                 if subprocess.run([*cmd, str(node1)], check=False).returncode != 0:
@@ -262,7 +262,14 @@ def test_memory_faults(tmp_path: Path, fault_trials: Trials) -> None:
                 node1 = base / "mem" / "node-1"
                 shutil.rmtree(node1)
                 node1.mkdir()
-                cmd = ["mount", "-t", "tmpfs", "-o", "size=16k", f"dckpt-{uuid.uuid4().hex[:6]}"]
+                cmd = [
+                    "mount",
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    "size=16k,mode=0700",
+                    f"dckpt-{uuid.uuid4().hex[:6]}",
+                ]
                 if subprocess.run([*cmd, str(node1)], check=False).returncode != 0:
                     pytest.skip("cannot mount a tmpfs here (needs root)")
                 mounted.append(node1)
