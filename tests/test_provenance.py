@@ -375,3 +375,35 @@ def test_a_keyed_run_takes_a_memory_step_only_when_its_key_signs_it(tmp_path: Pa
     assert report.step == 2 and _same(state, durable), report.format()
     said = "\n".join(report.warnings)
     assert "step 3" in said and "its manifest is not signed" in said, said
+
+
+def test_a_journal_or_resume_record_another_user_owns_is_no_evidence(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replay journal and resume records decide verdicts (a replay that differs, the
+    restart-loop rule that quarantines a step): one another user wrote into the root (a
+    group-shared one) is read as absent and named, never counted."""
+    from dckpt.root.replay_journal import JournalWriter, journal_path, read_journal
+    from dckpt.root.resume_record import LOSS_WATCH, DirectoryRecords, ResumeRecord
+
+    root = tmp_path / "root"
+    root.mkdir()
+    writer = JournalWriter(root)
+    writer.start(4, "save-4", "run", [(5, "0x1.0p+0")])
+    writer.close()
+    records = DirectoryRecords(root)
+    record = ResumeRecord(
+        step=4, tier="durable", save_id="save-4", ok=False, verdict="loss 9 > bound 3",
+        run_id="run", attempt=None, job="", start="h/1/n", time=0.0, kind=LOSS_WATCH,
+    )  # fmt: skip
+    records.add(record)
+    assert read_journal(root, 4) is not None and records.read(4) == [record]  # the job's own
+
+    os.lchown(journal_path(root, 4), OTHER, OTHER)
+    os.lchown(Path(records.where(4)), OTHER, OTHER)
+    with caplog.at_level("WARNING", logger="dckpt"):
+        assert read_journal(root, 4) is None
+        assert records.read(4) == []
+    said = caplog.text
+    assert f"ignored {journal_path(root, 4)}: it belongs to uid {OTHER}" in said, said
+    assert f"ignored {records.where(4)}: it belongs to uid {OTHER}" in said, said

@@ -19,6 +19,8 @@ This module reads; dckpt.root.commit and dckpt.root.upkeep are the only writers 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import stat
@@ -26,7 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..owned import owner_name
 from .manifest import MANIFEST_FILE
+
+log = logging.getLogger("dckpt")
 
 __all__ = [
     "LATEST_FILE",
@@ -117,14 +122,16 @@ def committed_steps(root: str | os.PathLike[str]) -> list[int]:
 
 
 def read_small_file(
-    path: str | os.PathLike[str], limit: int, *, dir_fd: int | None = None
+    path: str | os.PathLike[str], limit: int, *, dir_fd: int | None = None, own: bool = False
 ) -> bytes | None:
     """The first ``limit`` bytes of ``path`` if it is a regular file, else None.
 
     For dckpt's own small records (``latest``, lock and verification records), which anyone
     with write access to the root could replace: a symlink is never followed (``O_NOFOLLOW``)
     and a FIFO or device is never waited on (``O_NONBLOCK``, then a regular-file check).
-    ``dir_fd``: resolve ``path`` relative to that directory descriptor.
+    ``dir_fd``: resolve ``path`` relative to that directory descriptor. ``own``: a record
+    whose verdicts count (a replay journal, resume records): a file another user owns is
+    not the job's evidence, read as absent and named once in a warning.
     """
     try:
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
@@ -132,13 +139,37 @@ def read_small_file(
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if own and st.st_uid != os.geteuid():
+            where = str(path)
+            if dir_fd is not None:
+                with contextlib.suppress(OSError):
+                    where = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), where)
+            _not_the_jobs(where, st.st_uid)
             return None
         return os.read(fd, limit)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+_named: set[str] = set()
+
+
+def _not_the_jobs(path: str, uid: int) -> None:
+    if path in _named:  # once a process: a record is read at every resume
+        return
+    _named.add(path)
+    log.warning(
+        "dckpt: ignored %s: it belongs to %s, not to this job's user %s (a record another user "
+        "wrote is not this job's evidence); remove it if you know where it came from",
+        path,
+        owner_name(uid),
+        owner_name(os.geteuid()),
+    )
 
 
 def read_latest(root: str | os.PathLike[str]) -> str | None:

@@ -80,7 +80,7 @@ def journal_path(root: Path, step: int) -> Path:
 def read_journal(root: Path, step: int) -> Journal | None:
     """The journal of ``step`` under ``root``, or None when there is none (or it is not one:
     a header that does not parse). Never raises, whatever the file holds."""
-    raw = read_small_file(journal_path(root, step), MAX_JOURNAL_BYTES)
+    raw = read_small_file(journal_path(root, step), MAX_JOURNAL_BYTES, own=True)
     if raw is None:
         return None
     try:

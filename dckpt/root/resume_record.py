@@ -315,7 +315,8 @@ class DirectoryRecords:
             return []
         try:
             return decode(
-                read_small_file(record_name(step), MAX_RECORDS_BYTES + 1, dir_fd=fd), step
+                read_small_file(record_name(step), MAX_RECORDS_BYTES + 1, dir_fd=fd, own=True),
+                step,
             )
         finally:
             os.close(fd)
