@@ -61,6 +61,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_commit.py",
         "tests/test_retention_lock.py",
         "tests/test_cli.py",
+        "tests/test_provenance.py",
     ),
     "dckpt/root/retention.py": (
         "tests/test_retention_lock.py",
@@ -128,6 +129,13 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_s3.py",
         "tests/test_s3_gaps.py",
     ),
+    "dckpt/owned.py": (
+        "tests/test_owned.py",
+        "tests/test_provenance.py",
+        "tests/faults/test_shared_host.py",
+    ),
+    "dckpt/collective/sealed.py": ("tests/test_store_outsider.py", "tests/test_comm.py"),
+    "dckpt/integrations/lightning.py": ("tests/test_lightning_paths.py",),
 }
 
 _NEGATE = {
