@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import dckpt_cli, losses, torchrun_train
+from conftest import dckpt_cli, dckpt_cli_here, losses, torchrun_train
 from s3_kit import MotoServer, moto_server
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -70,39 +70,43 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_
     assert [after[s] for s in (3, 4)] == [before[s] for s in (3, 4)]
     fault_trials.record("s3: SIGKILL mid-upload, then restart", "rank 1, step 4", survived=True)
 
-    # The commands on the bucket.
-    listed = json.loads(dckpt_cli("ls", root, "--json").stdout)
+    # The commands on the bucket, in this process (dckpt.cli.main: the command's own code;
+    # the `ls` above was the installed command): each one a process of its own cost 0.5 to 5
+    # CPU-seconds of imports (boto3, torch), most of this test's time on a loaded machine.
+    listed = json.loads(dckpt_cli_here("ls", root, "--json").stdout)
     assert [(r["step"], r["status"]) for r in listed] == [
         (2, "committed"),
         (4, "committed"),
         (6, "committed"),
     ]
     assert all(r["path"].startswith(f"s3://{bucket}/runs/lm/step-") for r in listed)
-    checked = dckpt_cli("verify", root, "--json")
+    checked = dckpt_cli_here("verify", root, "--json")
     assert checked.returncode == 0, checked.stderr
     assert json.loads(checked.stdout)["ok"] is True
-    listed = json.loads(dckpt_cli("ls", root, "--json").stdout)  # the outcome, kept in the bucket
+    listed = json.loads(
+        dckpt_cli_here("ls", root, "--json").stdout
+    )  # the outcome, kept in the bucket
     assert [r["verified"] for r in listed] == ["ok", "ok", "ok"], listed
-    shown = dckpt_cli("inspect", root, "--json")
+    shown = dckpt_cli_here("inspect", root, "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["step"] == 6, shown.stderr
     assert json.loads(shown.stdout)["path"] == f"{root}/step-00000006"  # not the temp copy
     assert "downloaded from s3://" not in shown.stderr  # the manifest alone, as on a directory
-    titled = dckpt_cli("inspect", root, "--step", "4")
+    titled = dckpt_cli_here("inspect", root, "--step", "4")
     assert titled.stdout.splitlines()[0] == f"{root}/step-00000004", titled.stdout
-    diff = dckpt_cli("diff", root, "4", "6", "--json")
+    diff = dckpt_cli_here("diff", root, "4", "6", "--json")
     assert diff.returncode == 0, diff.stderr
     assert "downloaded from s3://" in diff.stderr  # fetched, each object hashed on arrival
     compared = json.loads(diff.stdout)
     assert (compared["a"], compared["b"], compared["config"]) == (4, 6, [])
     assert compared["differences"]  # the weights moved between steps 4 and 6
-    planned = dckpt_cli("plan", root, "--json")
+    planned = dckpt_cli_here("plan", root, "--json")
     assert planned.returncode == 0, planned.stderr
-    assert dckpt_cli("pin", root, "2").returncode == 0
-    gc = dckpt_cli("gc", root, "--keep-last", "2", "--json")
+    assert dckpt_cli_here("pin", root, "2").returncode == 0
+    gc = dckpt_cli_here("gc", root, "--keep-last", "2", "--json")
     assert gc.returncode == 0, gc.stderr + gc.stdout
     assert json.loads(gc.stdout)["deleted"] == []  # 2 pinned, 4 and 6 the newest two
-    assert dckpt_cli("unpin", root, "2").returncode == 0
-    gc = dckpt_cli("gc", root, "--keep-last", "2", "--json")
+    assert dckpt_cli_here("unpin", root, "2").returncode == 0
+    gc = dckpt_cli_here("gc", root, "--keep-last", "2", "--json")
     assert json.loads(gc.stdout)["deleted"] == ["step-00000002"]
     assert not [k for k in s3.keys(bucket, "runs/lm/step-00000002/")]
     assert "runs/lm/.dckpt-verified/step-00000002.json" not in s3.keys(bucket)  # gone with it
@@ -112,12 +116,12 @@ def test_a_rank_killed_mid_upload_commits_nothing_and_the_restart_cleans_up_and_
     body = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
     body[1000] ^= 0x01
     s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
-    bad = dckpt_cli("verify", root, "--step", "6")
+    bad = dckpt_cli_here("verify", root, "--step", "6")
     assert bad.returncode == 3
     assert "FAILED  step-00000006: __0_0.distcp: digest mismatch" in bad.stdout
-    listed = json.loads(dckpt_cli("ls", root, "--json").stdout)
+    listed = json.loads(dckpt_cli_here("ls", root, "--json").stdout)
     assert [(r["step"], r["verified"]) for r in listed] == [(4, "ok"), (6, "failed")], listed
     fault_trials.record("s3: a byte changed in the bucket", "dckpt verify", survived=True)
-    export = dckpt_cli("export", root, "--step", "4", "--out", str(tmp_path / "m.safetensors"))
+    export = dckpt_cli_here("export", root, "--step", "4", "--out", str(tmp_path / "m.safetensors"))
     assert export.returncode == 0, export.stderr
     assert (tmp_path / "m.safetensors").stat().st_size > 0
