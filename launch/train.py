@@ -13,6 +13,8 @@ the manager before it exits, so the last save is committed. Rank 0 appends one J
 optimizer step to ``--loss-log``: ``{"step", "loss", "lr", "time", "pid"}`` (the pid tells one
 run's lines from the next one's in a log they share). ``--crash-at-step N``
 kills every rank with SIGKILL right after step N's optimizer update: no graceful save.
+``--step-sleep S`` sleeps S seconds after each step: a job a test keeps running while it does
+something else (a second job, a signal) trains slowly instead of taking the cores.
 
 A start dckpt refuses (the run lock held by another job, or refused by a store that ignores
 conditional writes; a bucket that does not exist) and a refused resume print one block on rank
@@ -159,6 +161,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--loss-log", default=None, help="rank 0 appends a JSON line per step")
     p.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL after this step")
+    p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="sleep this many seconds after each step: a job that must go on running while "
+        "something else happens (a test's second job, a signal) without taking the cores",
+    )
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
     p.add_argument(
@@ -244,6 +253,7 @@ NOT_CONFIG = (
     "replica_sample",
     "loss_log",
     "crash_at_step",
+    "step_sleep",
     "async_save",
     "keep_last",
     "lock",
@@ -412,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
             manager.save(step)
         elif args.memory_every and step % args.memory_every == 0:
             manager.save(step, tier="memory")
+        if args.step_sleep > 0:
+            time.sleep(args.step_sleep)
         if manager.preempted(step):
             if rank == 0:
                 print(f"train: preempted after step {step}; checkpoint committed", flush=True)
