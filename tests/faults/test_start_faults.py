@@ -169,7 +169,9 @@ def test_a_second_job_on_the_same_root_is_refused_and_the_first_finishes(
     """The first job runs until told to stop (SIGTERM, so it ends with a final save): the
     second is started while it surely runs, however fast this machine is."""
     root = tmp_path / "ckpt"
-    args = ["--steps", "1000000", "--save-every", "50"]
+    # It sleeps after each step: it runs, holding the lock, without taking the cores that
+    # the second job's start needs (at full speed it trained for the whole of that start).
+    args = ["--steps", "1000000", "--save-every", "50", "--step-sleep", "0.1"]
     first = torchrun_start(root, *args)
     why: list[str] = []
     try:
@@ -228,6 +230,7 @@ def test_a_second_job_in_another_pid_namespace_on_this_node_is_refused(
     unshare = [*unshare_or_skip(), "--kill-child"]  # the namespace dies with its unshare
     root = tmp_path / "ckpt"
     args = ["--steps", "1000000", "--save-every", "5", "--d-model", "32", "--no-async"]
+    args += ["--step-sleep", "0.1"]  # running, renewing its lease, not taking the cores
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     first = subprocess.Popen(
         _leased_train(tmp_path, root, 10.0, args), stdout=subprocess.PIPE,
