@@ -1,0 +1,135 @@
+"""Survivors of issue 58's blind mutant round, each as the behaviour it let through:
+
+- a store that stalled once and answers again: a worker that exits within ``QUIET_S`` of the
+  stall looks afresh at exit and leaves torchrun's agent alone (dckpt/collective/store.py);
+- a resume whose only change is the training length (``max_steps``, whose LR schedule it
+  shapes): the replay is not compared, so no difference is recorded against the checkpoint,
+  and the next resume with that length compares with the run that resumed (dckpt/load/watch.py);
+- a step re-saved after a restart loop set the old save aside: the old save's failures are not
+  the new one's, so the next starts resume it, train one step more and resume it again
+  (dckpt/load/resumer.py, dckpt/root/resume_record.py);
+- the epoch restored into a loader that has its own ``set_epoch`` (Accelerate's prepared
+  loader with a seedable sampler: its order is a function of the epoch), dckpt/train/loader.py.
+
+(Lightning's ``last*.ckpt`` linking to the root: tests/test_lightning_paths.py.)
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# --- (a) a store that comes back after a stall --------------------------------------------------
+
+STALLS_ONCE = textwrap.dedent(
+    """
+    import atexit, sys, time
+    import dckpt.collective.store as store
+    store.AGENT_GRACE_S = 2.0
+    calls = []
+    # registered first, so it runs after dckpt's probe at exit: how often the store was asked
+    atexit.register(lambda: open(sys.argv[1], "w").write(str(len(calls))))
+    class StallsOnce:  # a link that stalled for a moment, then carried answers again
+        def check(self, keys):
+            calls.append(keys)
+            if len(calls) == 1:
+                time.sleep(60)
+            return True
+    try:
+        store.call(StallsOnce().check, ["dckpt/marker"], deadline_s=0.5)
+    except store.StoreUnreachableError:
+        pass  # the stall: dckpt remembers the store for the probe at exit
+    else:
+        raise SystemExit("the stall was not seen")
+    # and the worker exits now, well within QUIET_S of the stall
+    """
+)
+
+
+def test_a_store_that_answers_again_after_one_stall_leaves_the_agent_alone(tmp_path: Path) -> None:
+    asked = tmp_path / "asked"
+    agent_code = textwrap.dedent(
+        f"""
+        import subprocess, sys
+        code = subprocess.run([sys.executable, "-c", {STALLS_ONCE!r}, {str(asked)!r}]).returncode
+        sys.exit(10 + code)  # the agent's own exit, when nothing ended it
+        """
+    )
+    # A stand-in agent: its command line names torch.distributed.run, as torchrun's does.
+    agent = subprocess.Popen([sys.executable, "-c", agent_code, "torch.distributed.run"])
+    try:
+        code = agent.wait(timeout=120)  # the bound only ends a hang
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert code != -signal.SIGTERM, "the agent was sent SIGTERM although the store answers again"
+    assert code == 10, code  # the worker exited 0 and the agent by itself
+    assert asked.read_text() == "2"  # the stall, then the probe at exit, which got its answer
+
+
+# --- (b) a changed training length: not compared, no strike ----------------------------------
+
+
+def _length_run(root: Path, max_steps: int, *, until: int, save_at: int | None) -> dict[str, Any]:
+    """One start in this process: resume, train to ``until`` with an LR that decays linearly
+    to ``max_steps`` (a schedule computed from the training length), observing each loss."""
+    import dckpt
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / max_steps)
+    state = dckpt.TrainState(model, opt, scheduler=sched)
+    config = dckpt.CheckpointConfig(root=root, async_save=False, replay_check="exact")
+    out: dict[str, Any] = {"losses": {}}
+    with dckpt.CheckpointManager(config, state, run_config={"max_steps": max_steps}) as mgr:
+        out["report"] = mgr.resume().format()
+        for step in range(state.step + 1, until + 1):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(16, 8, generator=g)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            state.step = step
+            out["losses"][step] = float(loss.detach()).hex()
+            mgr.observe(float(loss.detach()))
+            if step == save_at:
+                mgr.save(step)
+    return out
+
+
+def test_a_changed_training_length_is_not_replayed_and_records_no_strike(tmp_path: Path) -> None:
+    from dckpt.root.resume_record import REPLAY, DirectoryRecords
+
+    root = tmp_path / "ckpt"
+    first = _length_run(root, 12, until=7, save_at=4)  # saved 4, stopped after 7
+    longer = _length_run(root, 24, until=9, save_at=8)  # resumed 4, trains 2x as long
+    records = DirectoryRecords(root).read(4)
+    assert [r for r in records if r.kind == REPLAY] == [], records  # no strike of any kind
+    report = longer["report"]
+    assert "config changed in operational keys: max_steps" in report
+    assert "training length changed (max_steps" in report
+    assert "not compared: the config changed (max_steps)" in report
+    # The length shapes the LR from the first scheduler step after the resume on (step 5's
+    # update still uses the restored LR), so step 7's loss differs: a replay that compared it
+    # would have found a difference the run was right to make.
+    assert [longer["losses"][s] == first["losses"][s] for s in (5, 6, 7)] == [True, True, False]
+    # One start more, from the step saved at the new length: compared (its config is the
+    # run's), the same bits, a replay that passed.
+    again = _length_run(root, 24, until=9, save_at=None)
+    assert "step 9 of the run that stopped to compare (exact)" in again["report"]
+    assert "config changed" not in again["report"]
+    assert again["losses"][9] == longer["losses"][9]
+    assert [(r.kind, r.ok) for r in DirectoryRecords(root).read(8) if r.kind == REPLAY] == [
+        (REPLAY, True)
+    ]
+    assert [r for r in DirectoryRecords(root).read(4) if r.kind == REPLAY] == []
