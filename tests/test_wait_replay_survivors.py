@@ -23,6 +23,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -133,3 +134,84 @@ def test_a_changed_training_length_is_not_replayed_and_records_no_strike(tmp_pat
         (REPLAY, True)
     ]
     assert [r for r in DirectoryRecords(root).read(4) if r.kind == REPLAY] == []
+
+
+# --- (c) a step re-saved after a restart loop: the old save's failures are not its own ----------
+
+
+def _loop_start(
+    root: Path, monkeypatch: pytest.MonkeyPatch, *, attempt: int, steps: int, saves: tuple[int, ...]
+) -> dict[str, Any]:
+    """One start of the job, in this process but a start of its own (as a new process is):
+    resume, train ``steps`` steps observing each loss (NaN when it resumed the first save of
+    step 8: a checkpoint whose state diverges after a load), saving at ``saves``; it stops on
+    the ``LossDeviationError`` as a job stops on a NaN check."""
+    import dckpt
+    from dckpt.root import resume_record
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+    monkeypatch.setattr(resume_record, "_STARTS", {})  # what a new process has
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    state = dckpt.TrainState(model, opt)
+    config = dckpt.CheckpointConfig(
+        root=root, async_save=False, loss_watch="raise", loss_watch_steps=3, keep_last=4
+    )
+    out: dict[str, Any] = {"raised": None}
+    with dckpt.CheckpointManager(config, state) as mgr:
+        report = mgr.resume()
+        out["step"], out["report"] = report.step, report.format()
+        diverges = report.step == 8 and attempt in (1, 2)
+        try:
+            for _ in range(steps):
+                state.step += 1
+                g = torch.Generator().manual_seed(state.step)
+                x = torch.randn(16, 8, generator=g)
+                loss = nn.functional.mse_loss(model(x), x @ torch.linspace(-1, 1, 8)[:, None])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                mgr.observe(float("nan") if diverges else float(loss.detach()))
+                if state.step in saves:
+                    mgr.save(state.step)
+        except dckpt.LossDeviationError as exc:
+            out["raised"] = str(exc)
+    out["end"] = state.step
+    return out
+
+
+def test_a_step_re_saved_after_a_restart_loop_is_not_quarantined_for_the_old_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dckpt.root.layout import list_checkpoints
+    from dckpt.root.manifest import read_manifest
+    from dckpt.root.resume_record import REPLAY, DirectoryRecords
+
+    root = tmp_path / "ckpt"
+    _loop_start(root, monkeypatch, attempt=0, steps=9, saves=(4, 8))  # 9 in 8's journal
+    old = read_manifest(root / "step-00000008").save_id
+    for attempt in (1, 2):  # two starts resume the first save of 8, and its replay differs
+        failed = _loop_start(root, monkeypatch, attempt=attempt, steps=3, saves=())
+        assert failed["step"] == 8 and failed["raised"], failed
+    # The third quarantines it, resumes 4 and saves step 8 again (its replay journal: step 9).
+    third = _loop_start(root, monkeypatch, attempt=3, steps=5, saves=(8,))
+    assert third["step"] == 4 and "restart loop: step 8 quarantined" in third["report"]
+    new = read_manifest(root / "step-00000008").save_id
+    assert new != old
+    # The next start resumes the new save, its old failures notwithstanding, and trains one
+    # optimizer step (replayed: the same bits as the run that saved it) ...
+    fourth = _loop_start(root, monkeypatch, attempt=4, steps=1, saves=())
+    assert fourth["step"] == 8 and "restart loop" not in fourth["report"], fourth["report"]
+    assert fourth["raised"] is None and fourth["end"] == 9
+    # ... and the start after it resumes it again.
+    fifth = _loop_start(root, monkeypatch, attempt=5, steps=1, saves=())
+    assert fifth["step"] == 8 and "restart loop" not in fifth["report"], fifth["report"]
+    assert sorted((e.step, e.status) for e in list_checkpoints(root) if e.step == 8) == [
+        (8, "committed"),
+        (8, "quarantined"),  # the first save only
+    ]
+    replays = [
+        (r.save_id, r.ok, r.attempt) for r in DirectoryRecords(root).read(8) if r.kind == REPLAY
+    ]
+    assert replays == [(old, False, 1), (old, False, 2), (new, True, 4), (new, True, 5)], replays
