@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import dckpt_cli
+from conftest import dckpt_cli, dckpt_cli_here
 
 
 def flip_bit(path: Path, offset: int | None = None) -> None:
@@ -159,14 +159,16 @@ def test_every_command_is_listed(trained_root: Path) -> None:
 
 def test_diff_reports_config_and_tensor_differences(trained_root: Path) -> None:
     root = str(trained_root)
-    # Three commands that each import torch, only reading the root: run at once, checked in turn.
-    with ThreadPoolExecutor(3) as pool:
+    # The first as the installed command (a process that imports torch: 2 to 3 CPU-seconds),
+    # the others in this process (dckpt_cli_here: the same code, torch loaded once) meanwhile.
+    with ThreadPoolExecutor(1) as pool:
+        command = pool.submit(dckpt_cli, "diff", root, "4", "12", "--json")
         runs = [
-            pool.submit(dckpt_cli, "diff", root, "4", "12", "--json"),
-            pool.submit(dckpt_cli, "diff", root, "8", "8", "--json"),
-            pool.submit(dckpt_cli, "diff", root, "4", "8", "--top", "3"),
+            dckpt_cli_here("diff", root, "8", "8", "--json"),
+            dckpt_cli_here("diff", root, "4", "8", "--top", "3"),
+            dckpt_cli_here("diff", root, "4", "5"),
         ]
-    proc = runs[0].result()
+    proc = command.result()
     assert proc.returncode == 0, proc.stderr
     obj = json.loads(proc.stdout)
     assert obj["config"] == []  # one run: the same config
@@ -183,13 +185,13 @@ def test_diff_reports_config_and_tensor_differences(trained_root: Path) -> None:
     assert model == sorted(model, reverse=True)
     counter = by_name["optimizer.state.head.weight.step"]
     assert counter["max_abs_diff"] == 8.0 and names.index(counter["name"]) > len(model)
-    same = json.loads(runs[1].result().stdout)
+    same = json.loads(runs[0].stdout)
     assert same["differences"] == [] and same["tensors_compared"] > 10
-    human = runs[2].result().stdout
+    human = runs[1].stdout
     assert "largest differences first" in human and "more rows not shown" in human
     shown = [line.split("│")[1].strip() for line in human.splitlines() if "│ changed" in line]
     assert len(shown) == 3 and all(n.startswith("model.") for n in shown), human
-    assert dckpt_cli("diff", str(trained_root), "4", "5").returncode == 2
+    assert runs[2].returncode == 2
 
 
 def _is_moment(name: str) -> bool:
@@ -225,24 +227,25 @@ def test_export_writes_the_model_alone_and_loads_back(trained_root: Path, tmp_pa
 
     out_file = tmp_path / "model.safetensors"
     bf16 = tmp_path / "model.pt"
-    # Two commands that each import torch, writing different files: run at once.
-    with ThreadPoolExecutor(2) as pool:
+    # The plain export as the installed command (a process that imports torch), the bf16
+    # one in this process meanwhile (dckpt_cli_here: torch is loaded once); different files.
+    with ThreadPoolExecutor(1) as pool:
         plain = pool.submit(
             dckpt_cli, "export", str(trained_root), "--step", "12", "--out", str(out_file)
         )
-        small_export = pool.submit(
-            dckpt_cli, "export", str(trained_root), "--out", str(bf16), "--dtype", "bf16"
+        small_export = dckpt_cli_here(
+            "export", str(trained_root), "--out", str(bf16), "--dtype", "bf16"
         )
     proc = plain.result()
     assert proc.returncode == 0, proc.stderr
     tensors = load_file(str(out_file))
     assert "head.weight" in tensors and not any(k.startswith("optimizer") for k in tensors)
     assert all(t.dtype == torch.float32 for t in tensors.values())
-    assert small_export.result().returncode == 0
+    assert small_export.returncode == 0, small_export.stderr
     small = torch.load(bf16, weights_only=True)
     assert small["head.weight"].dtype == torch.bfloat16
     assert torch.equal(small["head.weight"], tensors["head.weight"].to(torch.bfloat16))
-    assert dckpt_cli("export", str(trained_root), "--out", str(bf16)).returncode == 2  # exists
+    assert dckpt_cli_here("export", str(trained_root), "--out", str(bf16)).returncode == 2  # exists
 
 
 def test_export_with_config_stores_the_run_config_and_step(
