@@ -215,3 +215,45 @@ def test_a_step_re_saved_after_a_restart_loop_is_not_quarantined_for_the_old_sav
         (r.save_id, r.ok, r.attempt) for r in DirectoryRecords(root).read(8) if r.kind == REPLAY
     ]
     assert replays == [(old, False, 1), (old, False, 2), (new, True, 4), (new, True, 5)], replays
+
+
+# --- (d) the restored epoch, handed to a loader's own set_epoch ---------------------------------
+
+
+def _seedable_loader() -> Any:
+    """Accelerate's prepared loader over a seedable sampler: each epoch's order is a function
+    of the epoch it is told (``set_epoch``, which its ``__iter__`` calls with its own count)."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)  # the sampler's seed: the same in both runs
+    plain = DataLoader(TensorDataset(torch.arange(24)), batch_size=4, shuffle=True)
+    return prepare_data_loader(
+        plain, put_on_device=False, use_seedable_sampler=True, num_processes=1, process_index=0
+    )
+
+
+def test_an_accelerate_loader_resumed_in_a_later_epoch_draws_that_epoch_s_order() -> None:
+    pytest.importorskip("accelerate")
+    from test_loader_position import _load, _save
+
+    from dckpt.train.loader import position_of
+
+    def batches(loader: Any, stop: tuple[int, int] | None) -> tuple[list[list[int]], Any]:
+        """Epochs from the position's to 4 (the script calls no set_epoch: Accelerate's
+        loader counts them), and the state saved after batch ``stop[1]`` of epoch ``stop[0]``."""
+        position, seen, saved = position_of(loader), [], None
+        for epoch in range(position.epoch, 4):
+            for i, (batch,) in enumerate(loader):
+                seen.append(batch.tolist())
+                if (epoch, i + 1) == stop:
+                    saved = _save(position)
+        return seen, saved
+
+    full, saved = batches(_seedable_loader(), (2, 2))  # saved in epoch 2, 2 batches in
+    assert saved is not None and saved[0] == {"kind": "loader", "epoch": 2, "batches": 2}
+    resumed = _seedable_loader()
+    _load(position_of(resumed), saved)
+    after, _ = batches(resumed, None)
+    assert after == full[6 * 2 + 2 :]  # 6 batches an epoch: epoch 2's third batch on
+    assert resumed.iteration == 4  # Accelerate's own count went on from the restored epoch
