@@ -9,7 +9,10 @@
   the new one's, so the next starts resume it, train one step more and resume it again
   (dckpt/load/resumer.py, dckpt/root/resume_record.py);
 - the epoch restored into a loader that has its own ``set_epoch`` (Accelerate's prepared
-  loader with a seedable sampler: its order is a function of the epoch), dckpt/train/loader.py.
+  loader with a seedable sampler: its order is a function of the epoch), dckpt/train/loader.py;
+- a Hugging Face ``Trainer`` resumed after its LR warmup (in this process): the LR the restore
+  gave the optimizer's groups is put back after the Trainer's new scheduler reset it, so the
+  losses after the resume are the uninterrupted run's bits (dckpt/integrations/hf_trainer.py).
 
 (Lightning's ``last*.ckpt`` linking to the root: tests/test_lightning_paths.py.)
 """
@@ -257,3 +260,68 @@ def test_an_accelerate_loader_resumed_in_a_later_epoch_draws_that_epoch_s_order(
     after, _ = batches(resumed, None)
     assert after == full[6 * 2 + 2 :]  # 6 batches an epoch: epoch 2's third batch on
     assert resumed.iteration == 4  # Accelerate's own count went on from the restored epoch
+
+
+# --- (d) the Trainer's restored LR, put back into the optimizer's groups ---------------------
+
+
+def _trainer_run(root: Path, out: Path, crash_at: int | None) -> dict[int, str]:
+    """A Hugging Face ``Trainer`` in this process (a tiny BERT, 6 steps, LR warmed up over 2
+    steps then decaying linearly, saved by ``DckptCallback`` every 3 steps): resumed from
+    ``root`` when it holds a step; raises out of the run after logging ``crash_at``. Returns
+    every loss it logged, by step."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        set_seed,
+    )
+
+    import dckpt
+    from dckpt.integrations.hf_trainer import DckptCallback
+
+    losses: dict[int, str] = {}
+
+    class Log(TrainerCallback):  # after the checkpoint's callback: a crash after its save
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                losses[state.global_step] = float(logs["loss"]).hex()
+            if state.global_step == crash_at:
+                raise RuntimeError("crashed")
+
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1, 64, (24, 8), generator=g)
+    data = [{"input_ids": ids[i], "labels": ids[i, 0] % 2} for i in range(24)]
+    args = TrainingArguments(
+        output_dir=str(out), use_cpu=True, per_device_train_batch_size=4, max_steps=6,
+        learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="linear", logging_steps=1,
+        save_strategy="steps", save_steps=3, report_to="none", seed=7, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    set_seed(7)
+    model = BertForSequenceClassification(
+        BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                   intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    )  # fmt: skip
+    ckpt = DckptCallback(dckpt.CheckpointConfig(root=root, async_save=False))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ckpt, Log()])
+    try:
+        trainer.train(resume_from_checkpoint=ckpt.resume(trainer))
+    except RuntimeError as exc:
+        assert str(exc) == "crashed"
+    finally:
+        ckpt.close()
+    return losses
+
+
+def test_a_trainer_resumed_after_warmup_trains_on_at_the_restored_lr(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    full = _trainer_run(tmp_path / "full", tmp_path / "out-full", None)
+    crashed = _trainer_run(tmp_path / "ckpt", tmp_path / "out-1", crash_at=4)  # saved 3
+    assert sorted(full) == [1, 2, 3, 4, 5, 6] and sorted(crashed) == [1, 2, 3, 4]
+    resumed = _trainer_run(tmp_path / "ckpt", tmp_path / "out-2", None)
+    # The scheduler the resumed Trainer builds sets the LR to its warmup's start (0): the
+    # step after the resume trains at the restored LR only when it is put back.
+    assert resumed == {s: full[s] for s in (4, 5, 6)}
