@@ -46,6 +46,7 @@ IN = "tests/test_incremental.py"
 OP = "tests/test_one_pass.py"
 LP = "tests/test_loader_position.py"
 PV = "tests/test_provenance.py"
+WR = "tests/test_wait_replay_survivors.py"
 AG = "tests/test_adoption_guards.py"
 CA = "tests/faults/test_capture.py"
 LF = "tests/test_lock_fencing.py"
@@ -861,6 +862,60 @@ MUTANTS = (
             "tests/test_owned.py::"
             "test_an_existing_directory_is_never_chmod_ed_and_refused_if_others_may_write_it",
             "tests/test_owned.py::test_a_shared_sticky_directory_is_refused_as_the_memory_directory_itself",
+        ),
+    ),
+    Mutant(
+        "store: the exit probe does not look afresh (a stall, then an exit within QUIET_S, ends "
+        "the agent)",
+        "dckpt/collective/store.py",
+        '    _quiet["until"] = 0.0  # a fresh look\n',
+        "",
+        (f"{WR}::test_a_store_that_answers_again_after_one_stall_leaves_the_agent_alone",),
+    ),
+    Mutant(
+        "watch: horizon keys count as neutral (a changed max_steps is replayed and strikes)",
+        "dckpt/load/watch.py",
+        "neutral = OPERATIONAL_KEYS - HORIZON_KEYS",
+        "neutral = OPERATIONAL_KEYS",
+        (f"{WR}::test_a_changed_training_length_is_not_replayed_and_records_no_strike",),
+    ),
+    Mutant(
+        "resumer: the restart-loop verdict reads every save of the step",
+        "dckpt/load/resumer.py",
+        "                reason = restart_loop(same)\n",
+        "                reason = restart_loop(mine)\n",
+        (f"{WR}::test_a_step_re_saved_after_a_restart_loop_is_not_quarantined_for_the_old_save",),
+    ),
+    Mutant(
+        "resumer: the restart-loop rule filters no save id",
+        "dckpt/load/resumer.py",
+        "                same = [r for r in mine if r.save_id == save_id]\n",
+        "                same = mine\n",
+        (f"{WR}::test_a_step_re_saved_after_a_restart_loop_is_not_quarantined_for_the_old_save",),
+    ),
+    Mutant(
+        "loader: the restored epoch is not handed to the loader's set_epoch",
+        "dckpt/train/loader.py",
+        "            set_epoch(self.epoch)\n",
+        "            pass\n",
+        (f"{WR}::test_an_accelerate_loader_resumed_in_a_later_epoch_draws_that_epoch_s_order",),
+    ),
+    Mutant(
+        "hf_trainer: the restored LR is not put back into the optimizer groups",
+        "dckpt/integrations/hf_trainer.py",
+        "                group.update(saved)\n",
+        "                pass\n",
+        (f"{WR}::test_a_trainer_resumed_after_warmup_trains_on_at_the_restored_lr",),
+    ),
+    Mutant(
+        "lightning: last*.ckpt links to the step, not the root",
+        "dckpt/integrations/lightning.py",
+        "            target = self.root if name.startswith(_LAST)"
+        " else self.root / step_dir_name(step)\n",
+        "            target = self.root / step_dir_name(step)\n",
+        (
+            "tests/test_lightning_paths.py::"
+            "test_a_planted_last_ckpt_is_refused_before_lightning_loads_it",
         ),
     ),
 )
