@@ -111,8 +111,16 @@ class CandidateChecks:
             except CheckpointError as exc:
                 refused = exc
             raise_first(self.comm, refused)
-        check_state_kinds(manifest, self.state, name, report)
-        check_grad_scaler(manifest, self.state, name, report)
+        # A state built differently on one rank (a scheduler only rank 1 has) refuses on that
+        # rank: every rank raises that refusal, where the others would otherwise wait for it
+        # in the load's collectives and name it as gone.
+        refused = None
+        try:
+            check_state_kinds(manifest, self.state, name, report)
+            check_grad_scaler(manifest, self.state, name, report)
+        except CheckpointError as exc:
+            refused = exc
+        raise_first(self.comm, refused)
 
 
 def fetch_candidate(
