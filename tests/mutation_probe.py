@@ -47,6 +47,7 @@ OP = "tests/test_one_pass.py"
 LP = "tests/test_loader_position.py"
 PV = "tests/test_provenance.py"
 WR = "tests/test_wait_replay_survivors.py"
+MS = "tests/test_memory_survivors.py"
 AG = "tests/test_adoption_guards.py"
 CA = "tests/faults/test_capture.py"
 LF = "tests/test_lock_fencing.py"
@@ -917,6 +918,72 @@ MUTANTS = (
             "tests/test_lightning_paths.py::"
             "test_a_planted_last_ckpt_is_refused_before_lightning_loads_it",
         ),
+    ),
+    Mutant(
+        "memory ledger: the run lock is checked after the rename (a fenced job writes a record)",
+        "dckpt/root/memory_ledger.py",
+        "        if self.held is not None:  # a job that lost its lock must not write in"
+        "to the root\n"
+        "            self.held()\n"
+        "        os.replace(manifest, final)  # the commit point (a re-save replaces the record)\n",
+        "        os.replace(manifest, final)  # the commit point (a re-save replaces the record)\n"
+        "        if self.held is not None:  # a job that lost its lock must not write in"
+        "to the root\n"
+        "            self.held()\n",
+        (f"{MS}::test_a_job_fenced_before_the_memory_commit_writes_no_record",),
+    ),
+    Mutant(
+        "memory reader: tensors copied before the ranks agree (one rank refuses, all overwritten)",
+        "dckpt/load/memory_reader.py",
+        "            raise_first(self.ctl, failure)  # every rank matched every tensor, "
+        "or none copies\n"
+        "            assert fill is not None\n"
+        "            filled = fill.apply()  # from here on the live state changes\n",
+        "            filled = fill.apply() if fill is not None else {}  # copied before "
+        "the ranks agree\n"
+        "            raise_first(self.ctl, failure)\n",
+        (f"{MS}::test_when_one_rank_alone_refuses_a_memory_resume_no_rank_is_overwritten",),
+    ),
+    Mutant(
+        "memory refill: the first step does not wait for the copy back into memory",
+        "dckpt/load/memory_refill.py",
+        "        if not done.wait(timeout_s):\n"
+        "            cancel.set()  # it stops between two pieces, and drops its part file\n"
+        "            done.wait(timeout_s)\n",
+        "        if not done.is_set():\n"
+        "            pass  # the state goes on before the copy back is done\n",
+        (f"{MS}::test_the_first_step_after_a_partner_restore_waits_for_the_copy_back_into_memory",),
+    ),
+    Mutant(
+        "memory refill: the first step waits for the copy back no time at all",
+        "dckpt/load/memory_refill.py",
+        "        if not done.wait(timeout_s):\n",
+        "        if not done.wait(0):\n",
+        (f"{MS}::test_the_first_step_after_a_partner_restore_waits_for_the_copy_back_into_memory",),
+    ),
+    Mutant(
+        "memory tier: only rank 0 proves its node's directory at a start",
+        "dckpt/memory_tier.py",
+        "        if topology.ranks_of(node)[0] == rank:\n",
+        "        if rank == 0:\n",
+        (f"{MS}::test_each_nodes_first_rank_proves_its_nodes_directory",),
+    ),
+    Mutant(
+        "memory tier: each node's first rank cleans node 0's directory, not its own",
+        "dckpt/memory_tier.py",
+        "            memory_layout.clean_abandoned(node_dir)\n",
+        "            memory_layout.clean_abandoned(memory_layout.node_dir(memory_dir, 0))\n",
+        (f"{MS}::test_each_nodes_first_rank_cleans_its_nodes_abandoned_files",),
+    ),
+    Mutant(
+        "resumer: an optimizer step does not settle what the load left running",
+        "dckpt/load/resumer.py",
+        '        optimizer, an ``observe()``: the loaded state is changing."""\n'
+        "        self.settle()\n"
+        "        self._untouched = None\n",
+        '        optimizer, an ``observe()``: the loaded state is changing."""\n'
+        "        self._untouched = None\n",
+        (f"{MS}::test_the_first_step_after_a_partner_restore_waits_for_the_copy_back_into_memory",),
     ),
 )
 
