@@ -6,8 +6,10 @@ run id took it over at once). What keeps such a takeover from costing anything i
 rank 0, for every root kind:
 
 - ``check`` runs right before every commit point (a directory's rename, a bucket's manifest
-  PUT, a memory ledger's record): it reads the lock back and raises ``LockError`` unless it
-  is still this job's, so the job that lost its lock commits nothing more;
+  PUT, a memory ledger's record) and every delete of a committed step or record (retention,
+  a bucket's re-saved step uncommitted, a memory ledger's pruning): it reads the lock back
+  and raises ``LockError`` unless it is still this job's, so the job that lost its lock
+  commits and deletes nothing more;
 - ``movable`` says which committed steps this job may move aside as superseded or delete by
   retention: those it found at its start (``start``, after recovery, under the lock), those
   it committed itself, and those its own run wrote (the manifest's run id). A step another
@@ -78,7 +80,11 @@ class Fence:
         self, decisions: list[Decision], run_of: Callable[[int], str | None]
     ) -> list[Decision]:
         """Retention's ``decisions`` with every victim this job may not delete kept instead
-        (``movable``), with that reason."""
+        (``movable``), with that reason. Raises LockError first, deleting nothing, when there
+        is a victim and this job no longer holds the root (``check``): the lock may have been
+        taken after this job's last commit, and the new owner may be reading those steps."""
+        if any(not d.keep for d in decisions):
+            self.check()
         return [
             d
             if d.keep or self.movable(d.step, functools.partial(run_of, d.step))

@@ -115,7 +115,12 @@ class MemoryLedger(Protocol):
 
 class Pruning(ABC):
     """The ledger's upkeep, the same for every store: what a ledger removes is found from its
-    listing (``steps``), and removed by its ``_remove`` (each store's own)."""
+    listing (``steps``), and removed by its ``_remove`` (each store's own), only while this
+    job still holds the run lock (``held``, read back first, as before a commit: a job that
+    lost its lock removes no record the new owner may resume from)."""
+
+    held: Callable[[], None] | None = None
+    """Raises unless this job still holds the run lock (None: no lock to check)."""
 
     @abstractmethod
     def steps(self) -> list[int]:
@@ -126,11 +131,16 @@ class Pruning(ABC):
         """Remove the records of ``steps``; returns those removed."""
 
     def drop_above(self, step: int) -> list[int]:
-        return self._remove([s for s in self.steps() if s > step])
+        return self._prune([s for s in self.steps() if s > step])
 
     def keep_newest(self, count: int) -> list[int]:
         steps = self.steps()
-        return self._remove(steps[: max(0, len(steps) - count)])
+        return self._prune(steps[: max(0, len(steps) - count)])
+
+    def _prune(self, steps: list[int]) -> list[int]:
+        if steps and self.held is not None:
+            self.held()
+        return self._remove(steps) if steps else []
 
 
 class DirectoryLedger(Pruning):

@@ -9,7 +9,8 @@ unchanged), then:
    writes): if the step is already committed (a re-save), its manifest is deleted first,
    since objects of a committed step are never overwritten under its manifest; the older
    steps stay whole, but the step is gone until the re-save commits (an object store cannot
-   swap two copies; logged);
+   swap two copies; logged); the run lock is read back before that delete, as before a
+   commit (dckpt.root.fence);
 2. ``uploads`` opens one ``ObjectUpload`` per save on each rank, which holds that save's
    state; its ``tee`` (every rank, while DCP writes its files): every byte the hashing writer
    writes to the local file also goes to ``step-N/<file>`` in the store, part by part as the parts
@@ -42,7 +43,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..errors import IntegrityError, StorageError
+from ..errors import IntegrityError, LockError, StorageError
 from ..faults import fault_point
 from ..owned import make_dir
 from ..phases import Phase, Trace
@@ -126,6 +127,8 @@ class ObjectCommit:
         if coordinator:
             try:
                 self._make_room(root, step)
+            except LockError:
+                raise  # fenced: said as such (SaveError "commits nothing more")
             except Exception as exc:
                 raise StorageError(f"cannot prepare {self.where(root, step)}: {exc}") from exc
         make_dir(tmp, parents=True)
@@ -134,6 +137,7 @@ class ObjectCommit:
         """A step saved again is uncommitted first: its objects are about to be overwritten."""
         if self.objects.store.head(self.objects.key(step_dir_name(step), MANIFEST_FILE)) is None:
             return
+        self.fence.check()  # a delete: a job that lost its lock must not uncommit a step
         log.warning(
             "dckpt: step %d is saved again: its committed copy at %s is uncommitted first (an "
             "object store cannot swap two copies); older steps stay whole",
