@@ -95,10 +95,10 @@ class DurableReader:
         mark(f"checking step {step}'s config and state")
         self.checks.run(manifest, report, with_config=with_config)
         state_dict = state.state_dict()
-        if manifest.world_size != self.world_size:
-            checks.resolve_per_rank(state, state_dict, manifest.world_size, name, report)
         refused: CheckpointError | None = None
         try:
+            if manifest.world_size != self.world_size:  # a PerRank may refuse on one rank
+                checks.resolve_per_rank(state, state_dict, manifest.world_size, name, report)
             checks.check_shapes(state_dict, reader, name)
         except CheckpointError as exc:
             refused = exc
@@ -107,9 +107,10 @@ class DurableReader:
             if refused is None:
                 raise
             refused.__cause__ = exc
-        # Each rank checks its own tensors, and they need not be alike (a PerRank value, a
-        # rank whose model was built differently): a refusal on one rank is raised on every
-        # rank here, before DCP's load, whose collectives the refusing rank would never join.
+        # Each rank checks its own tensors and per-rank values, and they need not be alike (a
+        # PerRank built to refuse a new world on one rank only, a rank whose model was built
+        # differently): a refusal on one rank is raised on every rank here, before DCP's
+        # load, whose collectives the refusing rank would never join.
         # One int all-reduced when no rank refused, whatever the world's size.
         failed = self.ctl.first_failure(refused)
         if failed is not None:
