@@ -2,8 +2,9 @@
 "one step more than the tests take").
 
 Each resume path, in a root of its own: the run saves, a new manager resumes (the state
-disturbed first, so a resume that loads nothing shows), takes one AdamW step on a batch the
-saved run never saw, saves, and a third manager resumes again. Each resume must give the
+disturbed first, parameters and optimizer state, so a resume that loads nothing shows),
+takes one AdamW step on a batch the saved run never saw, saves, and a third manager resumes
+again. Each resume must give the
 state exactly: the first the saved one, the second the one after the step (model and
 optimizer tensors equal, AdamW's step count included: the first step's effects are there),
 and never the state before that step.
@@ -74,10 +75,15 @@ def _same(want: dict[str, torch.Tensor], net: torch.nn.Module, opt: torch.optim.
     return set(got) == set(want) and all(torch.equal(want[k], got[k]) for k in want)
 
 
-def _disturb(net: torch.nn.Module) -> None:
+def _disturb(net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Every parameter and optimizer tensor changed: a resume that leaves one shows."""
     with torch.no_grad():
         for p in net.parameters():
             p.add_(1.0)
+        for s in opt.state.values():
+            for v in s.values():
+                if isinstance(v, torch.Tensor):
+                    v.add_(1.0)
 
 
 def _config(root: Path | str, **extra: Any) -> dckpt.CheckpointConfig:
@@ -96,7 +102,7 @@ def _twice(
     """Resume (the state disturbed first), one optimizer step, save ``step`` to ``tier``,
     resume again: what each resume gave."""
     state = dckpt.TrainState(net, opt)
-    _disturb(net)
+    _disturb(net, opt)
     if before_first is not None:
         before_first()
     with dckpt.CheckpointManager(conf, state) as mgr:
@@ -110,7 +116,7 @@ def _twice(
         trained = _snap(net, opt)
         mgr.save(step, tier=tier).result()
     out["moved"] = not _same(saved, net, opt)  # the step changed the state
-    _disturb(net)
+    _disturb(net, opt)
     with dckpt.CheckpointManager(conf, state) as mgr:
         again = mgr.resume()
     out["again"] = (again.step, again.origin or str(again.path))
@@ -253,7 +259,7 @@ def test_a_step_after_an_s3_resume_is_saved_and_resumed_again_exactly(
 
     got = {}
     state = dckpt.TrainState(net, opt)
-    _disturb(net)
+    _disturb(net, opt)
     with dckpt.CheckpointManager(_config(url, mirror=tmp_path / next(mirrors)), state) as mgr:
         first = mgr.resume()
         got["first"] = first.step
@@ -261,7 +267,7 @@ def test_a_step_after_an_s3_resume_is_saved_and_resumed_again_exactly(
         _train(net, opt, 102)
         trained = _snap(net, opt)
         mgr.save(2).result()
-    _disturb(net)
+    _disturb(net, opt)
     with dckpt.CheckpointManager(_config(url, mirror=tmp_path / next(mirrors)), state) as mgr:
         again = mgr.resume()
     assert got["first"] == 1 and got["exact"], got
