@@ -52,7 +52,7 @@ import xxhash
 from ..errors import CheckpointError
 from ..units import plural
 from . import sealed
-from .store import call, default_store
+from .store import StoreUnreachableError, call, default_store
 
 __all__ = ["Comm", "DivergedError", "Failed"]
 
@@ -69,6 +69,24 @@ class Failed:
     """That rank's error (on the other ranks, its unpickled copy)."""
     count: int
     """How many ranks failed."""
+
+
+RETRY_S = 0.2
+"""How soon a meeting claims again after the store did not answer (calls fail at once while
+the one that timed out still waits: dckpt.collective.store)."""
+
+
+def _until(end: float, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` (store calls), made again while the store does not answer and the
+    monotonic ``end`` is ahead; the last ``StoreUnreachableError`` once it is not."""
+    while True:
+        try:
+            return fn(*args)
+        except StoreUnreachableError:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise
+            time.sleep(min(RETRY_S, left))
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -537,7 +555,12 @@ class Comm:
         taken, a mark, "abandoned") reads as absent and is replaced atomically, so it can
         delay a meeting until ``timeout_s``, never make a rank believe it met or was given
         up on. (A writer that deletes or overwrites the ranks' own values can still make a
-        meeting fail, as a late peer does: no seal keeps a value in the store.)"""
+        meeting fail, as a late peer does: no seal keeps a value in the store.)
+
+        A claim the store did not answer in time is made again until ``timeout_s``: a store
+        that stalls and answers again costs the meeting the stall (a claim that landed late
+        reads back as this rank's own). One that still does not answer at the deadline
+        raises ``StoreUnreachableError``: the store is named, not the peer."""
         if not self.distributed or not peers:
             return []
         store = default_store()
@@ -547,19 +570,21 @@ class Comm:
         mine = str(me)
         first: list[tuple[int, str, str]] = []
         missed: list[int] = []
+        end = time.monotonic() + timeout_s
         for peer in sorted(set(peers)):
             n = self._met.get(peer, 0) + 1
             self._met[peer] = n
             them = dist.get_global_rank(group, peer)
             key = f"{self.keys}/meet/{group.group_name}/{min(me, them)}-{max(me, them)}/{n}"
-            held = sealed.claim(store, key, mine)
+            held = _until(end, sealed.claim, store, key, mine)
             if held == mine:
                 first.append((peer, key, str(them)))  # the peer is not there yet: wait for it
-            elif held != str(them) or sealed.claim(store, f"{key}/second", mine) != mine:
+            elif (
+                held != str(them) or _until(end, sealed.claim, store, f"{key}/second", mine) != mine
+            ):
                 # it came first and gave up on this rank ("gone"), or a writer outside the
                 # job kept replacing the keys (None): not met, as at the deadline
                 missed.append(peer)
-        end = time.monotonic() + timeout_s
         for peer, key, theirs in first:
             second = f"{key}/second"
             got = sealed.wait(store, second, max(end - time.monotonic(), 0.001))

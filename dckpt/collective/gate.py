@@ -17,7 +17,10 @@ until when; one that gives up names the opener and what it was doing.
 
 Every store call has a deadline (dckpt.collective.store); a waiter reads the store once per
 ``SLICE_S`` at most (a wait that returns the moment the key is set), whatever the world's
-size. Keys live under the group's random token, one set per gate name and manager.
+size. A call that the store did not answer in time ends nothing while the waiter's deadline
+has time left: it looks again (a store that stalls and answers again costs the wait the
+stall); a store that still does not answer at the deadline is named as lost. Keys live under
+the group's random token, one set per gate name and manager.
 
 Both values are sealed (``dckpt.collective.sealed``): the job's store takes writes from any
 client that reaches its port, and one once planted a "wait longer" that did not parse (the
@@ -44,6 +47,9 @@ log = logging.getLogger("dckpt")
 
 SLICE_S = 2.0
 """How long one store wait of a waiter lasts before it looks for a longer deadline."""
+RETRY_S = 0.2
+"""How soon a waiter looks again after the store did not answer (its calls fail at once
+while the one that timed out still waits: dckpt.collective.store)."""
 OPEN = "open"
 """The opener's value under the gate's ``open`` key (sealed)."""
 
@@ -92,15 +98,23 @@ class Gate:
 
     def wait(self, what: str) -> None:
         """A waiter: return once the opener opened the gate; CheckpointError naming the opener
-        and ``what`` it was doing once the deadline passed, or the store stopped answering."""
+        and ``what`` it was doing once the deadline passed, or naming the store when it still
+        did not answer at the deadline (a call it did not answer in time ends nothing before)."""
         if not self.used:
             return
         store = default_store()
         start = time.monotonic()
         deadline = start + self.timeout_s
         seen = 0
+        lost: StoreUnreachableError | None = None  # the store at the last look, if it failed
         while True:
             left = deadline - time.monotonic()
+            if left <= 0 and lost is not None:
+                raise CheckpointError(
+                    f"rank {self.comm.rank} lost the job's store while it waited for rank "
+                    f"{self.opener} to finish {what}: it did not answer again within "
+                    f"{time.monotonic() - start:.0f} s ({lost}). Start the job again."
+                )
             if left <= 0:
                 raise CheckpointError(
                     f"rank {self.comm.rank} waited {time.monotonic() - start:.0f} s for rank "
@@ -112,11 +126,11 @@ class Gate:
             try:  # rank 0's own "open" only: a planted one is named and waited past
                 if sealed.wait(store, self._open, min(SLICE_S, left)) == OPEN:
                     return
-            except StoreUnreachableError as exc:
-                raise CheckpointError(
-                    f"rank {self.comm.rank} lost the job's store while it waited for rank "
-                    f"{self.opener} to finish {what} ({exc}). Start the job again."
-                ) from None
+                lost = None
+            except StoreUnreachableError as exc:  # a stall, or gone: the deadline tells
+                lost = exc
+                time.sleep(min(RETRY_S, max(deadline - time.monotonic(), 0.0)))
+                continue
             try:
                 raw = sealed.get(store, self._longer)
             except StoreUnreachableError:

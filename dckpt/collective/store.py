@@ -8,9 +8,12 @@ node that lost its network hung for over ten minutes).
 
 So every call dckpt makes runs on a daemon thread and is waited for at most ``deadline_s``
 (``HINT_S`` for markers and heartbeats, which only name a late rank and decide nothing): one
-that does not answer in time raises ``StoreUnreachableError``, and for ``QUIET_S`` after that
-every call fails at once rather than leave another thread on the dead socket. A thread left
-waiting is a daemon: it never keeps the process alive. The store's own timeout is not
+that does not answer in time raises ``StoreUnreachableError``, and after that every call
+fails at once rather than leave another thread on the dead socket: until the calls that
+timed out came back (the store answers again: a stall, not a dead link), for ``QUIET_S`` at
+most. So a store that stalls and answers again costs a wait no more than the stall: a wait
+with a deadline of its own (the gate, a meeting) looks again until that deadline. A thread
+left waiting is a daemon: it never keeps the process alive. The store's own timeout is not
 changed (torch's groups share it).
 
 One more wait is not dckpt's and still ends a node: torchrun's agent. Its rendezvous
@@ -51,9 +54,11 @@ AGENT_GRACE_S = 20.0
 """After this worker sent torchrun's agent SIGTERM (a node cut off from the job's store), how
 long the agent has to exit before a watcher sends it SIGKILL."""
 QUIET_S = 30.0
-"""After a call timed out, calls fail at once for this long (no new thread on a dead link)."""
+"""After a call timed out, calls fail at once for this long at most (no new thread on a dead
+link), or until the calls that timed out came back."""
 
-_quiet = {"until": 0.0, "failed": 0.0}  # calls fail at once before "until"; "failed": ever
+_quiet = {"until": 0.0, "failed": 0.0}  # calls may fail at once before "until"; "failed": ever
+_stuck: list[threading.Thread] = []  # calls that timed out; while one waits, the link may be dead
 _lock = threading.Lock()
 log = logging.getLogger("dckpt")
 
@@ -73,8 +78,9 @@ def default_store() -> Any:
 
 def call(fn: Callable[..., T], *args: Any, deadline_s: float = HINT_S) -> T:
     """``fn(*args)`` (a store method), waited for at most ``deadline_s``; raises
-    ``StoreUnreachableError`` past it, or at once for ``QUIET_S`` after one did."""
-    if time.monotonic() < _quiet["until"]:
+    ``StoreUnreachableError`` past it, or at once while a call that did still waits on the
+    store (for ``QUIET_S`` at most)."""
+    if time.monotonic() < _quiet["until"] and _still_stuck():
         raise StoreUnreachableError("the job's store stopped answering a moment ago")
     box: list[Any] = []
 
@@ -89,6 +95,7 @@ def call(fn: Callable[..., T], *args: Any, deadline_s: float = HINT_S) -> T:
     thread.join(deadline_s)
     if not box:
         with _lock:
+            _stuck.append(thread)
             _quiet["until"] = time.monotonic() + QUIET_S
             if not _quiet["failed"]:
                 _quiet["failed"] = 1.0
@@ -101,6 +108,15 @@ def call(fn: Callable[..., T], *args: Any, deadline_s: float = HINT_S) -> T:
     if not ok:
         raise value
     return value  # type: ignore[no-any-return]
+
+
+def _still_stuck() -> bool:
+    """Whether a call that timed out still waits on the store. One that came back (with an
+    answer, or an error) shows the store answers again, or fails at once: either way a new
+    call leaves no thread on a dead link."""
+    with _lock:
+        _stuck[:] = [t for t in _stuck if t.is_alive()]
+        return bool(_stuck)
 
 
 _STORE: list[Any] = []
