@@ -2,7 +2,7 @@
 "one step more than the tests take").
 
 Each resume path, in a root of its own: the run saves, a new manager resumes (the state
-disturbed first, parameters and optimizer state, so a resume that loads nothing shows),
+disturbed first, parameters, optimizer state and LR, so a resume that leaves one shows),
 takes one AdamW step on a batch the saved run never saw, saves, and a third manager resumes
 again. Each resume must give the
 state exactly: the first the saved one, the second the one after the step (model and
@@ -67,6 +67,7 @@ def _snap(net: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.T
     out = {f"m.{k}": v.detach().clone() for k, v in net.state_dict().items()}
     for i, s in enumerate(opt.state.values()):
         out.update({f"o.{i}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)})
+    out.update({f"lr.{i}": torch.tensor(g["lr"]) for i, g in enumerate(opt.param_groups)})
     return out
 
 
@@ -76,7 +77,8 @@ def _same(want: dict[str, torch.Tensor], net: torch.nn.Module, opt: torch.optim.
 
 
 def _disturb(net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Every parameter and optimizer tensor changed: a resume that leaves one shows."""
+    """Every parameter, optimizer tensor and learning rate changed: a resume that leaves one
+    shows."""
     with torch.no_grad():
         for p in net.parameters():
             p.add_(1.0)
@@ -84,6 +86,8 @@ def _disturb(net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
             for v in s.values():
                 if isinstance(v, torch.Tensor):
                     v.add_(1.0)
+    for group in opt.param_groups:
+        group["lr"] *= 2
 
 
 def _config(root: Path | str, **extra: Any) -> dckpt.CheckpointConfig:
