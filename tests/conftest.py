@@ -27,6 +27,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import zygote  # noqa: E402 - tests/ is on the path from the line above
+
 
 def _train_cmd(ckpt: Path, args: tuple[str, ...], nproc: int) -> list[str]:
     return [
@@ -45,7 +47,14 @@ def _worker_env() -> dict[str, str]:
 def torchrun_train(
     ckpt: Path, *args: str, nproc: int = 2, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
-    """Run launch/train.py under torchrun on gloo; returns the finished process."""
+    """Run launch/train.py as a torchrun job on gloo; returns the finished process. Its ranks
+    are forked from a process that imported torch once (tests/zygote.py: torchrun's contract
+    for a standalone job, at half the CPU); ``DCKPT_TEST_ZYGOTE=0``: under torchrun itself."""
+    if zygote.enabled():
+        return zygote.client().run(
+            REPO / "launch" / "train.py", ["--ckpt-dir", str(ckpt), *args], nproc=nproc,
+            env=_worker_env(), timeout=timeout,
+        )  # fmt: skip
     return subprocess.run(
         _train_cmd(ckpt, args, nproc), capture_output=True, text=True, timeout=timeout,
         env=_worker_env(), check=False,
