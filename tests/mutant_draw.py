@@ -56,6 +56,12 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_manifest.py",
         "tests/test_commit.py",
         "tests/faults/test_hostile.py",
+        "tests/test_provenance.py",
+    ),
+    "dckpt/load/resumer.py": (
+        "tests/test_provenance.py",
+        "tests/test_resume_gaps.py",
+        "tests/test_restart_loop.py",
     ),
     "dckpt/root/layout.py": (
         "tests/test_commit.py",
@@ -134,7 +140,11 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_provenance.py",
         "tests/faults/test_shared_host.py",
     ),
-    "dckpt/collective/sealed.py": ("tests/test_store_outsider.py", "tests/test_comm.py"),
+    "dckpt/collective/sealed.py": (
+        "tests/test_sealed.py",
+        "tests/test_store_outsider.py",
+        "tests/test_comm.py",
+    ),
     "dckpt/integrations/lightning.py": ("tests/test_lightning_paths.py",),
 }
 

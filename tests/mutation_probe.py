@@ -985,6 +985,277 @@ MUTANTS = (
         "        self._untouched = None\n",
         (f"{MS}::test_the_first_step_after_a_partner_restore_waits_for_the_copy_back_into_memory",),
     ),
+    Mutant(
+        "blind 54: owned: _prove_way stops at the root itself when it is fine (its parents "
+        "never walked: a squatted parent accepted)",
+        "dckpt/owned.py",
+        "        if d != real and st.st_uid in (0, me) and not _shared(st):",
+        "        if st.st_uid in (0, me) and not _shared(st):",
+        (
+            "tests/test_owned.py::"
+            "test_an_existing_root_is_refused_under_a_parent_another_user_controls",
+        ),
+    ),
+    Mutant(
+        "blind 54: provenance: refusal never compares the mac (a signature with the right key "
+        "id but any mac passes)",
+        "dckpt/root/provenance.py",
+        "        if not isinstance(mac, str) or not hmac.compare_digest(mac, self._mac(manifest)):",
+        "        if not isinstance(mac, str):",
+        ("tests/test_provenance.py::test_a_keyed_run_resumes_only_the_steps_its_key_signs",),
+    ),
+    Mutant(
+        "blind 54: provenance: the mac covers only the files digest (other fields, e.g. "
+        "config/step, changed and re-sealed still pass)",
+        "dckpt/root/provenance.py",
+        "        body = dataclasses.replace(manifest, signature={}).to_json_obj()\n"
+        '        del body["self_digest"]  # a digest of the same fields: signed through them',
+        '        body = {"files_digest": manifest.files_digest}',
+        ("tests/test_provenance.py::test_a_keyed_run_resumes_only_the_steps_its_key_signs",),
+    ),
+    Mutant(
+        "blind 54: provenance: a group-readable key file accepted (only other-read refused)",
+        "dckpt/root/provenance.py",
+        "            if stat.S_IMODE(st.st_mode) & 0o077:",
+        "            if stat.S_IMODE(st.st_mode) & 0o007:",
+        (
+            "tests/test_provenance.py::"
+            "test_a_key_file_others_could_read_or_swap_is_refused_in_words",
+        ),
+    ),
+    Mutant(
+        "blind 54: sealed: the seal does not cover the key (a genuine value copied under "
+        "another key passes)",
+        "dckpt/collective/sealed.py",
+        '        raw = key.encode() + b"\\0" + payload.encode()',
+        "        raw = payload.encode()",
+        ("tests/test_sealed.py::test_a_sealed_value_reads_back_only_under_its_own_key",),
+    ),
+    Mutant(
+        "blind 54: sealed: the seal's secret is the public key name (any client that lists "
+        "the keys can seal)",
+        "dckpt/collective/sealed.py",
+        '        _seals[name] = Seal(_derive(token, b"seal"))',
+        "        _seals[name] = Seal(name.encode())",
+        ("tests/test_sealed.py::test_nothing_public_seals_a_value",),
+    ),
+    Mutant(
+        "blind 54: lightning: a later hop's directory not proven (only the first link's "
+        "directory is)",
+        "dckpt/integrations/lightning.py",
+        "            where = _prove_links_dir(parent, make=False)",
+        "            where = _prove_links_dir(parent, make=False) if "
+        "cur == given else Path(parent)",
+        (
+            "tests/test_lightning_paths.py::"
+            "test_each_hop_of_a_link_chain_is_in_a_directory_of_the_jobs_own",
+        ),
+    ),
+    Mutant(
+        "blind 54: manifest: check_layout claims a file only after its type and size checks "
+        "(another user's symlink or wrong-size file is quarantined as damage, not passed "
+        "over)",
+        "dckpt/root/manifest.py",
+        "        if owned is not None:  # another user's file is fore"
+        "ign, whatever it holds: not damage\n"
+        "            owned(path, st)\n"
+        "        if not stat.S_ISREG(st.st_mode):\n"
+        '            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"\n'
+        '            raise IntegrityError(str(path), "a regular file", kind, "wrong file type")\n'
+        "        if st.st_size != rec.bytes:\n"
+        "            raise IntegrityError(\n"
+        '                str(path), f"{rec.bytes} bytes", f"{st.st_si'
+        'ze} bytes", "size mismatch"\n'
+        "            )\n",
+        "        if not stat.S_ISREG(st.st_mode):\n"
+        '            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"\n'
+        '            raise IntegrityError(str(path), "a regular file", kind, "wrong file type")\n'
+        "        if st.st_size != rec.bytes:\n"
+        "            raise IntegrityError(\n"
+        '                str(path), f"{rec.bytes} bytes", f"{st.st_si'
+        'ze} bytes", "size mismatch"\n'
+        "            )\n"
+        "        if owned is not None:  # another user's file is fore"
+        "ign, whatever it holds: not damage\n"
+        "            owned(path, st)\n",
+        (
+            "tests/test_provenance.py::"
+            "test_another_users_file_of_the_wrong_size_is_foreign_not_damage",
+        ),
+    ),
+    Mutant(
+        "fence: the directory commit's lock check comes before its last fault point",
+        "dckpt/root/commit.py",
+        "        fault_point(Phase.RENAME, 0, step)\n"
+        "        if cancelled is not None and cancelled.is_set():\n"
+        '            raise RuntimeError(f"the save of step {step} was'
+        ' cancelled before its commit")\n'
+        "        self.fence.check()  # a job whose run lock was taken commits nothing more\n",
+        "        self.fence.check()  # a job whose run lock was taken commits nothing more\n"
+        "        fault_point(Phase.RENAME, 0, step)\n"
+        "        if cancelled is not None and cancelled.is_set():\n"
+        '            raise RuntimeError(f"the save of step {step} was'
+        ' cancelled before its commit")\n',
+        (
+            "tests/test_fenced_commits.py::"
+            "test_a_directory_job_fenced_right_before_the_rename_commits_nothing",
+        ),
+    ),
+    Mutant(
+        "fence: the directory commit does not check the lock before the rename",
+        "dckpt/root/commit.py",
+        "        self.fence.check()  # a job whose run lock was taken commits nothing more\n"
+        "        replaced: Path | None = None",
+        "        replaced: Path | None = None",
+        (
+            "tests/test_fenced_commits.py::"
+            "test_a_directory_job_fenced_right_before_the_rename_commits_nothing",
+        ),
+    ),
+    Mutant(
+        "fence: the s3 commit's lock check comes before its last fault point",
+        "dckpt/tiers/object_commit.py",
+        "        fault_point(Phase.RENAME, 0, step)\n"
+        "        if cancelled is not None and cancelled.is_set():\n"
+        '            raise RuntimeError(f"the save of step {step} was'
+        ' cancelled before its commit")\n'
+        "        self._check_objects(step, parse_manifest(raw, str(tmp / MANIFEST_FILE)))\n"
+        "        self.fence.check()  # a job that lost its lock may have lost its objects too\n",
+        "        self.fence.check()  # a job that lost its lock may have lost its objects too\n"
+        "        fault_point(Phase.RENAME, 0, step)\n"
+        "        if cancelled is not None and cancelled.is_set():\n"
+        '            raise RuntimeError(f"the save of step {step} was'
+        ' cancelled before its commit")\n'
+        "        self._check_objects(step, parse_manifest(raw, str(tmp / MANIFEST_FILE)))\n",
+        (
+            "tests/test_fenced_commits.py::"
+            "test_an_s3_job_fenced_right_before_its_manifest_put_or_a_delete_changes_nothing",
+        ),
+    ),
+    Mutant(
+        "fence: a fenced s3 re-save uncommits the committed step",
+        "dckpt/tiers/object_commit.py",
+        "        self.fence.check()  # a delete: a job that lost its "
+        "lock must not uncommit a step\n",
+        "",
+        (
+            "tests/test_fenced_commits.py::"
+            "test_an_s3_job_fenced_right_before_its_manifest_put_or_a_delete_changes_nothing",
+        ),
+    ),
+    Mutant(
+        "fence: retention deletes after the lock was taken",
+        "dckpt/root/fence.py",
+        "        if any(not d.keep for d in decisions):\n            self.check()\n",
+        "",
+        (
+            "tests/test_fenced_commits.py::"
+            "test_a_directory_job_fenced_right_before_its_retention_deletes_nothing",
+        ),
+    ),
+    Mutant(
+        "fence: the memory ledger prunes after the lock was taken",
+        "dckpt/root/memory_ledger.py",
+        "        if steps and self.held is not None:\n            self.held()\n",
+        "",
+        (
+            "tests/test_fenced_commits.py::"
+            "test_a_directory_job_fenced_right_before_its_retention_deletes_nothing",
+        ),
+    ),
+    Mutant(
+        "memory commit: the lineage anchor is the memory step, not its durable anchor",
+        "dckpt/tiers/memory_commit.py",
+        "            self.anchor = after if isinstance(after, int) else None",
+        "            self.anchor = manifest.step",
+        (
+            "tests/test_step_after_resume.py::"
+            "test_a_step_after_each_resume_is_saved_and_resumed_again_exactly",
+        ),
+    ),
+    Mutant(
+        "state: a resume writes the model back but not the optimizer",
+        "dckpt/train/state.py",
+        "                set_state_dict(\n"
+        "                    self.model,\n"
+        "                    self.optimizer,\n"
+        '                    model_state_dict=state_dict["model"],\n'
+        '                    optim_state_dict=state_dict["optimizer"],\n'
+        "                    options=self._options,\n"
+        "                )",
+        "                set_model_state_dict(self.model, state_dict["
+        '"model"], options=self._options)',
+        (
+            "tests/test_step_after_resume.py::"
+            "test_a_step_after_each_resume_is_saved_and_resumed_again_exactly",
+        ),
+    ),
+    Mutant(
+        "agreement: a config refused on one rank is raised on that rank alone",
+        "dckpt/load/checks.py",
+        "            raise_first(self.comm, refused)\n"
+        "        # A state built differently on one rank",
+        "            if refused is not None:\n"
+        "                raise refused\n"
+        "        # A state built differently on one rank",
+        (
+            "tests/test_one_rank_alone.py::"
+            "test_a_config_changed_on_one_rank_alone_is_refused_on_every_rank",
+        ),
+    ),
+    Mutant(
+        "agreement: a precision refused on one rank is raised on that rank alone (memory tier)",
+        "dckpt/load/checks.py",
+        "            raise_first(self.comm, refused)\n"
+        "        # A state built differently on one rank",
+        "            if refused is not None:\n"
+        "                raise refused\n"
+        "        # A state built differently on one rank",
+        (
+            "tests/test_one_rank_alone.py::"
+            "test_a_precision_changed_on_one_rank_alone_is_refused_on_every_rank",
+        ),
+    ),
+    Mutant(
+        "agreement: a memory step's key refused on one rank is raised on that rank alone",
+        "dckpt/load/memory_reader.py",
+        "        raise_first(self.ctl, refused)\n        assert manifest is not None",
+        "        if refused is not None:\n"
+        "            raise refused\n"
+        "        assert manifest is not None",
+        (
+            "tests/test_one_rank_alone.py::"
+            "test_a_key_that_differs_on_one_rank_alone_refuses_the_memory_step_on_every_rank",
+        ),
+    ),
+    Mutant(
+        "agreement: a PerRank refusing the new world on one rank is raised on that rank alone",
+        "dckpt/load/durable.py",
+        "        refused: CheckpointError | None = None\n"
+        "        try:\n"
+        "            if manifest.world_size != self.world_size:  # a "
+        "PerRank may refuse on one rank\n",
+        "        if manifest.world_size != self.world_size:\n"
+        "            checks.resolve_per_rank(state, state_dict, manif"
+        "est.world_size, name, report)\n"
+        "        refused: CheckpointError | None = None\n"
+        "        try:\n"
+        "            if False:\n",
+        (
+            "tests/test_one_rank_alone.py::"
+            "test_a_per_rank_value_refused_on_one_rank_alone_is_refused_on_every_rank",
+        ),
+    ),
+    Mutant(
+        "agreement: DCP's load does not gather every rank's read result (one rank's damage)",
+        "dckpt/load/durable.py",
+        "                no_dist=not self.ctl.distributed,\n",
+        "                no_dist=True,\n",
+        (
+            "tests/test_one_rank_alone.py::"
+            "test_a_file_only_one_rank_reads_damaged_sets_the_step_aside_on_every_rank",
+        ),
+    ),
 )
 
 

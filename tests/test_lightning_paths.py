@@ -434,3 +434,21 @@ def test_two_ranks_refuse_the_same_planted_file_together(tmp_path: Path) -> None
     messages = {_refused(r, "last-v9.ckpt", "uid 4242") for r in planted}
     assert len(messages) == 1, messages
     assert committed_steps(tmp_path / "job" / "dckpt") == [2, 4]
+
+
+def test_each_hop_of_a_link_chain_is_in_a_directory_of_the_jobs_own(
+    layout: tuple[Path, Path],
+) -> None:
+    """``save_last="link"`` makes a chain (last.ckpt -> a top-k link -> the step): every
+    link on the way must sit in a proven directory, not only the first; a second hop in a
+    directory anyone may write would let anyone pick what it leads to."""
+    from dckpt.integrations.lightning import _own_target
+
+    root, links = layout
+    theirs = root.parent / "theirs"
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    (theirs / "epoch=0-step=4.ckpt").symlink_to(f"../dckpt/{step_dir_name(4)}")
+    (links / "last.ckpt").symlink_to("../theirs/epoch=0-step=4.ckpt")
+    with pytest.raises(NotOwnedError, match=str(theirs)):
+        _own_target(links / "last.ckpt", root)

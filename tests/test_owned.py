@@ -393,3 +393,21 @@ def test_the_walk_up_stops_at_a_directory_only_its_owner_can_change(tmp_path: Pa
     home = top / "home"
     home.mkdir(mode=0o755)
     assert prove_root(home / "runs" / "exp1") == (home / "runs" / "exp1").resolve()
+
+
+def test_an_existing_root_is_refused_under_a_parent_another_user_controls(tmp_path: Path) -> None:
+    """The root is there already, the job's own and private, but its parent is another
+    user's (or anyone's, not sticky): that user can rename the root away and put hers in its
+    place, so the parents are walked for an existing root as for a missing one."""
+    theirs = tmp_path / "team"
+    theirs.mkdir(mode=0o755)
+    (theirs / "exp1").mkdir(mode=0o700)
+    os.chown(theirs, OTHER, OTHER)
+    with pytest.raises(NotOwnedError, match=f"{theirs} belongs to uid {OTHER}"):
+        prove_root(theirs / "exp1")
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    (open_parent / "exp1").mkdir(mode=0o700)
+    open_parent.chmod(0o777)
+    with pytest.raises(NotOwnedError, match=f"{open_parent} is writable by others"):
+        prove_root(open_parent / "exp1")

@@ -326,6 +326,18 @@ def test_a_keyed_run_resumes_only_the_steps_its_key_signs(
     rows = {r["step"]: r for r in json.loads(out) if r.get("tier") == "durable"}
     assert {s: rows[s]["signed"] for s in (2, 4, 6)} == {2: True, 4: False, 6: False}
     assert rows[4]["signed_by"] == other.key_id and rows[6]["signed_by"] is None
+    # The job's key id with a mac that is not the key's, and a field changed under the
+    # signature of the step as saved (its epoch): the signature covers every field.
+    two = parse_manifest(where.manifest(2), "m")
+    where.put_manifest(2, manifest_bytes(dataclasses.replace(two, epoch=two.epoch + 7)))
+    with pytest.raises(CheckpointError, match="another user's or not signed") as refused:
+        _resume(**where.config(key_file=key_file))  # no step left that the key signs
+    said = str(refused.value)
+    assert "step 2" in said and "signature does not match its contents" in said, said
+    forged = {**two.signature, "mac": "0" * 64}
+    where.put_manifest(2, manifest_bytes(dataclasses.replace(two, signature=forged)))
+    assert key.refusal(parse_manifest(where.manifest(2), "m")) is not None
+    where.put_manifest(2, manifest_bytes(two))  # as it was: signed
     # A run without a key takes every step whose bytes hash right (signatures are opt-in).
     report, state = _resume(**where.config())
     assert report.step == 6
@@ -344,6 +356,11 @@ def test_a_key_file_others_could_read_or_swap_is_refused_in_words(
     monkeypatch.setenv("DCKPT_KEY_FILE", str(key_file))  # the environment names it too
     with pytest.raises(NotOwnedError, match=f"belongs to uid {OTHER}"):
         _manager(_net(), root=root, digest="sha256")
+    key_file.chmod(0o640)  # the group may read it: the group could sign as the job
+    os.chown(key_file, 0, 0)
+    with pytest.raises(NotOwnedError, match="can be read by others"):
+        ManifestKey.load(key_file)
+    key_file.chmod(0o600)
     with pytest.raises(ValueError, match="digest='sha256' with a key"):
         dckpt.CheckpointConfig(root=root, key_file=_key(tmp_path / "k2"))
     with pytest.raises(CheckpointError, match="too short"):
@@ -407,3 +424,20 @@ def test_a_journal_or_resume_record_another_user_owns_is_no_evidence(
     said = caplog.text
     assert f"ignored {journal_path(root, 4)}: it belongs to uid {OTHER}" in said, said
     assert f"ignored {records.where(4)}: it belongs to uid {OTHER}" in said, said
+
+
+def test_another_users_file_of_the_wrong_size_is_foreign_not_damage(tmp_path: Path) -> None:
+    """Whose a file is comes before what it holds: another user's file that is also cut short
+    (or a link) makes the step foreign, passed over and left where it is, never quarantined as
+    damage (which would move it)."""
+    root = tmp_path / "root"
+    weights = _save([2, 4], root=root)
+    shard = next((root / step_dir_name(4)).glob("*.distcp"))
+    with shard.open("ab") as f:
+        f.write(b"x")
+    os.lchown(shard, OTHER, OTHER)
+    report, state = _resume(root=root)
+    assert report.step == 2 and _same(state, weights[2])
+    assert report.skipped == [] and not (root / "quarantine").exists()
+    assert "step 4 is not this job's" in "\n".join(report.warnings)
+    assert (root / step_dir_name(4)).is_dir()
