@@ -359,6 +359,21 @@ class CheckpointManager:
             self._io.close()
             raise failure from None
         failed = self._ctl.first_failure(failure)  # the lowest failing rank's, on every rank
+        if failed is None and self.config.key_file is not None:
+            # Every rank claims what it reads with its own copy of the key: a node given
+            # another key would pass over the steps the others take. One all-reduce at start.
+            mine = self._key.key_id if self._key is not None else ""
+            if not self._ctl.all_equal(mine):
+                first = self._ctl.broadcast(mine)
+                failed = self._ctl.first_failure(
+                    None
+                    if mine == first
+                    else CheckpointError(
+                        f"rank {self.rank}'s key file {self.config.key_file} holds another key "
+                        f"(id {mine!r}) than rank 0's (id {first!r}): every rank must sign and "
+                        "check with the run's one key; give every node the same key file"
+                    )
+                )
         if failed is not None:
             # Released on every failure, another rank's too (its node's mirror). Each lock
             # removes only a record it wrote: one whose acquire was refused (a bucket that

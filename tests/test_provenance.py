@@ -441,3 +441,27 @@ def test_another_users_file_of_the_wrong_size_is_foreign_not_damage(tmp_path: Pa
     assert report.skipped == [] and not (root / "quarantine").exists()
     assert "step 4 is not this job's" in "\n".join(report.warnings)
     assert (root / step_dir_name(4)).is_dir()
+
+
+def _start_with_key(rank: int, world: int, root: str, keys: list[str]) -> str:
+    net = nn.Linear(4, 4)
+    config = dckpt.CheckpointConfig(
+        root=root, digest="sha256", key_file=Path(keys[rank]), timeout_s=60
+    )
+    try:
+        with dckpt.CheckpointManager(config, dckpt.TrainState(net)):
+            return "started"
+    except CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_node_given_another_key_is_refused_at_the_start_on_every_rank(tmp_path: Path) -> None:
+    """Every rank checks what it reads with its own copy of the key: a node handed another
+    key file would pass over the steps the others take. The start compares the keys' ids (one
+    all-reduce) and every rank refuses, naming the rank and both ids."""
+    same = [str(_key(tmp_path / "a.key")), str(_key(tmp_path / "b.key"))]
+    assert run_world(_start_with_key, 2, str(tmp_path / "one"), same) == ["started"] * 2
+    other = [same[0], str(_key(tmp_path / "c.key", "c" * 32))]
+    got = run_world(_start_with_key, 2, str(tmp_path / "two"), other)
+    for said in got:
+        assert "rank 1's key file" in said and "holds another key" in said, got
