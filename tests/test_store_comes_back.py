@@ -25,12 +25,13 @@ case runs in one world of two ranks (``_cases``), and each test reads its case's
 - ``extend``: rank 0 tells the waiter to wait longer while the store is stalled; the waiter
   reads it once the store answers again.
 - ``meet``: both ranks reach a meeting while the store is stalled: they meet.
-- ``meet_second``: the store stalls as the second rank at a meeting claims its mark (the
-  first waits for it): they meet.
+- ``meet_second``: the store stalls as the second rank at a meeting claims its mark, and
+  again as the first reads it once its wait for it returned: they meet.
 - ``meet_past``: a stall longer than the meeting's deadline: ``StoreUnreachableError`` on both
   ranks (the store, not the peer, is named), not before that deadline; the next meeting meets.
 - ``hints``: after a stall that one of this rank's calls did not survive, the store answers
-  again: a stop flag set since is seen (and none is seen while it stalls), every rank's
+  again: a wait begun while that call still waited gets its value once the store answers,
+  a stop flag set since is seen (and none is seen while it stalls), every rank's
   progress marks read as there, the warmup names the rank that did not join, a rank whose
   heartbeat went on through the stall is not named silent (one whose beat stopped is).
 """
@@ -71,9 +72,11 @@ def _host_the_store(out: Any) -> None:
 
 def _join_the_store(rank: int, world: int, port: int) -> None:
     """This rank's process group through the test's TCPStore, as a client of it (the harness
-    made one through a file: replaced)."""
+    made one through a file: replaced, once both ranks are connected on it: a rank that tore
+    it down while the other still connected ended that one's init)."""
     import torch.distributed as dist
 
+    dist.barrier()
     dist.destroy_process_group()
     client = dist.TCPStore(
         "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60)
@@ -88,8 +91,16 @@ def _join_the_store(rank: int, world: int, port: int) -> None:
 
 
 def _stall(pid: int, seconds: float) -> threading.Timer:
-    """The store stops answering now, and answers again ``seconds`` later."""
+    """The store stops answering now, and answers again ``seconds`` later. Returns once it
+    is stopped (SIGSTOP takes effect when the kernel next schedules it: until then it may
+    still answer a request or two)."""
     os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + 10  # a bound for a broken run only
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+        time.sleep(0.001)
     timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
     timer.start()
     return timer
@@ -226,26 +237,33 @@ def _meet(rank: int, pid: int, comm: Any) -> dict[str, Any]:
 
 
 def _meet_second(rank: int, pid: int, comm: Any) -> dict[str, Any]:
-    """The store stalls (3 s) just as the second to arrive at a meeting (deadline 8 s) claims
-    its mark, after it found the first one's claim: whichever rank that is (both are set)."""
+    """At a meeting (deadline 10 s), the store stalls (3 s) just as the second to arrive
+    claims its mark, after it found the first one's claim; and again (3 s) just as the first
+    reads that mark, once its wait for it returned. Each rank is set to stall the store at
+    whichever of the two it comes to."""
     import torch.distributed as dist
 
     from dckpt.collective import sealed
 
-    real = sealed.claim
+    claim, get = sealed.claim, sealed.get
     timers: list[threading.Timer] = []
 
-    def claim(store: Any, key: str, payload: str) -> str | None:
-        if key.endswith("/second") and not timers:
+    def stalled_claim(store: Any, key: str, payload: str) -> str | None:
+        if key.endswith("/second") and not timers:  # the second's claim of its mark
             timers.append(_stall(pid, 3.0))
-        return real(store, key, payload)
+        return claim(store, key, payload)
 
-    sealed.claim = claim  # type: ignore[assignment]
+    def stalled_get(store: Any, key: str) -> str | None:
+        if key.endswith("/second") and not timers:  # the first's read of that mark
+            timers.append(_stall(pid, 3.0))
+        return get(store, key)
+
+    sealed.claim, sealed.get = stalled_claim, stalled_get  # type: ignore[assignment]
     try:
         dist.barrier()
-        got = _outcome(lambda: comm.meet([1 - rank], 8.0))
+        got = _outcome(lambda: comm.meet([1 - rank], 10.0))
     finally:
-        sealed.claim = real
+        sealed.claim, sealed.get = claim, get
         for timer in timers:
             timer.join()
     got["stalled_here"] = bool(timers)
@@ -275,8 +293,9 @@ def _hints(rank: int, pid: int, comm: Any) -> dict[str, Any]:
     the store answers again after a stall that one of this rank's calls did not survive."""
     import torch.distributed as dist
 
-    from dckpt.collective import world
+    from dckpt.collective import sealed, world
     from dckpt.collective.progress import MARKED, Progress
+    from dckpt.collective.store import default_store
 
     out: dict[str, Any] = {}
     progress = Progress(comm)
@@ -284,14 +303,20 @@ def _hints(rank: int, pid: int, comm: Any) -> dict[str, Any]:
     for phase in MARKED:
         progress.mark(save_id, phase)
     flag = progress.stop_flag(f"step-00000009.tmp-{save_id}")
+    told = f"{comm.keys}/told-after-the-stall"
     if rank == 1:
         comm.begin("save")  # its heartbeat goes on through the stall
     dist.barrier()
     if rank == 0:
         timer = _stall(pid, 2.5)
         flag._asked = 0.0  # look now
-        out["stopped_while_stalled"] = flag.is_set()  # its call times out
+        out["stopped_while_stalled"] = flag.is_set()  # its call times out, and still waits
+        # a wait that begins while that call still waits on the store (as the save thread's
+        # may, while the foreground waits): it gets the value once the store answers
+        out["waited"] = _outcome(lambda: sealed.wait(default_store(), told, 8.0))
         timer.join()
+    else:
+        sealed.put(default_store(), told, "here")
     _answers_again()
     dist.barrier()
     if rank == 1:
@@ -426,7 +451,7 @@ def test_ranks_meet_through_a_stall(ranks: list[dict[str, Any]]) -> None:
 
 def test_a_meeting_met_through_a_stall_at_the_second_mark(ranks: list[dict[str, Any]]) -> None:
     got = _case(ranks, "meet_second")
-    assert sum(g["stalled_here"] for g in got) == 1, got  # one rank came second
+    assert all(g["stalled_here"] for g in got), got  # at the second's claim, the first's read
     for r, one in enumerate(got):
         assert one["ok"] and one["value"] == [], f"rank {r}: {one}"
 
@@ -445,6 +470,7 @@ def test_marks_flags_and_heartbeats_read_right_once_the_store_answers_again(
 ) -> None:
     zero, _ = _case(ranks, "hints")
     assert zero["stopped_while_stalled"] is False, zero
+    assert zero["waited"]["ok"] and zero["waited"]["value"] == "here", zero["waited"]
     assert zero["stopped"] is True, f"rank 1's stop flag, set after the stall, was not seen: {zero}"
     assert zero["all_reported"] is True, zero
     assert zero["lagging"].startswith("rank 0 did not complete the commit"), zero

@@ -81,6 +81,9 @@ wins every race against the ranks): the meeting is then not met, as at its deadl
 POLL_S = 0.5
 """While a forged value stands under a key a rank waits on, how often it looks again (the
 store's own wait returns at once on a key that exists)."""
+RETRY_S = 0.2
+"""How soon a wait looks again after the store did not answer (calls fail at once while the
+one that timed out still waits: dckpt.collective.store)."""
 
 _lock = threading.Lock()
 _seals: dict[str, Seal] = {}  # a token's public name -> its seal (a few per process)
@@ -222,20 +225,33 @@ def wait(store: Any, key: str, seconds: float) -> str | None:
     """Wait up to ``seconds`` for a genuine value under ``key``: its payload, or None when
     none came in time. The store's wait returns the moment the key is set; a forged value
     there is named and the wait goes on, looking again every ``POLL_S`` (a key that exists
-    makes the store's wait return at once). StoreUnreachableError when the store does not
-    answer."""
+    makes the store's wait return at once). A call the store did not answer in time (its
+    wait, or the read of the value after it) is made again while ``seconds`` last: a store
+    that stalls and answers again costs the wait the stall. StoreUnreachableError when it
+    still did not answer at the end."""
     end = time.monotonic() + seconds
+    lost: StoreUnreachableError | None = None  # the store at the last look, if it failed
     while True:
         left = end - time.monotonic()
         if left <= 0:
+            if lost is not None:
+                raise lost
             return None
         try:
             call(store.wait, [key], datetime.timedelta(seconds=left), deadline_s=left + HINT_S)
-        except StoreUnreachableError:
-            raise
+        except StoreUnreachableError as exc:
+            lost = exc
+            time.sleep(min(RETRY_S, max(end - time.monotonic(), 0.0)))
+            continue
         except RuntimeError:  # timed out (DistStoreError, a RuntimeError, where typed)
             return None
-        found = get(store, key)
+        try:
+            found = get(store, key)
+        except StoreUnreachableError as exc:  # the key is there; its read did not answer
+            lost = exc
+            time.sleep(min(RETRY_S, max(end - time.monotonic(), 0.0)))
+            continue
+        lost = None
         if found is not None:
             return found
         time.sleep(min(POLL_S, max(end - time.monotonic(), 0.0)))  # forged, or deleted since
