@@ -61,6 +61,30 @@ def torchrun_train(
     )  # fmt: skip
 
 
+def torchrun_job(
+    script: Path,
+    args: list[str],
+    *,
+    env: dict[str, str],
+    timeout: float,
+    nproc: int = 2,
+    cwd: Path | None = None,
+    flavor: str = "base",
+) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N script args``, its
+    ranks forked from the zygote that preloaded ``flavor``'s framework (tests/zygote.py), or
+    under torchrun itself with ``DCKPT_TEST_ZYGOTE=0``."""
+    if zygote.enabled():
+        return zygote.client(flavor).run(
+            script, args, nproc=nproc, env=env, timeout=timeout, cwd=cwd
+        )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(script), *args]  # fmt: skip
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False, cwd=cwd
+    )
+
+
 @contextmanager
 def torchrun_train_beside(
     ckpt: Path, *args: str, nproc: int = 2, timeout: float = 240

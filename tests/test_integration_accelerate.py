@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun_job
 
 from dckpt.root.layout import committed_steps
 
@@ -32,11 +33,10 @@ SAVE_EVERY = 3
 
 
 def _run(root: Path, losses: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(SCRIPT), "--root", str(root), "--losses", str(losses),
-           "--save-every", str(SAVE_EVERY), *args]  # fmt: skip
+    script_args = ["--root", str(root), "--losses", str(losses),
+                   "--save-every", str(SAVE_EVERY), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    return torchrun_job(SCRIPT, script_args, env=env, timeout=300, flavor="accelerate")
 
 
 def _losses(path: Path) -> list[tuple[int, str]]:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_job
 
 SCRIPT = Path(__file__).resolve().parent / "integrations" / "hf_trainer_train.py"
 STEPS = 12  # 48 samples, 4 a rank, 2 ranks: 6 steps an epoch, 2 epochs
@@ -88,13 +89,9 @@ def _train(where: Path, name: str, root: Path, *args: str) -> Run:
     log, out = where / f"{name}.jsonl", where / "out"
     tmp = where / f"tmp-{name}"  # its own TMPDIR: what it leaves there is seen
     tmp.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(SCRIPT), "--root", str(root), "--out", str(out), "--loss-log", str(log),
-           *args]  # fmt: skip
+    script_args = ["--root", str(root), "--out", str(out), "--loss-log", str(log), *args]
     env = {**_env(), "TMPDIR": str(tmp)}
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, env=env, check=False, cwd=where
-    )
+    proc = torchrun_job(SCRIPT, script_args, env=env, timeout=240, cwd=where, flavor="hf")
     losses: dict[int, str] = {}
     if log.exists():
         for line in log.read_text().splitlines():

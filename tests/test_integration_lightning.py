@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_job
 
 from dckpt.root.layout import committed_steps, step_dir_name
 
@@ -59,11 +60,10 @@ def _run(root: Path, name: str, *args: str) -> Run:
     """The script under torchrun, 2 ranks on gloo; ``name`` names its loss log; ``args``
     come last, so they override (``--strategy fsdp2``)."""
     log = root.parent / f"{root.name}-{name}.losses"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(SCRIPT), "--root", str(root), "--loss-log", str(log), "--max-steps",
-           str(MAX_STEPS), "--every", str(EVERY), "--strategy", STRATEGY, *args]  # fmt: skip
+    script_args = ["--root", str(root), "--loss-log", str(log), "--max-steps", str(MAX_STEPS),
+                   "--every", str(EVERY), "--strategy", STRATEGY, *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, check=False)
+    done = torchrun_job(SCRIPT, script_args, env=env, timeout=150, flavor="lightning")
     losses: dict[int, str] = {}
     if log.exists():
         for line in log.read_text().splitlines():

@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_job
 
 from dckpt.root.layout import committed_steps
 from dckpt.root.manifest import read_manifest
@@ -23,10 +23,8 @@ LOOP = Path(__file__).resolve().parent / "replay_loop.py"
 
 def _loop(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """tests/replay_loop.py under torchrun, 2 ranks on gloo."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(LOOP), "--root", str(root), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    return torchrun_job(LOOP, ["--root", str(root), *args], env=env, timeout=180)
 
 
 def _crash_with_eval_after_save(tmp_path: Path) -> None:

@@ -42,4 +42,4 @@ def test_a_job_forked_from_the_zygote_is_the_job_torchrun_runs(tmp_path: Path) -
 
     crashed = _forked(tmp_path / "crash", *ARGS, "--no-async", "--crash-at-step", "3")
     assert crashed.returncode != 0 and committed_steps(tmp_path / "crash") == [2]
-    assert "rank(s) failed" in crashed.stderr, crashed.stderr[-2000:]
+    assert "Signal 9 (SIGKILL) received by PID" in crashed.stderr, crashed.stderr[-2000:]

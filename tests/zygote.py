@@ -77,16 +77,18 @@ def enabled() -> bool:
 class Zygote:
     """The client: starts the zygote process once, sends it jobs, waits for their status."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
+        self._preload = preload
+        """Modules imported beyond ``PRELOAD`` (a framework: its ranks import it once)."""
 
     def _start(self) -> subprocess.Popen[str]:
         if self._proc is None or self._proc.poll() is not None:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
             env.pop("OMP_NUM_THREADS", None)  # torch's own default; each job's is set per rank
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "import zygote; zygote.serve()"],
+                [sys.executable, "-c", "import zygote; zygote.serve()", *self._preload],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(HERE),
                 env=env,
             )  # fmt: skip
@@ -184,18 +186,25 @@ def _read(work: Path) -> tuple[str, str]:
     return text("out"), text("err")
 
 
-_CLIENTS: list[Zygote] = []
+FLAVORS: dict[str, tuple[str, ...]] = {
+    "base": (),
+    "hf": ("transformers", "accelerate", "dckpt.integrations.hf_trainer"),
+    "lightning": ("lightning.pytorch", "dckpt.integrations.lightning"),
+    "accelerate": ("accelerate", "dckpt.integrations.accelerate"),
+}
+"""A zygote per framework a test file's jobs import (started at that file's first job)."""
+_CLIENTS: dict[str, Zygote] = {}
 
 
-def client() -> Zygote:
-    """This process's zygote client; the zygote is waited for at exit (its jobs' CPU time is
-    then counted in this process's children, as a torchrun's would be)."""
-    if not _CLIENTS:
+def client(flavor: str = "base") -> Zygote:
+    """This process's zygote client for ``flavor``; the zygote is waited for at exit (its
+    jobs' CPU time is then counted in this process's children, as a torchrun's would be)."""
+    if flavor not in _CLIENTS:
         import atexit
 
-        _CLIENTS.append(Zygote())
-        atexit.register(_CLIENTS[0].close)
-    return _CLIENTS[0]
+        _CLIENTS[flavor] = Zygote(FLAVORS[flavor])
+        atexit.register(_CLIENTS[flavor].close)
+    return _CLIENTS[flavor]
 
 
 # --- the zygote ---------------------------------------------------------------------------
@@ -206,7 +215,7 @@ def serve() -> None:
     import importlib
     import signal
 
-    for name in PRELOAD:
+    for name in (*PRELOAD, *sys.argv[1:]):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
 
@@ -290,6 +299,7 @@ def _agent(request: dict[str, Any]) -> int:
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True)
     codes: dict[int, int] = {}
     failed_at: float | None = None
+    first_failed = -1
     while len(codes) < nproc:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -306,12 +316,13 @@ def _agent(request: dict[str, Any]) -> int:
         codes[ranks[pid]] = code
         if code != 0 and failed_at is None:  # torchrun: the others get SIGTERM, then SIGKILL
             failed_at = time.monotonic()
+            first_failed = ranks[pid]
             for p, r in ranks.items():
                 if r not in codes:
                     _signal(p, signal.SIGTERM)
     bad = {r: c for r, c in sorted(codes.items()) if c != 0}
     if bad:
-        print(f"zygote agent: rank(s) failed: {bad} (as torchrun: exit 1)", file=sys.stderr)
+        _failures(bad, first_failed, {r: p for p, r in ranks.items()}, request["script"])
     code = 1 if bad else 0
     sys.stdout.flush()
     sys.stderr.flush()
@@ -320,6 +331,38 @@ def _agent(request: dict[str, Any]) -> int:
     os.replace(tmp, work / "status")
     del store
     return code
+
+
+def _failures(bad: dict[int, int], first: int, pids: dict[int, int], script: str) -> None:
+    """torchrun's failure summary, in its words (``exitcode  : N (pid: P)``, ``Signal 9
+    (SIGKILL) received by PID P``): the rank that failed first is the root cause."""
+    import signal
+    import socket
+
+    def block(rank: int, code: int) -> list[str]:
+        pid = pids[rank]
+        if code < 0:
+            name = signal.Signals(-code).name
+            why = f"Signal {-code} ({name}) received by PID {pid}"
+        else:
+            why = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+        return [
+            f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S')}",
+            f"  host      : {socket.gethostname()}",
+            f"  rank      : {rank} (local_rank: {rank})",
+            f"  exitcode  : {code} (pid: {pid})",
+            "  error_file: <N/A>",
+            f"  traceback : {why}",
+        ]
+
+    others = [r for r in bad if r != first]
+    lines = ["=" * 60, f"{script} FAILED (zygote agent, as torchrun)", "-" * 60, "Failures:"]
+    for i, rank in enumerate(others, 1):
+        lines += [f"[{i}]:", *block(rank, bad[rank])]
+    if not others:
+        lines.append("  <NO_OTHER_FAILURES>")
+    lines += ["-" * 60, "Root Cause (first observed failure):", "[0]:", *block(first, bad[first])]
+    print("\n".join([*lines, "=" * 60]), file=sys.stderr)
 
 
 def _free_port() -> int:
