@@ -1256,6 +1256,67 @@ MUTANTS = (
             "test_a_file_only_one_rank_reads_damaged_sets_the_step_aside_on_every_rank",
         ),
     ),
+    Mutant(
+        "store: after one call timed out, every call fails at once for QUIET_S though the "
+        "store answers again",
+        "dckpt/collective/store.py",
+        '    if time.monotonic() < _quiet["until"] and _still_stuck():\n',
+        '    if time.monotonic() < _quiet["until"]:\n',
+        (
+            "tests/test_store_comes_back.py::"
+            "test_marks_flags_and_heartbeats_read_right_once_the_store_answers_again",
+        ),
+    ),
+    Mutant(
+        "gate: a waiter gives up at the first store call that timed out",
+        "dckpt/collective/gate.py",
+        "            except StoreUnreachableError as exc:  # a stall,"
+        " or gone: the deadline tells\n"
+        "                lost = exc\n",
+        "            except StoreUnreachableError as exc:  # a stall,"
+        " or gone: the deadline tells\n"
+        "                lost = exc\n"
+        "                deadline = time.monotonic()\n",
+        ("tests/test_store_comes_back.py::test_the_gate_opens_through_a_stall",),
+    ),
+    Mutant(
+        "comm: a meeting's claim gives up at the first store call that timed out",
+        "dckpt/collective/comm.py",
+        "            held = _until(end, sealed.claim, store, key, mine)\n",
+        "            held = sealed.claim(store, key, mine)\n",
+        ("tests/test_store_comes_back.py::test_ranks_meet_through_a_stall",),
+    ),
+    Mutant(
+        "comm: the second's claim of its mark gives up at the first store call that timed out",
+        "dckpt/collective/comm.py",
+        '_until(end, sealed.claim, store, f"{key}/second", mine)',
+        'sealed.claim(store, f"{key}/second", mine)',
+        ("tests/test_store_comes_back.py::test_a_meeting_met_through_a_stall_at_the_second_mark",),
+    ),
+    Mutant(
+        "sealed: a wait whose read of the value did not answer gives up at once",
+        "dckpt/collective/sealed.py",
+        "        except StoreUnreachableError as exc:  # the key is t"
+        "here; its read did not answer\n"
+        "            lost = exc\n",
+        "        except StoreUnreachableError as exc:  # the key is t"
+        "here; its read did not answer\n"
+        "            lost = exc\n"
+        "            end = time.monotonic()\n",
+        ("tests/test_store_comes_back.py::test_a_meeting_met_through_a_stall_at_the_second_mark",),
+    ),
+    Mutant(
+        "sealed: a wait whose store wait failed gives up at once",
+        "dckpt/collective/sealed.py",
+        "        except StoreUnreachableError as exc:\n            lost = exc\n",
+        "        except StoreUnreachableError as exc:\n"
+        "            lost = exc\n"
+        "            end = time.monotonic()\n",
+        (
+            "tests/test_store_comes_back.py::"
+            "test_marks_flags_and_heartbeats_read_right_once_the_store_answers_again",
+        ),
+    ),
 )
 
 

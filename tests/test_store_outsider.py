@@ -63,6 +63,7 @@ def _join_the_store(rank: int, world: int, port: int, start: str) -> None:
     round: gloo's addresses of an earlier start must not be read as this one's."""
     import torch.distributed as dist
 
+    dist.barrier()  # both ranks done with the harness's group before either tears it down
     dist.destroy_process_group()
     client = dist.TCPStore(
         "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60)
