@@ -1217,18 +1217,6 @@ MUTANTS = (
         ),
     ),
     Mutant(
-        "agreement: a memory step's key refused on one rank is raised on that rank alone",
-        "dckpt/load/memory_reader.py",
-        "        raise_first(self.ctl, refused)\n        assert manifest is not None",
-        "        if refused is not None:\n"
-        "            raise refused\n"
-        "        assert manifest is not None",
-        (
-            "tests/test_one_rank_alone.py::"
-            "test_a_key_that_differs_on_one_rank_alone_refuses_the_memory_step_on_every_rank",
-        ),
-    ),
-    Mutant(
         "agreement: a PerRank refusing the new world on one rank is raised on that rank alone",
         "dckpt/load/durable.py",
         "        refused: CheckpointError | None = None\n"

@@ -14,10 +14,10 @@ own; each test then reads its case's outcome:
   raises rank 1's ``ConfigMismatchError``;
 - ``precision``: only rank 1 resumes a bf16 step under fp16 (a GradScaler that would start from
   scratch), memory tier: every rank raises rank 1's ``ConfigMismatchError``;
-- ``key``: only rank 1's key file holds another key, memory tier: the step is not the job's on
-  rank 1, so it is not on any rank: every rank refuses alike (a step signed by no key it holds
-  is another's), none loads it (before, rank 1 passed it over alone and rank 0 went on into the
-  load's agreements with no partner there);
+- ``key``: only rank 1's key file holds another key, memory tier: every rank refuses the
+  start alike, naming rank 1's key (the ranks compare their keys' ids at the start); none
+  loads the step (before, rank 1 passed it over alone and rank 0 went on into the load's
+  agreements with no partner there);
 - ``per_rank``: a step saved by one rank, resumed by two, where only rank 1's ``PerRank``
   refuses a new world size (``on_resize="raise"``; rank 0's starts fresh): every rank raises
   rank 1's ``StateMismatchError`` (before, rank 1 raised alone and rank 0 waited in the load's
@@ -272,8 +272,8 @@ def test_a_key_that_differs_on_one_rank_alone_refuses_the_memory_step_on_every_r
     outcomes: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     _, got = outcomes
-    _alike(got, "key", "CheckpointError: every committed step under")
-    assert "not signed by this job" in got[0]["key"]["got"], got[0]["key"]
+    _alike(got, "key", "CheckpointError: rank 1's key file")
+    assert "holds another key" in got[0]["key"]["got"], got[0]["key"]
 
 
 def test_a_per_rank_value_refused_on_one_rank_alone_is_refused_on_every_rank(
